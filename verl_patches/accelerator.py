@@ -1,0 +1,212 @@
+"""One facade over the accelerator (Ascend NPU, CUDA GPU, or CPU), resolved at call time.
+
+Every device-specific call in the overlay goes through here, so the same engine code
+runs on HCCL, NCCL and gloo. Importing this module imports neither torch_npu nor CUDA.
+``VERL_PATCHES_DEVICE=npu|cuda|cpu`` forces a choice (tests use it to run the CPU path on a
+GPU machine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import torch
+
+DEVICE_TYPES = ("npu", "cuda", "cpu")
+_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
+def _npu_available() -> bool:
+    # torch_npu is looked up, never imported, unless it is installed: importing it
+    # off Ascend fails, and importing it at all changes torch's behaviour.
+    if "torch_npu" not in sys.modules and importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def device_type() -> str:
+    """'npu', 'cuda' or 'cpu': the forced value if set, else the first one available."""
+    forced = os.environ.get("VERL_PATCHES_DEVICE", "").strip().lower()
+    if forced:
+        if forced not in DEVICE_TYPES:
+            raise ValueError(f"VERL_PATCHES_DEVICE={forced!r}: expected one of {DEVICE_TYPES}")
+        return forced
+    if _npu_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def dist_backend() -> str:
+    """The torch.distributed backend for the device: hccl, nccl or gloo."""
+    return _BACKENDS[device_type()]
+
+
+class _CpuDeviceModule(SimpleNamespace):
+    """What the overlay needs of torch.cuda / torch.npu, for a CPU run.
+
+    Memory statistics are zero: CPU tensors live in host memory, which the offload
+    engine's ledger accounts for itself. Streams are absent (None): work is synchronous.
+    """
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def empty_cache() -> None:
+        return None
+
+    @staticmethod
+    def memory_allocated(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def max_memory_allocated(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def memory_reserved(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
+    def reset_peak_memory_stats(device: Any = None) -> None:
+        return None
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def set_device(device: Any) -> None:
+        return None
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+
+_CPU = _CpuDeviceModule()
+
+
+def device_module() -> Any:
+    """torch.npu, torch.cuda, or a CPU stand-in with the same small surface."""
+    kind = device_type()
+    if kind == "npu":
+        return torch.npu  # type: ignore[attr-defined]
+    if kind == "cuda":
+        return torch.cuda
+    return _CPU
+
+
+def current_device() -> torch.device:
+    kind = device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, device_module().current_device())
+
+
+def set_device(local_rank: int) -> torch.device:
+    """Bind this process to its local device (no-op on CPU) and return it."""
+    kind = device_type()
+    if kind == "cpu":
+        return torch.device("cpu")
+    device_module().set_device(local_rank)
+    return torch.device(kind, local_rank)
+
+
+def synchronize() -> None:
+    device_module().synchronize()
+
+
+def empty_cache() -> None:
+    device_module().empty_cache()
+
+
+def memory_allocated() -> int:
+    return int(device_module().memory_allocated())
+
+
+def max_memory_allocated() -> int:
+    return int(device_module().max_memory_allocated())
+
+
+def reset_peak_memory_stats() -> None:
+    device_module().reset_peak_memory_stats()
+
+
+def mem_get_info() -> tuple[int, int]:
+    """(free, total) bytes of device memory; on CPU, of host memory."""
+    kind = device_type()
+    if kind == "cpu":
+        return host_mem_info()
+    return tuple(int(x) for x in device_module().mem_get_info())  # type: ignore[return-value]
+
+
+def host_mem_info() -> tuple[int, int]:
+    """(available, total) bytes of host memory, from /proc/meminfo (no psutil needed)."""
+    info: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            info[key] = int(rest.split()[0]) * 1024
+    return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
+
+
+def pin_memory_supported() -> bool:
+    """Whether page-locked host buffers can be made (they need a device runtime)."""
+    return device_type() != "cpu"
+
+
+def new_stream() -> Any:
+    """A side stream on the current device, or None on CPU (work runs in order)."""
+    kind = device_type()
+    if kind == "cpu":
+        return None
+    return device_module().Stream()
+
+
+def current_stream() -> Any:
+    if device_type() == "cpu":
+        return None
+    return device_module().current_stream()
+
+
+@contextlib.contextmanager
+def stream(s: Any) -> Iterator[None]:
+    """Run the block on stream ``s`` (a no-op for None)."""
+    if s is None:
+        yield
+        return
+    with device_module().stream(s):
+        yield
+
+
+def new_event() -> Any:
+    """An event for cross-stream ordering, or None on CPU."""
+    if device_type() == "cpu":
+        return None
+    return device_module().Event()
+
+
+def describe() -> dict[str, Any]:
+    """What was resolved, for logs and benchmark headers."""
+    kind = device_type()
+    out: dict[str, Any] = {"device_type": kind, "backend": _BACKENDS[kind], "torch": torch.__version__}
+    if kind != "cpu":
+        mod = device_module()
+        out["device_count"] = int(mod.device_count())
+        out["device_name"] = str(mod.get_device_name(mod.current_device()))
+    return out
