@@ -1,6 +1,14 @@
 """Shared test setup: the real upstream stack on CPU (see verl_patches/testing/upstream_env.py)."""
 
 import os
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+# `from tests.helpers import ...` and the patch fixtures, under --import-mode=importlib.
+for _p in (_REPO / "tests" / "fixtures", _REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
 os.environ.setdefault("VLLM_PLUGINS", "verl_patches")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

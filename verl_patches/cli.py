@@ -1,0 +1,214 @@
+"""``python -m verl_patches``: doctor, patches, diff, docs, hook, fingerprint, plan, preflight."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import inspect
+import json
+import sys
+from pathlib import Path
+
+# Subcommands implemented by an engine's own CLI module: name -> "module:function(argv) -> int".
+DELEGATED = {
+    "plan": ("verl_patches.reshard.cli:main", "reshard plan for a model and two layouts (ours vs baselines)"),
+    "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
+}
+
+
+def _platform_default() -> str:
+    from verl_patches import accelerator
+
+    return accelerator.device_type()
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from verl_patches.core.doctor import as_json, run_doctor
+    from verl_patches.core.registry import load_registry
+
+    platform = args.platform or _platform_default()
+    findings, code = run_doctor(load_registry(), platform, args.upstream_root, strict=args.strict)
+    if args.json:
+        print(json.dumps(as_json(findings), indent=2))
+        return code
+    for f in findings:
+        print(f.line())
+    bad = [f for f in findings if f.failed]
+    mode = "strict" if args.strict else "patches only; --strict also enforces the lock"
+    print(f"doctor ({platform}, {mode}): {len(findings)} checked, "
+          f"{sum(f.status == 'ok' for f in findings)} ok, {len(bad)} failing"
+          + ("" if args.strict else f", {sum(f.status != 'ok' and f.id.startswith('lock:') for f in findings)} lock notes"))
+    return code
+
+
+def cmd_patches(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from verl_patches.core.registry import load_registry
+
+    patches = load_registry()
+    if args.json:
+        rows = []
+        for p in patches:
+            d = asdict(p)
+            d["fingerprint"] = {"signature": p.fingerprint.signature, "source_sha": p.fingerprint.source_sha}
+            d.pop("extra", None)
+            rows.append(d)
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not patches:
+        print("no patches registered")
+    for p in patches:
+        print(f"{p.id:<34} {p.kind:<8} {','.join(p.phases):<18} {p.target}")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from verl_patches.core.fingerprint import source_span
+    from verl_patches.core.registry import get_patch
+    from verl_patches.core.upstream import module_file
+
+    try:
+        patch = get_patch(args.id)
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    path = module_file(patch.module, args.upstream_root)
+    if path is None:
+        print(f"error: upstream module {patch.module} not found", file=sys.stderr)
+        return 1
+    original = source_span(path, patch.qualname).text()
+    ours_obj = patch.load_replacement()
+    ours = inspect.getsource(ours_obj)
+    ours_file = inspect.getsourcefile(ours_obj)
+    label = "wrapper factory (receives the original)" if patch.kind == "wrap" else "replacement"
+    sys.stdout.writelines(difflib.unified_diff(
+        original.splitlines(keepends=True), ours.splitlines(keepends=True),
+        fromfile=f"upstream {patch.target} ({path})",
+        tofile=f"verl_patches {patch.replacement} ({ours_file}) [{label}]",
+    ))
+    return 0
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    from verl_patches.core.docs import PATCHES_MD, render_patches_md
+    from verl_patches.core.registry import load_registry
+
+    text = render_patches_md(load_registry())
+    if args.check:
+        current = PATCHES_MD.read_text(encoding="utf-8") if PATCHES_MD.exists() else ""
+        if current != text:
+            print(f"{PATCHES_MD} is stale: run `python -m verl_patches docs --write`", file=sys.stderr)
+            return 1
+        print(f"{PATCHES_MD} is up to date")
+        return 0
+    if args.write:
+        PATCHES_MD.parent.mkdir(parents=True, exist_ok=True)
+        PATCHES_MD.write_text(text, encoding="utf-8")
+        print(f"wrote {PATCHES_MD}")
+        return 0
+    sys.stdout.write(text)
+    return 0
+
+
+def cmd_hook(args: argparse.Namespace) -> int:
+    from verl_patches.core import hook
+
+    try:
+        if args.action == "install":
+            changed, path = hook.install(args.upstream_root)
+            print(f"{'added the prelude line to' if changed else 'already present in'} {path}")
+            return 0
+        if args.action == "remove":
+            changed, path = hook.remove(args.upstream_root)
+            print(f"{'removed the prelude line from' if changed else 'no prelude line in'} {path}")
+            return 0
+        present, path = hook.status(args.upstream_root)
+        print(f"prelude line {'present' if present else 'MISSING'} in {path}")
+        return 0 if present else 1
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    from verl_patches.core.fingerprint import TargetNotFound, fingerprint_file
+    from verl_patches.core.upstream import module_file
+
+    module, sep, qualname = args.target.partition(":")
+    path = module_file(module, args.upstream_root) if sep else None
+    if path is None:
+        print(f"error: {args.target!r}: expected module:qualname of an upstream module that exists", file=sys.stderr)
+        return 1
+    try:
+        fp = fingerprint_file(path, qualname)
+    except TargetNotFound as e:
+        print(f"error: {e} ({path})", file=sys.stderr)
+        return 1
+    print(f'Fingerprint(signature={fp.signature!r}, source_sha="{fp.source_sha}")  # {path}')
+    return 0
+
+
+def _delegate(name: str, argv: list[str]) -> int:
+    target, _ = DELEGATED[name]
+    mod_name, _, func = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name and mod_name.startswith(e.name):
+            print(f"error: `{name}` is not available in this checkout ({mod_name} is missing)", file=sys.stderr)
+            return 2
+        raise
+    return int(getattr(mod, func)(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verl_patches", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("doctor", help="check upstream versions and every patch target (no upstream import)")
+    d.add_argument("--upstream-root", type=Path, default=None,
+                   help="directory holding copied-in upstream packages (default: what Python would import)")
+    d.add_argument("--strict", action="store_true", help="also fail on lock mismatches and missing components")
+    d.add_argument("--json", action="store_true", help="a JSON list of findings")
+    d.add_argument("--platform", choices=("npu", "cuda", "cpu"), default=None,
+                   help="judge required components for this platform (default: the detected one)")
+    d.set_defaults(func=cmd_doctor)
+
+    ls = sub.add_parser("patches", help="list the registry")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_patches)
+
+    df = sub.add_parser("diff", help="unified diff: upstream original vs our replacement")
+    df.add_argument("id")
+    df.add_argument("--upstream-root", type=Path, default=None)
+    df.set_defaults(func=cmd_diff)
+
+    dc = sub.add_parser("docs", help="render docs/PATCHES.md from the registry")
+    g = dc.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true")
+    g.add_argument("--check", action="store_true", help="exit 1 if docs/PATCHES.md is stale")
+    dc.set_defaults(func=cmd_docs)
+
+    hk = sub.add_parser("hook", help="add/check/remove the prelude line in verl's worker module")
+    hk.add_argument("action", choices=("install", "check", "remove"))
+    hk.add_argument("--upstream-root", type=Path, default=None)
+    hk.set_defaults(func=cmd_hook)
+
+    fp = sub.add_parser("fingerprint", help="print the fingerprint of an upstream target (for new patch records)")
+    fp.add_argument("target", help="module:qualname")
+    fp.add_argument("--upstream-root", type=Path, default=None)
+    fp.set_defaults(func=cmd_fingerprint)
+
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,118 @@
+"""The doctor: check upstream trees against the lock and every patch against its target.
+
+Nothing upstream is imported: versions come from distribution metadata or the source
+tree, targets and fingerprints from parsing the source files. One finding per lock
+component and per patch; each is ok, missing, changed or version-mismatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
+
+from verl_patches.core.fingerprint import TargetNotFound, fingerprint_file
+from verl_patches.core.lock import Component, load_lock
+from verl_patches.core.record import Patch
+from verl_patches.core.upstream import locate, module_file
+
+STATUSES = ("ok", "missing", "changed", "version-mismatch")
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    target: str
+    status: str
+    detail: str
+    installed: str | None
+    expected: str | None
+    required: bool  # False: absent or different, but not needed on this platform
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "ok" and self.required
+
+    def line(self) -> str:
+        note = "" if self.required or self.status == "ok" else " (not required here)"
+        return f"{self.status:<16} {self.id:<34} {self.target}: {self.detail}{note}"
+
+
+def _same_release(installed: str, expected: str) -> bool:
+    try:
+        # 0.9.1+empty (vLLM's pure-Python build) is release 0.9.1.
+        return Version(installed).public == Version(expected).public
+    except InvalidVersion:
+        return installed == expected
+
+
+def check_component(comp: Component, platform: str, root: Path | None) -> Finding:
+    required = comp.required_on(platform)
+    fid = f"lock:{comp.key}"
+    if not comp.import_name:
+        return Finding(fid, comp.key, "ok" if not required else "missing",
+                       f"{comp.key} {comp.ref} is a system component; not checked from Python",
+                       None, comp.ref, required)
+    loc = locate(comp.import_name, comp.package, root)
+    if loc.path is None:
+        return Finding(fid, comp.import_name, "missing", f"{comp.import_name} not found"
+                       + (f" under {root}" if root else " on sys.path"), None, comp.version, required)
+    if comp.version and loc.version and not _same_release(loc.version, comp.version):
+        return Finding(fid, comp.import_name, "version-mismatch",
+                       f"{loc.version} at {loc.path} ({loc.origin}); the lock says {comp.version}",
+                       loc.version, comp.version, required)
+    detail = f"{loc.version or 'version not recorded in the source tree'} at {loc.path} ({loc.origin})"
+    return Finding(fid, comp.import_name, "ok", detail, loc.version, comp.version, required)
+
+
+def check_patch(patch: Patch, lock: dict[str, Component], platform: str, root: Path | None) -> Finding:
+    from packaging.specifiers import SpecifierSet
+
+    comp = lock.get(patch.upstream)
+    if comp is None:
+        return Finding(patch.id, patch.target, "missing",
+                       f"upstream {patch.upstream!r} is not in the lock", None, patch.versions, True)
+    required = comp.required_on(platform)
+    loc = locate(comp.import_name or patch.module.split(".")[0], comp.package, root)
+    if loc.path is None:
+        return Finding(patch.id, patch.target, "missing", f"{comp.import_name} is not installed",
+                       None, patch.versions, required)
+    path = module_file(patch.module, root)
+    if path is None:
+        return Finding(patch.id, patch.target, "missing", f"module {patch.module} not found in {loc.path}",
+                       loc.version, patch.versions, required)
+    try:
+        fp = fingerprint_file(path, patch.qualname)
+    except TargetNotFound as e:
+        return Finding(patch.id, patch.target, "missing", f"{e} ({path})", loc.version, patch.versions, required)
+    if loc.version:
+        try:
+            in_range = Version(loc.version) in SpecifierSet(patch.versions)
+        except InvalidVersion:
+            in_range = False
+        if not in_range:
+            return Finding(patch.id, patch.target, "version-mismatch",
+                           f"{comp.import_name} {loc.version} is outside {patch.versions!r}",
+                           loc.version, patch.versions, required)
+    if fp != patch.fingerprint:
+        return Finding(patch.id, patch.target, "changed",
+                       f"expected {patch.fingerprint}, found {fp} in {path}", loc.version, patch.versions, required)
+    return Finding(patch.id, patch.target, "ok", f"fingerprint {fp.source_sha} matches ({path})",
+                   loc.version, patch.versions, required)
+
+
+def run_doctor(patches: list[Patch], platform: str, root: Path | None = None,
+               strict: bool = False, lock_path: Path | None = None) -> tuple[list[Finding], int]:
+    """All findings and the exit code: 1 if a required patch fails, or (strict) a lock entry."""
+    lock = load_lock(lock_path)
+    comp_findings = [check_component(c, platform, root) for c in lock.values()]
+    patch_findings = [check_patch(p, lock, platform, root) for p in patches]
+    failing = [f for f in patch_findings if f.failed]
+    if strict:
+        failing += [f for f in comp_findings if f.failed]
+    return comp_findings + patch_findings, (1 if failing else 0)
+
+
+def as_json(findings: list[Finding]) -> list[dict]:
+    return [asdict(f) | {"failed": f.failed} for f in findings]

@@ -1,0 +1,54 @@
+"""The upstream lock (configs/upstream.lock.toml) as typed records.
+
+Read with the standard library only, so the doctor runs before anything else is installed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+LOCK_PATH = REPO_ROOT / "configs" / "upstream.lock.toml"
+
+
+@dataclass(frozen=True)
+class Component:
+    key: str
+    ref: str
+    repo: str | None = None
+    package: str | None = None
+    version: str | None = None
+    import_name: str | None = None
+    platforms: tuple[str, ...] = ("any",)
+    install: str = ""
+    sdist_sha256: str | None = None
+
+    def required_on(self, device_type: str) -> bool:
+        return "any" in self.platforms or device_type in self.platforms
+
+
+def load_lock(path: Path | None = None) -> dict[str, Component]:
+    path = Path(path or LOCK_PATH)
+    if not path.is_file():
+        raise FileNotFoundError(f"upstream lock not found: {path}")
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    comps: dict[str, Component] = {}
+    for key, entry in raw.get("components", {}).items():
+        if "ref" not in entry:
+            raise ValueError(f"{path}: component {key!r} has no 'ref'")
+        platforms = entry.get("platforms", "any")
+        comps[key] = Component(
+            key=key,
+            ref=entry["ref"],
+            repo=entry.get("repo"),
+            package=entry.get("package"),
+            version=entry.get("version"),
+            import_name=entry.get("import"),
+            platforms=(platforms,) if isinstance(platforms, str) else tuple(platforms),
+            install=entry.get("install", ""),
+            sdist_sha256=entry.get("sdist_sha256"),
+        )
+    return comps

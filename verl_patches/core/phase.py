@@ -1,0 +1,28 @@
+"""Which process we are in: the driver (verl's single controller), a worker, or an engine core.
+
+``VERL_PATCHES_PHASE`` overrides the detection (e.g. for a process started by hand).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+from verl_patches.core.record import PHASES
+
+
+def current_phase() -> str:
+    forced = os.environ.get("VERL_PATCHES_PHASE", "").strip()
+    if forced:
+        if forced not in PHASES:
+            raise ValueError(f"VERL_PATCHES_PHASE={forced!r}: expected one of {PHASES}")
+        return forced
+    # vLLM v1 names the process it starts for the engine core "EngineCore_<n>".
+    if multiprocessing.current_process().name.startswith("EngineCore"):
+        return "engine_core"
+    # verl's RayWorkerGroup starts every worker actor with WG_BACKEND=ray in its env
+    # (single_controller/ray/base.py). The single controller, which in verl 0.4.1 runs
+    # inside the TaskRunner actor, is also a Ray worker process but has no such variable.
+    if os.environ.get("WG_BACKEND") == "ray":
+        return "worker"
+    return "driver"

@@ -1,0 +1,70 @@
+"""The declarative patch record: everything the prelude, the doctor, the diff and the docs need.
+
+A record names its upstream target and the fingerprint of the original it was written
+against; it holds no code, only the dotted path of our replacement.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from verl_patches.core.fingerprint import Fingerprint
+
+# Processes that apply patches. verl 0.4.1's SPMD rollout runs vLLM inside the Ray worker
+# (external launcher), so engine-core patches list "worker" too where that is where they run.
+PHASES = ("driver", "worker", "engine_core")
+KINDS = ("replace", "wrap")
+
+
+class PatchDefinitionError(ValueError):
+    """A patch record is malformed (caught when the registry is loaded, not at apply time)."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    id: str
+    target: str  # "package.module:Qual.name"
+    kind: Literal["replace", "wrap"]
+    phases: tuple[str, ...]
+    upstream: str  # key of the component in configs/upstream.lock.toml
+    versions: str  # PEP 440 specifier of upstream versions it was written for
+    fingerprint: Fingerprint
+    replacement: str  # "verl_patches.…:name": the new object (replace) or factory(original) (wrap)
+    why: str
+    remove_when: str
+    flag: str = ""  # config key or environment variable that turns the behaviour on/off
+    upstream_ref: str = ""  # issue / PR / commit that motivates or would remove it
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if ":" not in self.target or self.target.count(":") != 1:
+            problems.append(f"target {self.target!r} must be 'module:qualname'")
+        if ":" not in self.replacement:
+            problems.append(f"replacement {self.replacement!r} must be 'module:name'")
+        if self.kind not in KINDS:
+            problems.append(f"kind {self.kind!r} not in {KINDS}")
+        bad = [p for p in self.phases if p not in PHASES]
+        if not self.phases or bad:
+            problems.append(f"phases {self.phases!r} must be a non-empty subset of {PHASES}")
+        if not self.why.strip() or not self.remove_when.strip():
+            problems.append("why and remove_when are required")
+        if problems:
+            raise PatchDefinitionError(f"patch {self.id!r}: " + "; ".join(problems))
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":", 1)[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.split(":", 1)[1]
+
+    def load_replacement(self) -> Any:
+        mod, _, name = self.replacement.partition(":")
+        obj: Any = importlib.import_module(mod)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        return obj

@@ -1,0 +1,9 @@
+"""The patch catalogue: one module per upstream module patched, grouped by upstream package.
+
+Each listed module defines ``PATCHES``, a list of records; the registry reads them in this
+order, which is also the order the prelude applies them in.
+"""
+
+PATCH_MODULES: tuple[str, ...] = (
+    "verl_patches.patches.verl.patch_utils_reward_score",
+)

@@ -1,0 +1,43 @@
+"""Apply the patches of the current process phase; the entry points that reach every process.
+
+Three ways in, all idempotent: ``from verl_patches import prelude_patch`` (the line users add
+to verl's worker module, which every Ray worker imports), vLLM's general-plugin entry point
+(vLLM calls it in each process it starts), and a Ray ``worker_process_setup_hook``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from verl_patches.core.apply import apply_all
+from verl_patches.core.phase import current_phase
+from verl_patches.core.record import Patch
+from verl_patches.core.registry import load_registry
+
+
+def disabled_ids() -> set[str]:
+    """VERL_PATCHES_DISABLE=id1,id2 leaves those patches out (an escape hatch for bisecting)."""
+    return {x.strip() for x in os.environ.get("VERL_PATCHES_DISABLE", "").split(",") if x.strip()}
+
+
+def patches_for(phase: str, registry: list[Patch] | None = None) -> list[Patch]:
+    off = disabled_ids()
+    return [p for p in (registry if registry is not None else load_registry())
+            if phase in p.phases and p.id not in off]
+
+
+def apply_prelude(phase: str | None = None) -> list[str]:
+    """Apply this phase's patches; return the ids newly applied (empty when already done)."""
+    if os.environ.get("VERL_PATCHES_OFF") == "1":
+        return []
+    return apply_all(patches_for(phase or current_phase()))
+
+
+def vllm_plugin() -> None:
+    """vLLM general plugin (entry point group ``vllm.general_plugins``)."""
+    apply_prelude()
+
+
+def ray_setup_hook() -> None:
+    """For ``ray.init(runtime_env={"worker_process_setup_hook": "verl_patches.prelude.ray_setup_hook"})``."""
+    apply_prelude()
