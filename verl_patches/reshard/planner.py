@@ -1,0 +1,207 @@
+"""Direct slice routing planner: for every rollout rank and logical tensor, which training rank
+sends which box, grouped into size-bounded all-to-all buckets (pure metadata, no tensors).
+
+Every destination element is received exactly once; a rank that already holds a box copies it
+locally; among replicas the sender with the fewest bytes so far is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from verl_patches.reshard.layout import (Box, LayoutError, ModelConfig, Placements, RolloutLayout,
+                                         TrainLayout, box_numel, build_placements)
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# (tensor index, box, src rank, dst rank, elements)
+Transfer = tuple[int, Box, int, int, int]
+
+
+@dataclass
+class RankStats:
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    local_bytes: int = 0
+    shard_bytes: int = 0  # this rank's rollout shard (real elements, vocab padding excluded)
+    peak_extra_bytes: int = 0
+    collectives: int = 0
+
+
+@dataclass
+class Plan:
+    placements: Placements
+    dtype: str
+    elem_size: int
+    bucket_bytes: int
+    local: list[Transfer]
+    buckets: list[list[Transfer]]
+    ranks: list[RankStats] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.placements.world
+
+    def summary(self) -> dict[str, Any]:
+        return summarize("direct", self.ranks)
+
+
+def summarize(method: str, ranks: list[RankStats]) -> dict[str, Any]:
+    recv = [s.recv_bytes for s in ranks]
+    return {
+        "method": method,
+        "max_recv_bytes": max(recv),
+        "mean_recv_bytes": sum(recv) / len(recv),
+        "total_link_bytes": sum(recv),
+        "collectives": max(s.collectives for s in ranks),
+        "peak_extra_bytes": max(s.peak_extra_bytes for s in ranks),
+    }
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if hi <= lo:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def split_box(box: Box, max_elems: int) -> list[Box]:
+    """Cut a box into boxes of at most max_elems elements along its leading dims, so that a
+    slice larger than a bucket (a vocab shard, a big expert stack) streams through buckets."""
+    n = box_numel(box)
+    if n <= max_elems:
+        return [box]
+    for d, (a, b) in enumerate(box):
+        inner = math.prod(y - x for x, y in box[d + 1:])
+        if b - a > 1 and inner <= max_elems:
+            step = max(1, max_elems // inner)
+            return [box[:d] + ((i, min(i + step, b)),) + box[d + 1:] for i in range(a, b, step)]
+        if b - a > 1:
+            # even one index of this dim is too big: split every index further
+            return [piece for i in range(a, b)
+                    for piece in split_box(box[:d] + ((i, i + 1),) + box[d + 1:], max_elems)]
+    raise LayoutError(f"cannot split box {box} to {max_elems} elements")  # pragma: no cover
+
+
+def as_model(model: ModelConfig | dict | str) -> ModelConfig:
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, dict):
+        return ModelConfig.from_hf(model)
+    with open(model) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollout: RolloutLayout | str,
+               bucket_bytes: int = 256 << 20, dtype: str = "bfloat16",
+               placements: Placements | None = None) -> Plan:
+    """Route every rollout element from one training holder; bucket by bucket_bytes per rank
+    (each rank's send and receive volume in one bucket stays within it)."""
+    if dtype not in DTYPE_BYTES:
+        raise LayoutError(f"dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
+    if isinstance(train, str):
+        train = TrainLayout.parse(train)
+    if isinstance(rollout, str):
+        rollout = RolloutLayout.parse(rollout)
+    P = placements or build_placements(as_model(model), train, rollout)
+    es = DTYPE_BYTES[dtype]
+    cap = bucket_bytes // es
+    if cap < 1:
+        raise LayoutError(f"bucket of {bucket_bytes} bytes holds no {dtype} element")
+    W = P.world
+    stats = [RankStats() for _ in range(W)]
+    sent = [0] * W
+    local: list[Transfer] = []
+    remote: list[Transfer] = []
+    for tid, lt in enumerate(P.tensors):
+        holders = [(q.box, q.ranks, frozenset(q.ranks)) for q in lt.train]
+        for part in lt.rollout:
+            covered = 0
+            pieces = []
+            for qbox, qranks, qset in holders:
+                inter = _intersect(part.box, qbox)
+                if inter is not None:
+                    pieces.append((inter, qranks, qset))
+                    covered += box_numel(inter)
+            need = box_numel(part.box)
+            if covered != need:
+                raise LayoutError(f"{lt.name}: rollout part {part.box} has {need} elements but the "
+                                  f"training parts cover {covered}")
+            for dst in part.ranks:
+                stats[dst].shard_bytes += need * es
+                for inter, qranks, qset in pieces:
+                    n = box_numel(inter)
+                    if dst in qset:
+                        local.append((tid, inter, dst, dst, n))
+                        stats[dst].local_bytes += n * es
+                        continue
+                    src = min(qranks, key=sent.__getitem__)
+                    sent[src] += n
+                    for sub in split_box(inter, cap):
+                        remote.append((tid, sub, src, dst, box_numel(sub)))
+    # First fit into buckets. A rank's pointer is its first bucket with room left (a bucket
+    # counts as full for a rank once less than 1/16 of it is free), so later small transfers
+    # backfill earlier buckets and the number of collectives stays near max(send, recv) / cap.
+    bsend: list[list[int]] = []
+    brecv: list[list[int]] = []
+    buckets: list[list[Transfer]] = []
+    ptr_s = [0] * W
+    ptr_r = [0] * W
+    full = cap - max(1, cap // 16)
+    for tr in remote:
+        _, _, src, dst, n = tr
+        b = max(ptr_s[src], ptr_r[dst])
+        while True:
+            if b == len(buckets):
+                buckets.append([])
+                bsend.append([0] * W)
+                brecv.append([0] * W)
+            if bsend[b][src] + n <= cap and brecv[b][dst] + n <= cap:
+                break
+            b += 1
+        buckets[b].append(tr)
+        bsend[b][src] += n
+        brecv[b][dst] += n
+        while ptr_s[src] < len(buckets) and bsend[ptr_s[src]][src] >= full:
+            ptr_s[src] += 1
+        while ptr_r[dst] < len(buckets) and brecv[ptr_r[dst]][dst] >= full:
+            ptr_r[dst] += 1
+    for r in range(W):
+        st = stats[r]
+        st.sent_bytes = sum(bs[r] for bs in bsend) * es
+        st.recv_bytes = sum(br[r] for br in brecv) * es
+        st.peak_extra_bytes = max((bs[r] + br[r] for bs, br in zip(bsend, brecv)), default=0) * es
+        st.collectives = len(buckets)
+    return Plan(P, dtype, es, bucket_bytes, local, buckets, stats)
+
+
+@dataclass
+class RankProgram:
+    """What one rank does: local copies, then per bucket its pack list (per destination peer,
+    in plan order) and unpack list (per source peer, in plan order) with split sizes."""
+
+    local: list[Transfer]
+    buckets: list[tuple[list[int], list[int], list[Transfer], list[Transfer]]]
+
+
+def rank_program(plan: Plan, rank: int) -> RankProgram:
+    W = plan.world
+    local = [t for t in plan.local if t[3] == rank]
+    out = []
+    for bucket in plan.buckets:
+        send = sorted((t for t in bucket if t[2] == rank), key=lambda t: t[3])  # stable: plan order
+        recv = sorted((t for t in bucket if t[3] == rank), key=lambda t: t[2])
+        ssplit = [0] * W
+        rsplit = [0] * W
+        for t in send:
+            ssplit[t[3]] += t[4]
+        for t in recv:
+            rsplit[t[2]] += t[4]
+        out.append((ssplit, rsplit, send, recv))
+    return RankProgram(local, out)
