@@ -38,13 +38,15 @@ log "creating $VENV with $("$PYTHON" --version)"
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# pip warns once per package about configured local mirror folders it cannot use; keep the log readable.
+pipq() { "${PIP[@]}" "$@" 2> >(grep -v -e "^WARNING: Location '" -e "does not provide the extra" >&2); }
 export PIP_PROGRESS_BAR=off
 
 # 1. torch first (the registry's build runs on a CPU; it mirrors the cluster's 2.5.1),
 #    and the build tools vLLM's sdist needs without build isolation.
 #    setuptools<81 because verl imports pkg_resources; >=77 for vLLM's pyproject license field.
 log "torch==$TORCH_V and build tools"
-"${PIP[@]}" install -q "torch==$TORCH_V" "setuptools>=77,<81" "setuptools-scm>=8" wheel packaging jinja2
+pipq install -q "torch==$TORCH_V" "setuptools>=77,<81" "setuptools-scm>=8" wheel packaging jinja2
 
 # 2. vLLM as pure Python (VLLM_TARGET_DEVICE=empty, as vLLM-Ascend installs it). Its built
 #    version is $VLLM_V+empty, which pip refuses for a plain requirement, so the sdist is
@@ -57,7 +59,7 @@ if [ ! -s "$SDIST" ]; then
 fi
 
 log "vllm $VLLM_V (empty target) + verl $VERL_V + the rest of the lock + test tools"
-VLLM_TARGET_DEVICE=empty "${PIP[@]}" install -q --no-build-isolation "$SDIST" \
+VLLM_TARGET_DEVICE=empty pipq install -q --no-build-isolation "$SDIST" \
   "verl==$VERL_V" "transformers==$TF_V" "ray[default]==$RAY_V" "hydra-core==$HYDRA_V" \
   "torch==$TORCH_V" "numba==0.61.2" \
   -r "$ROOT/requirements.txt" -r "$ROOT/requirements-test.txt"
@@ -66,10 +68,10 @@ VLLM_TARGET_DEVICE=empty "${PIP[@]}" install -q --no-build-isolation "$SDIST" \
 #    nvidia-modelopt and friends) and vLLM-Ascend (torch-npu, which breaks `import torch`
 #    off Ascend).
 log "megatron-core $MCORE_V and vllm-ascend $VASC_V without dependencies"
-"${PIP[@]}" install -q --no-deps "megatron-core==$MCORE_V" "vllm-ascend==$VASC_V"
+pipq install -q --no-deps "megatron-core==$MCORE_V" "vllm-ascend==$VASC_V"
 
 # 4. The overlay itself, editable, so its vLLM plugin entry point is registered.
-"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+pipq install -q --no-deps --no-build-isolation -e "$ROOT"
 
 echo "$STAMP" > "$VENV/.verl_patches_stamp"
 log "done: $VENV"

@@ -1,0 +1,103 @@
+"""`python -m verl_patches doctor|patches|diff|docs|fingerprint` against the real installed upstream."""
+
+import json
+import shutil
+
+import pytest
+
+from tests.helpers import REPO, cli
+
+
+def test_doctor_strict_passes_in_the_test_environment():
+    r = cli("doctor", "--strict")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verl.reward_score.deepscaler" in r.stdout
+
+
+def test_doctor_json_shape():
+    r = cli("doctor", "--strict", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        assert {"id", "target", "status", "detail"} <= row.keys()
+        assert row["status"] in ("ok", "missing", "changed", "version-mismatch")
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["lock:verl"]["installed"] == "0.4.1"
+    assert by_id["lock:vllm"]["status"] == "ok"  # 0.9.1+empty is release 0.9.1
+    assert by_id["verl.reward_score.deepscaler"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("catalogue,status,patch_id", [
+    ("fixture_wrong_fingerprint_catalogue", "changed", "fixture.wrong_fingerprint"),
+    ("fixture_missing_target_catalogue", "missing", "fixture.missing_target"),
+    ("fixture_wrong_version_catalogue", "version-mismatch", "fixture.wrong_version"),
+])
+def test_doctor_fails_naming_the_patch(catalogue, status, patch_id):
+    env = {"VERL_PATCHES_EXTRA_MODULES": catalogue}
+    r = cli("doctor", "--strict", env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    bad = [ln for ln in r.stdout.splitlines() if patch_id in ln]
+    assert bad and bad[0].startswith(status), r.stdout
+    rows = json.loads(cli("doctor", "--json", env=env).stdout)
+    assert {r["id"]: r["status"] for r in rows}[patch_id] == status
+
+
+def test_doctor_on_a_copied_in_tree_detects_an_edited_target(tmp_path):
+    """The README's layout: upstream packages copied next to the overlay, checked by --upstream-root."""
+    import verl
+
+    root = tmp_path / "upstream"
+    shutil.copytree(verl.__path__[0], root / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    r = cli("doctor", "--upstream-root", str(root), "--json")
+    rows = {r["id"]: r for r in json.loads(r.stdout)}
+    assert rows["verl.reward_score.deepscaler"]["status"] == "ok"
+    assert rows["lock:verl"]["detail"].endswith("(source tree)")
+    assert rows["lock:verl"]["installed"] == "0.4.1"  # read from verl/version/version
+    # Someone edits the upstream function body: the doctor must notice, without importing it.
+    f = root / "verl" / "utils" / "reward_score" / "__init__.py"
+    f.write_text(f.read_text().replace('if data_source == "openai/gsm8k":', 'if data_source == "gsm8k":'))
+    r = cli("doctor", "--upstream-root", str(root))
+    assert r.returncode == 1
+    line = next(ln for ln in r.stdout.splitlines() if "verl.reward_score.deepscaler" in ln)
+    assert line.startswith("changed") and str(f) in line
+
+
+def test_patches_listing_and_json():
+    r = cli("patches", "--json")
+    assert r.returncode == 0
+    rows = json.loads(r.stdout)
+    ids = [p["id"] for p in rows]
+    assert "verl.reward_score.deepscaler" in ids
+    for p in rows:
+        assert {"id", "target", "kind", "phases", "upstream", "versions", "fingerprint", "why", "remove_when"} <= p.keys()
+
+
+def test_diff_shows_upstream_next_to_ours():
+    r = cli("diff", "verl.reward_score.deepscaler")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("--- upstream verl.utils.reward_score:default_compute_score")
+    assert "-    if data_source == \"openai/gsm8k\":" in r.stdout
+    assert "+        if data_source in DEEPSCALER_SOURCES:" in r.stdout
+    assert cli("diff", "no.such.patch").returncode == 2
+
+
+def test_docs_are_generated_from_the_registry_and_not_stale():
+    r = cli("docs", "--check")
+    assert r.returncode == 0, "docs/PATCHES.md is stale: run `python -m verl_patches docs --write`\n" + r.stderr
+    text = (REPO / "docs" / "PATCHES.md").read_text()
+    assert "## verl.reward_score.deepscaler" in text and "remove when" in text
+
+
+def test_docs_check_fails_when_registry_changes():
+    r = cli("docs", "--check", env={"VERL_PATCHES_EXTRA_MODULES": "fixture_wrong_version_catalogue"})
+    assert r.returncode == 1 and "stale" in r.stderr
+
+
+def test_fingerprint_command_matches_the_record():
+    from verl_patches.core.registry import get_patch
+
+    p = get_patch("verl.reward_score.deepscaler")
+    r = cli("fingerprint", p.target)
+    assert r.returncode == 0 and f'source_sha="{p.fingerprint.source_sha}"' in r.stdout
+    assert cli("fingerprint", "verl.utils.reward_score:nope").returncode == 1
