@@ -1,0 +1,381 @@
+"""Offloadable groups: training params, grads, optimizer state, reference params, rollout
+weights and KV cache behind one interface (offload, onload, release, allocate).
+
+A group frees device memory for real by resizing each distinct storage to zero bytes and
+restores it by resizing back: Parameter objects, ``.data`` and every view keep their
+identity (optimizers and vLLM hold references to them), on torch 2.5.1 and on 2.11.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from verl_patches import accelerator
+from verl_patches.offload.pool import CopyJob, OffloadEngine
+
+_ALIGN = 512  # host offsets aligned for DMA; the waste is under 512 bytes per storage
+
+
+class Location(str, enum.Enum):
+    DEVICE = "device"      # resident on device (the host copy, if any, may be stale)
+    HOST = "host"          # device storage freed, host copy valid
+    RELEASED = "released"  # device storage freed, no valid copy anywhere (rebuilt by its owner)
+
+
+class GroupStateError(RuntimeError):
+    """An action that the group's current location does not allow (e.g. onload with no host copy)."""
+
+
+class OffloadGroup:
+    """The common interface. Every action is all-or-nothing and idempotent.
+
+    - ``offload()``: copy to host, then free device memory (DEVICE -> HOST).
+    - ``onload()``: allocate device memory and copy back (HOST -> DEVICE).
+    - ``release()``: free device memory without a copy (DEVICE -> RELEASED, or HOST for a
+      read-only group whose host copy is still exact).
+    - ``allocate(zero)``: allocate device memory without a copy (-> DEVICE); the contents
+      are undefined (or zero) until the owner fills them (the reshard, the next backward).
+    A failure inside an action leaves the group where it was, data intact.
+    Each returns the bytes it moved over the host link.
+    """
+
+    name: str
+    location: Location
+
+    @property
+    def nbytes(self) -> int:  # device bytes when resident
+        raise NotImplementedError
+
+    @property
+    def host_nbytes(self) -> int:  # host bytes a copy needs (0: the group never copies)
+        return self.nbytes
+
+    def device_bytes(self) -> int:
+        """Bytes resident on device now, read from the storages themselves."""
+        raise NotImplementedError
+
+    def reserve_host(self) -> None:
+        """Make sure the host buffer exists (the schedule reserves all before moving anything)."""
+
+    def offload(self, force_copy: bool = False) -> int:
+        raise NotImplementedError
+
+    def onload(self) -> int:
+        raise NotImplementedError
+
+    def release(self) -> int:
+        raise NotImplementedError
+
+    def allocate(self, zero: bool | None = None) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give back the host buffer; the group must not be used afterwards."""
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    # The StorageImpl pointer: stable for the storage's life (the group keeps the tensor
+    # alive, so the pointer cannot be recycled while the group exists).
+    return int(t.untyped_storage()._cdata)
+
+
+def _u8(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
+    """A flat uint8 view of a whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+class TensorGroup(OffloadGroup):
+    """A set of tensors (parameters, grads, optimizer states, cache blocks) offloaded as one.
+
+    Tensors are deduplicated by storage (views, tied weights), and each distinct storage is
+    copied whole into one fixed range of the group's host buffer, allocated once.
+    ``read_only``: the device copy is never written between onload and offload (the
+    reference model), so an offload after the first is a release; nothing moves twice.
+    ``zero_on_allocate``: what ``allocate()`` fills with (grads restart from zero).
+    """
+
+    def __init__(self, engine: OffloadEngine, name: str, tensors: Iterable[torch.Tensor], *,
+                 read_only: bool = False, zero_on_allocate: bool = False) -> None:
+        self.engine, self.name = engine, name
+        self.read_only, self.zero_on_allocate = read_only, zero_on_allocate
+        anchors: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"offload group {name!r}: expected tensors, got {type(t).__name__}")
+            if t.untyped_storage().nbytes() == 0:
+                continue
+            anchors.setdefault(_storage_key(t), t)
+        if not anchors:
+            raise ValueError(f"offload group {name!r}: no tensor with allocated storage")
+        devices = {str(t.device) for t in anchors.values()}
+        if len(devices) != 1:
+            raise ValueError(f"offload group {name!r}: tensors on several devices {sorted(devices)}; "
+                             "make one group per device")
+        self.device = next(iter(anchors.values())).device
+        if self.device.type != accelerator.device_type():
+            raise ValueError(f"offload group {name!r}: tensors on {self.device}, but the accelerator is "
+                             f"{accelerator.device_type()!r}; only device tensors can be offloaded")
+        for t in anchors.values():
+            if not t.untyped_storage().resizable():
+                raise ValueError(f"offload group {name!r}: a tensor of shape {tuple(t.shape)} has a "
+                                 "non-resizable storage (from_blob / DLPack / numpy); it cannot be freed in place")
+        self._anchors = list(anchors.values())
+        self._sizes = [int(t.untyped_storage().nbytes()) for t in self._anchors]
+        self._offsets: list[int] = []
+        off = 0
+        for n in self._sizes:
+            self._offsets.append(off)
+            off += -(-n // _ALIGN) * _ALIGN
+        self._host_nbytes = off
+        engine.claim(name, anchors.keys())
+        self.location = Location.DEVICE
+        self._host_valid = False
+
+    # -- accounting ------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return sum(self._sizes)
+
+    @property
+    def host_nbytes(self) -> int:
+        return self._host_nbytes
+
+    @property
+    def num_storages(self) -> int:
+        return len(self._anchors)
+
+    def device_bytes(self) -> int:
+        return sum(int(t.untyped_storage().nbytes()) for t in self._anchors)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """One tensor per distinct storage (what checksums should cover)."""
+        return list(self._anchors)
+
+    def storage_views(self) -> list[torch.Tensor]:
+        """Flat uint8 views of each storage (valid while the group is on device)."""
+        return [_u8(t.untyped_storage(), n) for t, n in zip(self._anchors, self._sizes)]
+
+    # -- actions ---------------------------------------------------------------------
+    def reserve_host(self) -> None:
+        self.engine.pool.acquire(self.name, self._host_nbytes)
+
+    def _buckets(self) -> list[list[int]]:
+        return self.engine.copier.split(self._sizes)
+
+    def _jobs(self, i: int, to_host: bool) -> list[CopyJob]:
+        buf = self.engine.pool.get(self.name)
+        assert buf is not None
+        dev = _u8(self._anchors[i].untyped_storage(), self._sizes[i])
+        jobs = []
+        for rel, host in buf.pieces(self._offsets[i], self._sizes[i]):
+            d = dev[rel:rel + int(host.numel())]
+            jobs.append((host, d) if to_host else (d, host))
+        return jobs
+
+    def _free_all(self) -> None:
+        for t in self._anchors:
+            t.untyped_storage().resize_(0)
+
+    def _alloc(self, indices: Sequence[int], bucket: int) -> None:
+        for j, i in enumerate(indices):
+            st = self._anchors[i].untyped_storage()
+            if st.nbytes() == 0:
+                self.engine.copier.fault("alloc", bucket, j)
+                st.resize_(self._sizes[i])
+
+    def offload(self, force_copy: bool = False) -> int:
+        if self.location is Location.HOST:
+            return 0
+        if self.location is Location.RELEASED:
+            raise GroupStateError(f"offload group {self.name!r} is released: there is no data to offload")
+        if self.read_only and self._host_valid and not force_copy:
+            self._free_all()
+            self.location = Location.HOST
+            return 0
+        # Raises HostMemoryError on the first offload if the host cannot hold it: nothing moved yet.
+        self.reserve_host()
+        self._host_valid = False  # the host range is being overwritten
+        moved = self.engine.copier.device_to_host(
+            [lambda b=b: [job for i in b for job in self._jobs(i, True)] for b in self._buckets()])
+        # Free only once every byte is on host: a failure above leaves the group on device.
+        self._host_valid = True
+        self._free_all()
+        self.location = Location.HOST
+        return moved
+
+    def onload(self) -> int:
+        if self.location is Location.DEVICE:
+            return 0
+        if self.location is Location.RELEASED or not self._host_valid:
+            raise GroupStateError(f"offload group {self.name!r} has no host copy to onload "
+                                  f"(location {self.location.value}); use allocate()")
+
+        def bucket(b: int, idx: list[int]) -> Callable[[], list[CopyJob]]:
+            def make() -> list[CopyJob]:
+                self._alloc(idx, b)
+                return [job for i in idx for job in self._jobs(i, False)]
+            return make
+
+        try:
+            moved = self.engine.copier.host_to_device([bucket(b, idx) for b, idx in enumerate(self._buckets())])
+        except BaseException:
+            # Roll back to wholly-on-host: the host copy was only read, so it is intact.
+            self._free_all()
+            raise
+        self.location = Location.DEVICE
+        return moved
+
+    def release(self) -> int:
+        if self.location is not Location.DEVICE:
+            return 0
+        self._free_all()
+        if self.read_only and self._host_valid:
+            self.location = Location.HOST
+        else:
+            self._host_valid = False
+            self.location = Location.RELEASED
+        return 0
+
+    def allocate(self, zero: bool | None = None) -> int:
+        if self.location is Location.DEVICE:
+            return 0
+        zero = self.zero_on_allocate if zero is None else zero
+        try:
+            for b, idx in enumerate(self._buckets()):
+                self._alloc(idx, b)
+        except BaseException:
+            self._free_all()
+            raise
+        if zero:
+            for v in self.storage_views():
+                v.zero_()
+        # The device contents no longer match any host copy.
+        self._host_valid = False
+        self.location = Location.DEVICE
+        return 0
+
+    def close(self) -> None:
+        self.engine.pool.release(self.name)
+        self.engine.unclaim(self.name)
+        self._host_valid = False
+
+
+class CallbackGroup(OffloadGroup):
+    """A group whose memory its owner allocates and frees (vLLM's KV cache): no copies.
+
+    ``allocate_fn()`` builds the tensors and returns them (for the ledger's accounting);
+    ``release_fn()`` drops every reference the owner holds. offload == release.
+    """
+
+    def __init__(self, name: str, allocate_fn: Callable[[], Sequence[torch.Tensor]],
+                 release_fn: Callable[[], None], *, nbytes: int | None = None) -> None:
+        self.name, self._allocate_fn, self._release_fn = name, allocate_fn, release_fn
+        self._tensors: list[torch.Tensor] = []
+        self._nbytes = nbytes
+        self.location = Location.RELEASED
+
+    @property
+    def nbytes(self) -> int:
+        if self._nbytes is None:
+            raise RuntimeError(f"group {self.name!r}: size unknown until first allocate()")
+        return self._nbytes
+
+    @property
+    def host_nbytes(self) -> int:
+        return 0
+
+    def device_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for t in self._tensors:
+            seen[_storage_key(t)] = int(t.untyped_storage().nbytes())
+        return sum(seen.values())
+
+    def allocate(self, zero: bool | None = None) -> int:
+        if self.location is Location.DEVICE:
+            return 0
+        try:
+            tensors = list(self._allocate_fn())
+        except BaseException:
+            self._release_fn()  # let the owner drop whatever it built before failing
+            raise
+        self._tensors = tensors
+        if zero:
+            for t in tensors:
+                t.zero_()
+        self._nbytes = self.device_bytes()
+        self.location = Location.DEVICE
+        return 0
+
+    def release(self) -> int:
+        if self.location is Location.DEVICE:
+            self._tensors = []
+            self._release_fn()
+            self.location = Location.RELEASED
+        return 0
+
+    def offload(self, force_copy: bool = False) -> int:
+        return self.release()
+
+    def onload(self) -> int:
+        raise GroupStateError(f"group {self.name!r} keeps no copy; use allocate()")
+
+
+# -- builders for the recipe's groups --------------------------------------------------
+
+def module_tensors(module_or_tensors) -> list[torch.Tensor]:
+    if isinstance(module_or_tensors, torch.nn.Module):
+        return list(module_or_tensors.parameters()) + list(module_or_tensors.buffers())
+    return list(module_or_tensors)
+
+
+def train_params_group(engine: OffloadEngine, params, name: str = "train_params") -> TensorGroup:
+    """The actor's parameters (with Megatron DDP, pass the param buffers: one storage each)."""
+    return TensorGroup(engine, name, module_tensors(params))
+
+
+def grads_group(engine: OffloadEngine, params, name: str = "grads", *, attr: str | None = None,
+                zero_on_allocate: bool = True) -> TensorGroup:
+    """Gradients: Megatron's ``main_grad`` buffers if present, else ``.grad``.
+
+    The schedule releases them after the update and re-allocates them zeroed before the
+    next one (Megatron zeroes its grad buffers before each backward anyway); ``offload``
+    still copies them when a caller must keep accumulated gradients.
+    """
+    tensors = []
+    for p in module_tensors(params):
+        a = attr or ("main_grad" if getattr(p, "main_grad", None) is not None else "grad")
+        g = getattr(p, a, None)
+        if g is not None:
+            tensors.append(g)
+    return TensorGroup(engine, name, tensors, zero_on_allocate=zero_on_allocate)
+
+
+def optimizer_state_group(engine: OffloadEngine, optimizer: torch.optim.Optimizer,
+                          name: str = "optimizer", *, include_params: bool = False) -> TensorGroup:
+    """Every device tensor of ``optimizer.state`` (Adam moments), plus with ``include_params``
+    the optimizer's own parameters: for Megatron's (distributed) optimizer the inner torch
+    optimizer's params are the fp32 master shards, which move with the state."""
+    dev = accelerator.device_type()
+    tensors = [v for st in optimizer.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.device.type == dev and v.numel() > 0]
+    if include_params:
+        tensors += [p for grp in optimizer.param_groups for p in grp["params"] if p.device.type == dev]
+    return TensorGroup(engine, name, tensors)
+
+
+def reference_group(engine: OffloadEngine, params, name: str = "ref_params") -> TensorGroup:
+    """The frozen reference model: copied to host once, later offloads only release."""
+    return TensorGroup(engine, name, module_tensors(params), read_only=True)
+
+
+def rollout_weights_group(engine: OffloadEngine, params, name: str = "rollout_weights") -> TensorGroup:
+    """Rollout engine weights: released after generation, allocated empty before the reshard."""
+    return TensorGroup(engine, name, module_tensors(params))
+
+
+def kv_cache_group(engine: OffloadEngine, tensors, name: str = "kv_cache") -> TensorGroup:
+    """KV cache blocks as plain tensors: freed after generation, re-initialised before it."""
+    return TensorGroup(engine, name, module_tensors(tensors), zero_on_allocate=False)
