@@ -127,8 +127,9 @@ class ScaledDie:
             p.main_grad.add_(0.5)
             with torch.no_grad():
                 p.add_(p.main_grad.to(p.dtype) * 0.01)
-        for v in opt.tensors():
-            v.mul_(0.9).add_(0.1)
+        with torch.no_grad():
+            for v in opt.tensors():
+                v.mul_(0.9).add_(0.1)
         self.train_snapshot, self.optim_snapshot = group_digests(tp), group_digests(opt)
         self.calls["train"] += 1
 
