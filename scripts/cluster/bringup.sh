@@ -1,0 +1,226 @@
+#!/usr/bin/env bash
+# Cluster bring-up shared by the train_*.sh launchers: defaults from the environment,
+# head/worker role, Ray start with the device count, wait for every node's devices,
+# and teardown of exactly the processes this script started (never by name).
+# Source it; nothing runs on source.
+
+# Every value can be overridden from the environment; these are the 256-die defaults.
+bringup_defaults() {
+  RECIPE_ROOT="${RECIPE_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+  NNODES="${NNODES:-16}"
+  DEVICES_PER_NODE="${DEVICES_PER_NODE:-16}"
+  DEVICE="${DEVICE:-npu}"                      # npu | cuda
+  PYTHON="${PYTHON:-python3}"
+  RAY_BIN="${RAY_BIN:-ray}"
+  RAY_PORT="${RAY_PORT:-6379}"
+  # Short path: Ray's unix sockets live under it and are limited to 107 characters.
+  RAY_TEMP_DIR="${RAY_TEMP_DIR:-/tmp/ray_recipe}"
+  RAY_NUM_CPUS="${RAY_NUM_CPUS:-}"             # empty: Ray counts the cores itself
+  RAY_EXTRA_ARGS="${RAY_EXTRA_ARGS:-}"         # more `ray start` flags (e.g. fixed agent ports), split on spaces
+  WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-900}"
+  STOP_GRACE_S="${STOP_GRACE_S:-15}"
+  MASTER_ADDR="${MASTER_ADDR:-$(bringup_local_ips | head -n1)}"
+  MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+  SOCKET_IFNAME="${SOCKET_IFNAME:-$(bringup_ifname_for "$MASTER_ADDR")}"
+  CANN_ENV_SCRIPT="${CANN_ENV_SCRIPT:-/usr/local/Ascend/ascend-toolkit/set_env.sh}"
+  NNAL_ENV_SCRIPT="${NNAL_ENV_SCRIPT:-/usr/local/Ascend/nnal/atb/set_env.sh}"
+  LOG_DIR="${LOG_DIR:-${RECIPE_ROOT}/out/logs}"
+  # Collective set-up on 256 dies takes minutes; HCCL's default (120 s) is too short.
+  HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}"
+  BRINGUP_PIDS=()
+}
+
+bringup_local_ips() {
+  if command -v ip >/dev/null 2>&1; then
+    ip -o -4 addr show scope global 2>/dev/null | awk '{split($4, a, "/"); print a[1]}'
+  elif command -v hostname >/dev/null 2>&1; then
+    hostname -I 2>/dev/null | tr ' ' '\n' | grep -v '^$' || true
+  fi
+}
+
+# The interface that reaches the head: what gloo/HCCL/NCCL must bind to. On the head
+# itself that is the interface holding MASTER_ADDR (a route lookup would say "lo").
+bringup_ifname_for() {
+  local dev=""
+  if command -v ip >/dev/null 2>&1; then
+    dev="$(ip -o -4 addr show 2>/dev/null | awk -v a="$1" '{split($4, p, "/"); if (p[1] == a) {print $2; exit}}')"
+    if [[ -z "$dev" ]]; then
+      dev="$(ip -o route get "$1" 2>/dev/null | awk '{for (i = 1; i < NF; i++) if ($i == "dev") {print $(i + 1); exit}}')"
+    fi
+  fi
+  echo "${dev:-eth0}"
+}
+
+# head | worker: ROLE if set, else NODE_RANK (0 is the head), else whether MASTER_ADDR is ours.
+bringup_role() {
+  if [[ -n "${ROLE:-}" ]]; then
+    case "$ROLE" in
+      head|worker) echo "$ROLE" ;;
+      *) echo "error: ROLE must be head or worker, got '$ROLE'" >&2; return 2 ;;
+    esac
+  elif [[ -n "${NODE_RANK:-}" ]]; then
+    if [[ "$NODE_RANK" == 0 ]]; then echo head; else echo worker; fi
+  elif [[ "$MASTER_ADDR" == 127.0.0.1 || "$MASTER_ADDR" == localhost ]] || bringup_local_ips | grep -qxF "$MASTER_ADDR"; then
+    echo head
+  else
+    echo worker
+  fi
+}
+
+bringup_check_ints() {
+  local name
+  for name in NNODES DEVICES_PER_NODE RAY_PORT WAIT_TIMEOUT_S STOP_GRACE_S; do
+    if ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
+      echo "error: $name must be a positive integer, got '${!name}'" >&2
+      return 2
+    fi
+  done
+  case "$DEVICE" in
+    npu|cuda) ;;
+    *) echo "error: DEVICE must be npu or cuda, got '$DEVICE'" >&2; return 2 ;;
+  esac
+}
+
+# Ray's name for the accelerator: verl asks Ray for "NPU" on Ascend and "GPU" on CUDA.
+bringup_resource_name() {
+  if [[ "$DEVICE" == npu ]]; then echo NPU; else echo GPU; fi
+}
+
+bringup_device_args() {
+  if [[ "$DEVICE" == npu ]]; then
+    printf '%s\n' --resources "{\"NPU\": ${DEVICES_PER_NODE}}"
+  else
+    printf '%s\n' --num-gpus "$DEVICES_PER_NODE"
+  fi
+  if [[ -n "$RAY_NUM_CPUS" ]]; then
+    printf '%s\n' --num-cpus "$RAY_NUM_CPUS"
+  fi
+  local extra
+  read -r -a extra <<< "$RAY_EXTRA_ARGS"
+  if ((${#extra[@]})); then printf '%s\n' "${extra[@]}"; fi
+}
+
+# --block keeps Ray's daemons children of this command, so stopping it stops them.
+bringup_ray_head_cmd() {
+  RAY_CMD=("$RAY_BIN" start --head --block --node-ip-address="$MASTER_ADDR" --port="$RAY_PORT"
+           --temp-dir="$RAY_TEMP_DIR" --include-dashboard=false --disable-usage-stats)
+  mapfile -t -O "${#RAY_CMD[@]}" RAY_CMD < <(bringup_device_args)
+}
+
+bringup_ray_worker_cmd() {
+  RAY_CMD=("$RAY_BIN" start --block --address="${MASTER_ADDR}:${RAY_PORT}" --disable-usage-stats)
+  mapfile -t -O "${#RAY_CMD[@]}" RAY_CMD < <(bringup_device_args)
+}
+
+# What the trainer and every Ray worker process read; exported before Ray starts so
+# Ray's workers inherit it on every node.
+bringup_export_env() {
+  export RECIPE_ROOT MASTER_ADDR
+  export PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+  export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
+  export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME" TP_SOCKET_IFNAME="$SOCKET_IFNAME"
+  if [[ "$DEVICE" == npu ]]; then
+    export HCCL_SOCKET_IFNAME="$SOCKET_IFNAME" HCCL_CONNECT_TIMEOUT
+  else
+    export NCCL_SOCKET_IFNAME="$SOCKET_IFNAME"
+  fi
+}
+
+bringup_source_cann() {
+  [[ "$DEVICE" == npu ]] || return 0
+  if [[ ! -f "$CANN_ENV_SCRIPT" ]]; then
+    echo "error: CANN environment script not found: CANN_ENV_SCRIPT=$CANN_ENV_SCRIPT" >&2
+    return 2
+  fi
+  # Ascend's set_env.sh scripts read unset variables.
+  set +u
+  # shellcheck disable=SC1090
+  source "$CANN_ENV_SCRIPT"
+  if [[ -f "$NNAL_ENV_SCRIPT" ]]; then
+    # shellcheck disable=SC1090
+    source "$NNAL_ENV_SCRIPT"
+  fi
+  set -u
+}
+
+bringup_print_env() {
+  local name
+  for name in RECIPE_ROOT DEVICE NNODES DEVICES_PER_NODE MASTER_ADDR RAY_PORT RAY_TEMP_DIR RAY_NUM_CPUS RAY_EXTRA_ARGS \
+              SOCKET_IFNAME CANN_ENV_SCRIPT NNAL_ENV_SCRIPT WAIT_TIMEOUT_S LOG_DIR PYTHON RAY_BIN \
+              HCCL_CONNECT_TIMEOUT "$@"; do
+    printf '  %s=%q\n' "$name" "${!name-}"
+  done
+}
+
+# Start a command in its own session: its PID is its process group, so teardown can
+# reach every process it spawned (and nothing else).
+bringup_spawn() {
+  local log="$1"; shift
+  mkdir -p "$(dirname "$log")"
+  setsid "$@" >"$log" 2>&1 < /dev/null &
+  BRINGUP_PIDS+=("$!")
+}
+
+bringup_start_head() {
+  bringup_ray_head_cmd
+  echo "starting Ray head: ${RAY_CMD[*]}"
+  bringup_spawn "${LOG_DIR}/ray_head.log" "${RAY_CMD[@]}"
+}
+
+bringup_wait_port() {
+  local deadline=$((SECONDS + WAIT_TIMEOUT_S))
+  until (exec 3<>"/dev/tcp/${MASTER_ADDR}/${RAY_PORT}") 2>/dev/null; do
+    if ((SECONDS > deadline)); then
+      echo "error: Ray head ${MASTER_ADDR}:${RAY_PORT} not reachable after ${WAIT_TIMEOUT_S} s" >&2
+      return 3
+    fi
+    sleep 2
+  done
+}
+
+bringup_start_worker() {
+  bringup_wait_port || return $?
+  bringup_ray_worker_cmd
+  echo "starting Ray worker: ${RAY_CMD[*]}"
+  bringup_spawn "${LOG_DIR}/ray_worker_$(hostname 2>/dev/null || echo node).log" "${RAY_CMD[@]}"
+}
+
+# Head only: all NNODES x DEVICES_PER_NODE devices registered, or a clear timeout.
+bringup_wait_devices() {
+  local expected=$((NNODES * DEVICES_PER_NODE))
+  echo "waiting up to ${WAIT_TIMEOUT_S} s for ${NNODES} node(s) x ${DEVICES_PER_NODE} $(bringup_resource_name) = ${expected}"
+  "$PYTHON" "${RECIPE_ROOT}/scripts/cluster/wait_for_devices.py" --address "${MASTER_ADDR}:${RAY_PORT}" \
+    --resource "$(bringup_resource_name)" --expected "$expected" --nodes "$NNODES" --timeout "$WAIT_TIMEOUT_S"
+}
+
+bringup_alive() {
+  kill -0 "$1" 2>/dev/null
+}
+
+bringup_group_alive() {
+  kill -0 -- "-$1" 2>/dev/null
+}
+
+# TERM what we started, give it STOP_GRACE_S, then its process group (ours by setsid).
+bringup_stop() {
+  local pid waited
+  ((${#BRINGUP_PIDS[@]})) || return 0
+  for pid in "${BRINGUP_PIDS[@]}"; do
+    bringup_alive "$pid" && kill -TERM "$pid" 2>/dev/null
+  done
+  for pid in "${BRINGUP_PIDS[@]}"; do
+    waited=0
+    while bringup_group_alive "$pid" && ((waited < STOP_GRACE_S * 10)); do
+      sleep 0.1
+      waited=$((waited + 1))
+      # Ray's reaper takes the group down once --block exits; nudge it half-way.
+      if ((waited == STOP_GRACE_S * 5)); then kill -TERM -- "-$pid" 2>/dev/null || true; fi
+    done
+    if bringup_group_alive "$pid"; then
+      echo "process group $pid still alive after ${STOP_GRACE_S} s: SIGKILL" >&2
+      kill -KILL -- "-$pid" 2>/dev/null || true
+    fi
+    wait "$pid" 2>/dev/null || true
+  done
+  BRINGUP_PIDS=()
+}

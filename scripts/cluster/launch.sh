@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The launcher body shared by scripts/train_*.sh: parse --dry-run, build the trainer
+# command for one config, validate (doctor, config composition, layout arithmetic),
+# then bring up Ray (head or worker) and run verl's trainer on the head.
+# Source it after bringup.sh and call launch_main CONFIG_NAME "$@".
+
+launch_usage() {
+  cat <<USAGE
+usage: $(basename "$0") [--dry-run] [HYDRA_OVERRIDE ...]
+
+  --dry-run   print the environment, the Ray commands and the composed trainer command,
+              validate them (doctor, config composition, layout arithmetic); start nothing.
+  HYDRA_OVERRIDE  passed to verl.trainer.main_ppo, e.g. trainer.total_training_steps=5
+
+Run the same command on every node. Environment (defaults in parentheses):
+  ROLE (from NODE_RANK, else head if MASTER_ADDR is a local address), NODE_RANK,
+  MASTER_ADDR (first local address), RAY_PORT (6379), NNODES (16), DEVICES_PER_NODE (16),
+  DEVICE (npu | cuda), SOCKET_IFNAME (the interface routing to MASTER_ADDR),
+  CANN_ENV_SCRIPT, NNAL_ENV_SCRIPT, MODEL_PATH, TRAIN_FILES, VAL_FILES, CKPT_SAVE_DIR,
+  LOG_DIR, RAY_TEMP_DIR, RAY_NUM_CPUS, WAIT_TIMEOUT_S (900), PYTHON (python3), RAY_BIN (ray)
+  ${LAUNCH_EXTRA_USAGE:-}
+USAGE
+}
+
+launch_defaults() {
+  MODEL_PATH="${MODEL_PATH:-${HOME}/models/DeepSeek-V3-bf16}"
+  TRAIN_FILES="${TRAIN_FILES:-${HOME}/data/deepscaler/train.parquet}"
+  VAL_FILES="${VAL_FILES:-${HOME}/data/deepscaler/test.parquet}"
+  CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-${RECIPE_ROOT}/out/checkpoints/${CONFIG_NAME}}"
+}
+
+# TRAINER_CMD: what the head runs. CONFIG_OVERRIDES: the Hydra overrides alone, which
+# the validation composes exactly as verl's main_ppo will.
+launch_build_trainer_cmd() {
+  CONFIG_OVERRIDES=(
+    "actor_rollout_ref.model.path=${MODEL_PATH}"
+    "data.train_files=${TRAIN_FILES}"
+    "data.val_files=${VAL_FILES}"
+    "trainer.nnodes=${NNODES}"
+    "trainer.n_gpus_per_node=${DEVICES_PER_NODE}"
+    "trainer.device=${DEVICE}"
+    "trainer.default_local_dir=${CKPT_SAVE_DIR}"
+    "${LAUNCH_RUN_OVERRIDES[@]}"
+    "${USER_OVERRIDES[@]}"
+  )
+  TRAINER_CMD=("$PYTHON" -m verl.trainer.main_ppo "--config-path=${RECIPE_ROOT}/configs"
+               "--config-name=${CONFIG_NAME}" "${CONFIG_OVERRIDES[@]}")
+}
+
+launch_print_cmd() {
+  printf '  '
+  printf '%q ' "$@"
+  printf '\n'
+}
+
+# Doctor, then Hydra composition and layout checks; returns non-zero on any failure.
+launch_validate() {
+  local rc=0
+  # The overlay from this checkout, whether or not it is pip-installed.
+  local -x PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+  echo "== doctor"
+  if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
+    "$PYTHON" -m verl_patches doctor --platform "$DEVICE" || { echo "error: doctor failed (see above)" >&2; rc=1; }
+  else
+    echo "error: doctor unavailable: 'import verl_patches.cli' fails with $PYTHON (is the overlay on PYTHONPATH?)" >&2
+    rc=1
+  fi
+  echo "== config composition and layout ($CONFIG_NAME)"
+  "$PYTHON" -m verl_patches.recipe_config --config-name "$CONFIG_NAME" --print-config -- "${CONFIG_OVERRIDES[@]}" \
+    || { echo "error: config composition or layout check failed (see above)" >&2; rc=1; }
+  return "$rc"
+}
+
+# Inputs the head needs; in --dry-run a missing one is reported but does not fail.
+launch_check_inputs() {
+  local dry="$1" missing=0
+  if [[ ! -f "${MODEL_PATH}/config.json" ]]; then
+    echo "$([[ $dry == 1 ]] && echo note || echo error): MODEL_PATH=${MODEL_PATH} has no config.json (HF model directory with config and tokenizer)" >&2
+    missing=1
+  fi
+  local f
+  for f in "$TRAIN_FILES" "$VAL_FILES"; do
+    if [[ ! -f "$f" ]]; then
+      echo "$([[ $dry == 1 ]] && echo note || echo error): data file not found: $f (python -m verl_patches.data.prepare deepscaler --input ... --out-dir ...)" >&2
+      missing=1
+    fi
+  done
+  [[ $dry == 1 ]] || return "$missing"
+}
+
+launch_main() {
+  CONFIG_NAME="$1"; shift
+  local dry=0
+  USER_OVERRIDES=()
+  while (($#)); do
+    case "$1" in
+      --dry-run) dry=1 ;;
+      -h|--help) launch_usage; return 0 ;;
+      --*) echo "error: unknown option $1 (Hydra overrides have no leading --)" >&2; launch_usage >&2; return 2 ;;
+      *) USER_OVERRIDES+=("$1") ;;
+    esac
+    shift
+  done
+  bringup_defaults
+  bringup_check_ints || return $?
+  launch_defaults
+  # Run-specific required inputs and overrides (set by the train_*.sh script).
+  LAUNCH_RUN_OVERRIDES=()
+  # A train_*.sh may name extra variables to print (an array); none by default.
+  if ! declare -p LAUNCH_EXTRA_VARS >/dev/null 2>&1; then LAUNCH_EXTRA_VARS=(); fi
+  if declare -F launch_run_hook >/dev/null; then
+    launch_run_hook || return $?
+  fi
+  local role
+  role="$(bringup_role)" || return $?
+  launch_build_trainer_cmd
+
+  echo "== ${CONFIG_NAME}: role ${role}$([[ $dry == 1 ]] && echo ' (dry run: nothing is started)')"
+  echo "== environment"
+  bringup_print_env MODEL_PATH TRAIN_FILES VAL_FILES CKPT_SAVE_DIR "${LAUNCH_EXTRA_VARS[@]}"
+  echo "== Ray head command (node ${MASTER_ADDR})"
+  bringup_ray_head_cmd; launch_print_cmd "${RAY_CMD[@]}"
+  echo "== Ray worker command (every other node)"
+  bringup_ray_worker_cmd; launch_print_cmd "${RAY_CMD[@]}"
+  echo "== trainer command (head, after all ${NNODES} x ${DEVICES_PER_NODE} devices joined)"
+  launch_print_cmd "${TRAINER_CMD[@]}"
+
+  if [[ $dry == 1 ]]; then
+    launch_check_inputs 1
+    if launch_validate; then
+      echo "== dry run OK: configuration composed and validated"
+      return 0
+    fi
+    echo "== dry run FAILED: see the errors above" >&2
+    return 1
+  fi
+
+  if [[ "$role" == head ]]; then
+    launch_check_inputs 0 || return 2
+    launch_validate || return 1
+  fi
+  bringup_source_cann || return $?
+  bringup_export_env
+  trap bringup_stop EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  if [[ "$role" == worker ]]; then
+    bringup_start_worker || return $?
+    # Stay up as long as this node's Ray runs; it ends when the head goes away.
+    wait "${BRINGUP_PIDS[0]}" || true
+    return 0
+  fi
+  bringup_start_head
+  bringup_wait_devices || return $?
+  mkdir -p "$LOG_DIR"
+  echo "starting trainer; log: ${LOG_DIR}/trainer.log"
+  "${TRAINER_CMD[@]}" > >(tee -a "${LOG_DIR}/trainer.log") 2>&1 &
+  local trainer_pid=$!
+  BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")
+  local rc=0
+  wait "$trainer_pid" || rc=$?
+  echo "trainer exited with status $rc"
+  return "$rc"
+}
