@@ -1,0 +1,270 @@
+"""Benchmark of the offload engine: offload/onload throughput for a DeepSeek-V3 training
+shard's params, grads and Adam state, and peak device memory of our switch schedule vs verl's.
+
+Methods, same tensors, side by side after warm-up (medians of --reps):
+  ours      : verl_patches.offload groups (pinned pool allocated once, bucketed side-stream copies)
+  pageable  : the same engine over pageable host buffers
+  naive     : per tensor, p.data = p.data.cpu() / p.data = p.data.to(device)
+  upstream  : per tensor .to(..., non_blocking=True) + sync (verl 0.4.1's non-DDP offload path)
+  pinned    : ceiling: one copy_ between one device buffer and one pinned buffer of the same bytes
+Then ours vs baseline schedule on a die-ratio model: ledger peak and allocator peak.
+
+Run: python scripts/bench_offload.py [--layers 2] [--reps 5] [--json PATH]   (CPU: add --shrink 32)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from verl_patches import accelerator  # noqa: E402
+from verl_patches.offload import (HostBufferPool, MemoryLedger, OffloadEngine, TensorGroup, baseline,  # noqa: E402
+                                  ours)
+
+GiB = 1 << 30
+
+# One MoE layer of DeepSeek-V3 on one rank of TP4 x EP8 x PP8 with moe_tp_extend_ep (8 local
+# experts, grouped GEMM), MLA with 32 local heads; (shape, dtype) of each parameter.
+HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, V_HEAD, HEADS_TP = 7168, 1536, 512, 64, 128, 128, 32
+EXPERTS_LOCAL, MOE_FFN, EXPERTS, SHARED_FFN_TP = 8, 2048, 256, 512
+
+
+def layer_shapes(shrink: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    def s(*dims):
+        return tuple(max(1, d // shrink) if d >= 512 else d for d in dims)
+    bf, f32 = torch.bfloat16, torch.float32
+    return [
+        (s(HIDDEN), bf),                                              # input_layernorm
+        (s(Q_LORA, HIDDEN), bf), (s(Q_LORA), bf),                     # q down proj (replicated), q norm
+        (s(HEADS_TP * (NOPE + ROPE), Q_LORA), bf),                    # q up proj (column parallel)
+        (s(KV_LORA + ROPE, HIDDEN), bf), (s(KV_LORA), bf),            # kv down proj, kv norm
+        (s(HEADS_TP * (NOPE + V_HEAD), KV_LORA), bf),                 # kv up proj
+        (s(HIDDEN, HEADS_TP * V_HEAD), bf),                           # attention output proj
+        (s(HIDDEN), bf),                                              # pre-MLP norm
+        (s(EXPERTS, HIDDEN), bf), ((EXPERTS,), f32),                  # router, expert bias
+        (s(HIDDEN, EXPERTS_LOCAL * 2 * MOE_FFN), bf),                 # grouped GEMM weight1 (gate+up)
+        (s(EXPERTS_LOCAL * MOE_FFN, HIDDEN), bf),                     # grouped GEMM weight2
+        (s(2 * SHARED_FFN_TP, HIDDEN), bf), (s(HIDDEN, SHARED_FFN_TP), bf),  # shared expert fc1, fc2
+    ]
+
+
+def build_mix(layers: int, shrink: int, dev: torch.device) -> dict[str, list[torch.Tensor]]:
+    """params (bf16, one storage each), grads (fp32 main_grad), Adam (distributed-optimizer
+    shard over DP 8: fp32 master, exp_avg, exp_avg_sq of numel/8 per param)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mix: dict[str, list[torch.Tensor]] = {"params": [], "grads": [], "adam": []}
+    for _ in range(layers):
+        for shape, dtype in layer_shapes(shrink):
+            n = 1
+            for d in shape:
+                n *= d
+            mix["params"].append(torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=dev).uniform_(-1, 1)))
+            mix["grads"].append(torch.empty(shape, dtype=torch.float32, device=dev).uniform_(-1, 1))
+            for _k in range(3):
+                mix["adam"].append(torch.empty(max(1, n // 8), dtype=torch.float32, device=dev).uniform_(-1, 1))
+    del g
+    return mix
+
+
+def fingerprint(ts: list[torch.Tensor]) -> list[int]:
+    return [int(t.detach().reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
+
+
+def timed(fn) -> float:
+    accelerator.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    accelerator.synchronize()
+    return time.perf_counter() - t0
+
+
+def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
+    dev = accelerator.current_device()
+    tensors = [t for ts in mix.values() for t in ts]
+    nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+    want = fingerprint(tensors)
+    results: dict[str, dict] = {}
+
+    def run(name, offload, onload, check=True):
+        d2h, h2d = [], []
+        for i in range(reps + 1):  # rep 0 is warm-up (first pinning, allocator growth)
+            a, b = timed(offload), timed(onload)
+            if i:
+                d2h.append(a)
+                h2d.append(b)
+        if check:
+            assert fingerprint(tensors) == want, f"{name}: data changed by the round trip"
+        results[name] = {"d2h_s": statistics.median(d2h), "h2d_s": statistics.median(h2d),
+                         "d2h_GBps": nbytes / statistics.median(d2h) / 1e9,
+                         "h2d_GBps": nbytes / statistics.median(h2d) / 1e9}
+
+    for label, pin in (("ours", None), ("pageable", False)):
+        eng = OffloadEngine(pool=HostBufferPool(pin=pin), bucket_bytes=bucket_bytes)
+        groups = [TensorGroup(eng, k, v) for k, v in mix.items()]
+
+        def off(groups=groups):
+            for gr in groups:
+                gr.offload()
+
+        def on(groups=groups):
+            for gr in groups:
+                gr.onload()
+        run(label, off, on)
+        if label == "ours":
+            results[label]["pinned_host_bytes"] = eng.pool.reserved_bytes
+            results[label]["pool_allocations_after_all_reps"] = eng.pool.allocations
+        eng.close()
+        for gr in groups:
+            gr.close()
+
+    # Plain tensors cannot swap .data; wrap every tensor as a Parameter-like holder list.
+    holders = [t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
+               for t in tensors]
+
+    def naive_off():
+        for p in holders:
+            p.data = p.data.cpu()
+
+    def naive_on():
+        for p in holders:
+            p.data = p.data.to(dev)
+
+    def nb_off():
+        for p in holders:
+            p.data = p.data.to("cpu", non_blocking=True)
+
+    def nb_on():
+        for p in holders:
+            p.data = p.data.to(dev, non_blocking=True)
+    tensors[:] = holders
+    run("naive", naive_off, naive_on)
+    if accelerator.device_type() != "cpu":
+        run("upstream", nb_off, nb_on)
+
+    # Ceiling: the same number of bytes in one device buffer <-> one pinned host buffer.
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=accelerator.pin_memory_supported())
+    run("pinned", lambda: host.copy_(flat, non_blocking=True), lambda: flat.copy_(host, non_blocking=True),
+        check=False)
+    del flat, host
+    return results, nbytes
+
+
+def bench_schedules(unit_bytes: int, iterations: int = 2) -> dict:
+    """Die-ratio model (per-die GB of the reference layout, 1 GB -> unit_bytes): params P=5.2,
+    grads 10.4, optimizer shard 3.9, reference 5.2, rollout shard 23, KV cache 30."""
+    dev = accelerator.current_device()
+    ratio = {"train_params": 5.2, "grads": 10.4, "optimizer": 3.9, "ref_params": 5.2,
+             "rollout_weights": 23.0, "kv_cache": 30.0}
+    out = {}
+    for make in (ours, baseline):
+        accelerator.synchronize()
+        accelerator.empty_cache()
+        floor = accelerator.memory_allocated()
+        eng = OffloadEngine(pool=HostBufferPool())
+        ts = {r: [torch.ones(int(v * unit_bytes) // 2, dtype=torch.bfloat16, device=dev)] for r, v in ratio.items()}
+        groups = {r: TensorGroup(eng, r, t, read_only=(r == "ref_params"), zero_on_allocate=(r == "grads"))
+                  for r, t in ts.items()}
+
+        def reshard(tp, rw):
+            src = tp.storage_views()[0]
+            for v in rw.storage_views():
+                v[: src.numel()].copy_(src[: v.numel()])
+
+        hooks = dict(reshard=reshard, generate=lambda: ts["kv_cache"][0].fill_(2),
+                     ref_forward=lambda: ts["ref_params"][0].sum(), train=lambda: ts["train_params"][0].add_(1))
+        s = make(groups, ledger=MemoryLedger())
+        s.prepare()
+        for _ in range(iterations):
+            s.run_iteration(**hooks)
+        it = iterations - 1
+        h2d, d2h = s.ledger.moved(it)
+        moves = [e for e in s.ledger.entries if e.iteration == it and (e.h2d_bytes or e.d2h_bytes)]
+        out[s.name] = {
+            "ledger_peak_bytes": s.ledger.peak_bytes, "ledger_peak_step": s.ledger.peak_step,
+            "measured_peak_bytes": (None if s.ledger.measured_peak_bytes is None
+                                    else s.ledger.measured_peak_bytes - floor),
+            "measured_peak_step": s.ledger.measured_peak_step,
+            "h2d_bytes_per_iteration": h2d, "d2h_bytes_per_iteration": d2h,
+            "copy_seconds_per_iteration": sum(e.seconds for e in moves),
+            "sizes": {r: g.nbytes for r, g in groups.items()},
+            "ledger_table": s.ledger.format_table(unit=1 << 20),
+        }
+        eng.close()
+        for g in groups.values():
+            g.close()
+        del groups, ts, s
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2, help="MoE layers of the stage shard (a stage has 7-8)")
+    ap.add_argument("--shrink", type=int, default=1, help="divide large dims (CPU smoke runs)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--schedule-unit-mb", type=float, default=128.0,
+                    help="bytes per reference-layout GB in the schedule model")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "out"), "bench_offload.json"))
+    args = ap.parse_args()
+
+    info = accelerator.describe()
+    mix = build_mix(args.layers, args.shrink, accelerator.current_device())
+    sizes = {k: sum(t.untyped_storage().nbytes() for t in v) for k, v in mix.items()}
+    counts = {k: len(v) for k, v in mix.items()}
+    methods, nbytes = bench_methods(mix, args.reps, args.bucket_mb << 20)
+    del mix
+    sched = bench_schedules(int(args.schedule_unit_mb * (1 << 20)))
+
+    ref = methods["pinned"]
+    print(f"# offload benchmark, {info}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"mix: {args.layers} MoE layers of a TP4/EP8/PP8 DeepSeek-V3 rank: "
+          + ", ".join(f"{k} {sizes[k] / GiB:.2f} GiB in {counts[k]} tensors" for k in sizes)
+          + f"; total {nbytes / GiB:.2f} GiB, median of {args.reps}")
+    print()
+    print("| method | offload GB/s | onload GB/s | offload vs pinned copy_ | onload vs pinned copy_ |")
+    print("|---|---|---|---|---|")
+    for name, r in methods.items():
+        print(f"| {name} | {r['d2h_GBps']:.1f} | {r['h2d_GBps']:.1f} | {r['d2h_GBps'] / ref['d2h_GBps']:.2f} "
+              f"| {r['h2d_GBps'] / ref['h2d_GBps']:.2f} |")
+    o, n = methods["ours"], methods["naive"]
+    print()
+    print(f"ours / naive: offload {o['d2h_GBps'] / n['d2h_GBps']:.1f}x, onload {o['h2d_GBps'] / n['h2d_GBps']:.1f}x")
+    checks = {
+        "ours >= 0.8 x pinned copy_, offload": o["d2h_GBps"] >= 0.8 * ref["d2h_GBps"],
+        "ours >= 0.8 x pinned copy_, onload": o["h2d_GBps"] >= 0.8 * ref["h2d_GBps"],
+        "ours >= 2 x naive, offload": o["d2h_GBps"] >= 2 * n["d2h_GBps"],
+        "ours >= 2 x naive, onload": o["h2d_GBps"] >= 2 * n["h2d_GBps"],
+    }
+    for k, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}: {k}")
+    print()
+    print("| schedule | ledger peak GiB (step) | allocator peak GiB (step) | H2D GiB/iter | D2H GiB/iter |")
+    print("|---|---|---|---|---|")
+    for name, r in sched.items():
+        mp = r["measured_peak_bytes"]
+        print(f"| {name} | {r['ledger_peak_bytes'] / GiB:.2f} ({r['ledger_peak_step']}) | "
+              f"{'n/a' if mp is None else f'{mp / GiB:.2f}'} ({r['measured_peak_step']}) | "
+              f"{r['h2d_bytes_per_iteration'] / GiB:.2f} | {r['d2h_bytes_per_iteration'] / GiB:.2f} |")
+    s_o, s_b = sched["ours"], sched["baseline"]
+    print()
+    print(f"peak saved by the reorder: {(s_b['ledger_peak_bytes'] - s_o['ledger_peak_bytes']) / GiB:.2f} GiB "
+          f"(ledger); sizes GiB: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in s_o["sizes"].items()))
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"device": info, "args": vars(args), "mix_bytes": sizes, "mix_tensors": counts,
+                   "total_bytes": nbytes, "methods": methods, "schedules": sched, "checks": checks}, f, indent=1)
+    print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
