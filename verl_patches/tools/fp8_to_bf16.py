@@ -1,0 +1,161 @@
+"""Dequantise DeepSeek-V3's released FP8 checkpoint (128x128 block scales, ``weight_scale_inv``) to BF16.
+
+``python -m verl_patches.tools.fp8_to_bf16 --input HF_FP8_DIR --output HF_BF16_DIR [--drop-mtp]``; one shard in memory at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+SCALE_SUFFIX = "_scale_inv"
+INDEX_NAME = "model.safetensors.index.json"
+BLOCK = 128
+
+
+class ConversionError(RuntimeError):
+    """The input checkpoint is not what the conversion expects; the message names the tensor or file."""
+
+
+def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK, name: str = "weight") -> torch.Tensor:
+    """BF16 of ``weight`` (float8_e4m3fn, [M, N]) times its per-block scale ([ceil(M/b), ceil(N/b)])."""
+    if weight.dim() != 2:
+        raise ConversionError(f"{name}: FP8 weight must be 2-D, got shape {tuple(weight.shape)}")
+    m, n = weight.shape
+    want = (math.ceil(m / block), math.ceil(n / block))
+    if tuple(scale_inv.shape) != want:
+        raise ConversionError(f"{name}: scale {tuple(scale_inv.shape)} does not match {block}x{block} blocks of "
+                              f"{tuple(weight.shape)} (expected {want})")
+    # Edge blocks are partial: expand the scale to whole blocks, then crop to the weight.
+    scale = scale_inv.float().repeat_interleave(block, 0)[:m].repeat_interleave(block, 1)[:, :n]
+    return (weight.float() * scale).to(torch.bfloat16)
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _load_index(src: Path) -> dict[str, str]:
+    idx = src / INDEX_NAME
+    if idx.is_file():
+        weight_map = json.loads(idx.read_text())["weight_map"]
+    else:
+        files = sorted(src.glob("*.safetensors"))
+        if len(files) != 1:
+            raise ConversionError(f"{src}: no {INDEX_NAME} and {len(files)} safetensors files (need the index or exactly one)")
+        from safetensors import safe_open
+
+        with safe_open(files[0], "pt") as f:
+            weight_map = {k: files[0].name for k in f.keys()}
+    missing = sorted({f for f in weight_map.values() if not (src / f).is_file()})
+    if missing:
+        raise ConversionError(f"{src}: index names shard(s) that are not there: {missing[:5]}")
+    return weight_map
+
+
+def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True) -> dict:
+    """Write the BF16 checkpoint to ``dst``; already finished shards are kept (resumable)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    src, dst = Path(src), Path(dst)
+    if src.resolve() == dst.resolve():
+        raise ConversionError("output directory must differ from the input")
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
+    weight_map = _load_index(src)
+    n_layers = config.get("num_hidden_layers") if config else None
+    if drop_mtp and n_layers is None:
+        raise ConversionError("--drop-mtp needs config.json with num_hidden_layers")
+
+    def keep(name: str) -> bool:
+        layer = _layer_of(name)
+        return not (drop_mtp and layer is not None and layer >= n_layers)
+
+    dst.mkdir(parents=True, exist_ok=True)
+    shards = sorted(set(weight_map.values()))
+    new_map: dict[str, str] = {}
+    stats = {"shards": len(shards), "skipped_existing": 0, "dequantized": 0, "copied": 0, "dropped": 0}
+    for shard in tqdm(shards, desc="fp8->bf16", unit="shard", disable=not progress):
+        names = [k for k, v in weight_map.items() if v == shard and not k.endswith(SCALE_SUFFIX)]
+        kept = [k for k in names if keep(k)]
+        stats["dropped"] += len(names) - len(kept)
+        for k in kept:
+            new_map[k] = shard
+        out = dst / shard
+        if out.is_file():
+            # Written by rename after a complete save: present means finished.
+            stats["skipped_existing"] += 1
+            continue
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(src / shard, "pt") as f:
+            for k in kept:
+                t = f.get_tensor(k)
+                if t.dtype == torch.float8_e4m3fn:
+                    tensors[k] = dequantize(t, _scale_for(src, weight_map, k), name=k)
+                    stats["dequantized"] += 1
+                else:
+                    tensors[k] = t
+                    stats["copied"] += 1
+        tmp = out.with_name(out.name + ".partial")
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, out)
+        del tensors
+    for stale in dst.glob("*.partial"):
+        stale.unlink()  # left by an interrupted run whose shard has been written since
+    total = sum((dst / s).stat().st_size for s in set(new_map.values()))
+    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": dict(sorted(new_map.items()))}, indent=2))
+    if config is not None:
+        config.pop("quantization_config", None)
+        config["torch_dtype"] = "bfloat16"
+        if drop_mtp:
+            config["num_nextn_predict_layers"] = 0
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    # Tokenizer, generation config, modelling code: everything that is not a weight.
+    for p in src.iterdir():
+        if p.is_file() and p.suffix != ".safetensors" and p.name not in (INDEX_NAME, "config.json") \
+                and not p.name.endswith(".partial"):
+            shutil.copy2(p, dst / p.name)
+    return stats
+
+
+def _scale_for(src: Path, weight_map: dict[str, str], name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    key = name + SCALE_SUFFIX
+    if key not in weight_map:
+        raise ConversionError(f"{name} is float8_e4m3fn but {key} is not in the checkpoint")
+    # The scale may sit in another shard: read just that tensor, not the shard.
+    with safe_open(src / weight_map[key], "pt") as f:
+        return f.get_tensor(key)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m verl_patches.tools.fp8_to_bf16", description=__doc__)
+    p.add_argument("--input", type=Path, required=True, help="HF checkpoint with FP8 weights")
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--drop-mtp", action="store_true", help="drop the MTP layers and set num_nextn_predict_layers=0")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        stats = convert(args.input, args.output, args.drop_mtp, progress=not args.no_progress)
+    except (ConversionError, FileNotFoundError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
