@@ -6,6 +6,7 @@ device backend), and collect each rank's return value. Used by tests and by
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -31,8 +32,10 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., An
 
             accelerator.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        queue.put((rank, True, result))
+        # Plain pickle (a byte copy): torch's queue pickling would pass tensors as shared
+        # memory handles, which die with this process before the parent reads them.
+        payload = pickle.dumps(fn(rank, world, *args))
+        queue.put((rank, True, payload))
     except BaseException:  # noqa: BLE001 - the parent re-raises with the rank named
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -84,7 +87,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
                 time.sleep(0.02)
                 continue
             rank, ok, payload = queue.get()
-            (results if ok else failures)[rank] = payload
+            (results if ok else failures)[rank] = pickle.loads(payload) if ok else payload
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -1,0 +1,311 @@
+"""``python -m verl_patches preflight``: rehearse whole train/rollout switches and verify them.
+
+Locally it spawns ``--nproc`` processes; under torchrun (RANK/WORLD_SIZE set, one process per
+die) it runs in place, which is how it runs across the cluster before a real job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from verl_patches.core.lock import REPO_ROOT
+
+MODELS = {"tiny": REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json",
+          "deepseek_v3": REPO_ROOT / "configs" / "model" / "deepseek_v3.json"}
+# Default layouts per process count for the tiny model (4 layers, the first dense): training
+# uses TP, uneven PP and EP where the count allows, rollout TP + DP with EP over the instance.
+DEFAULT_LAYOUTS = {
+    8: ("tp=2,pp=2,ep=2,layers=1,3", "tp=2,dp=4"),
+    4: ("tp=2,pp=2,ep=1,layers=1,3", "tp=1,dp=4"),
+    2: ("tp=1,pp=2,ep=1,layers=1,3", "tp=1,dp=2"),
+    1: ("tp=1,pp=1,ep=1", "tp=1,dp=1"),
+}
+REFERENCE_LAYOUTS = [("tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7", "tp=2,dp=128"),
+                     ("tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7", "tp=2,dp=64,instances=2")]
+METHOD_NAMES = {"direct": "ours (direct)", "recipe": "B (recipe)", "upstream": "A (upstream)"}
+# Models up to this many parameters are gathered on rank 0 for the logit check and the dump.
+GATHER_LIMIT = 50_000_000
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.2f}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m verl_patches preflight", description=__doc__)
+    p.add_argument("--nproc", type=int, default=None, help="local processes to spawn (default 8; "
+                   "ignored under torchrun)")
+    p.add_argument("--backend", choices=("gloo", "nccl", "hccl"), default="gloo")
+    p.add_argument("--model", default="tiny", help="tiny | deepseek_v3 | PATH to a HF config.json")
+    p.add_argument("--train", default=None, help="e.g. tp=2,pp=2,ep=2,layers=1,3")
+    p.add_argument("--rollout", default=None, help="e.g. tp=2,dp=4[,instances=1]")
+    p.add_argument("--method", default="all", choices=("direct", "recipe", "upstream", "all"))
+    p.add_argument("--steps", type=int, default=2, help="switch iterations per method (>= 2 to check leaks)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--bucket-mb", type=float, default=64.0)
+    p.add_argument("--kv-mb", type=float, default=16.0, help="size of the simulated KV cache per rank")
+    p.add_argument("--dump", type=Path, default=None, help="write rollout shards + reference model here")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--no-plan", action="store_true", help="skip the 256-die reference plan figures")
+    p.add_argument("--corrupt", default=None, help=argparse.SUPPRESS)  # RANK:PARAM:METHOD fault injection
+    a = p.parse_args(argv)
+    if a.steps < 1:
+        p.error("--steps must be >= 1")
+    return a
+
+
+def _load_model(spec: str) -> tuple[dict[str, Any], str]:
+    path = MODELS.get(spec, Path(spec))
+    if not Path(path).is_file():
+        raise SystemExit(f"preflight: model config {spec!r} not found (tiny, deepseek_v3, or a config.json path)")
+    return json.loads(Path(path).read_text()), str(path)
+
+
+def _options(a: argparse.Namespace, world: int) -> Any:
+    from verl_patches.preflight.rehearse import Options
+
+    model, _ = _load_model(a.model)
+    train, rollout = a.train, a.rollout
+    if train is None or rollout is None:
+        if world not in DEFAULT_LAYOUTS or a.model != "tiny":
+            raise SystemExit(f"preflight: give --train and --rollout for {world} processes and model {a.model!r} "
+                             f"(defaults exist for the tiny model on {sorted(DEFAULT_LAYOUTS)} processes)")
+        dt, dr = DEFAULT_LAYOUTS[world]
+        train, rollout = train or dt, rollout or dr
+    corrupt = None
+    if a.corrupt:
+        r, name, m = a.corrupt.split(":")
+        corrupt = (int(r), name, m)
+    methods = ("direct", "recipe", "upstream") if a.method == "all" else (a.method,)
+    n_params = _count_params(model)
+    return Options(model=model, train=train, rollout=rollout, methods=methods, steps=a.steps, seed=a.seed,
+                   dtype=a.dtype, bucket_mb=a.bucket_mb, kv_mb=a.kv_mb, corrupt=corrupt,
+                   gather_shards=n_params <= GATHER_LIMIT)
+
+
+def _count_params(model: dict[str, Any]) -> int:
+    from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+
+    P = build_placements(ModelConfig.from_hf(model), TrainLayout(1, 1, 1, (), 1, True), RolloutLayout(1, 1))
+    return sum(t.numel for t in P.tensors)
+
+
+def _rank_entry(rank: int, world: int, opts: Any) -> dict[str, Any]:
+    from verl_patches.preflight.rehearse import rehearse
+
+    return rehearse(rank, world, opts)
+
+
+# -- aggregation and report ------------------------------------------------------------------
+
+def aggregate(results: list[dict[str, Any]], opts: Any) -> dict[str, Any]:
+    methods: dict[str, Any] = {}
+    for m in opts.methods:
+        per_rank = [r["methods"][m] for r in results]
+        steps = len(per_rank[0]["steps"])
+        recv = [[pr["steps"][s]["recv_bytes"] for pr in per_rank] for s in range(steps)]
+        secs = [max(pr["steps"][s]["seconds"] for pr in per_rank) for s in range(steps)]
+        phases = sorted({k for pr in per_rank for k in pr["phase_seconds"]},
+                        key=lambda k: list(per_rank[0]["phase_seconds"]).index(k)
+                        if k in per_rank[0]["phase_seconds"] else 99)
+        methods[m] = {
+            "method": m,
+            "reshard_seconds_median": statistics.median(secs),
+            "reshard_seconds_per_step": secs,
+            "max_recv_bytes": max(max(r) for r in recv),
+            "mean_recv_bytes": sum(sum(r) for r in recv) / (steps * len(results)),
+            "link_bytes_per_step": sum(recv[-1]),
+            "collectives": max(pr["steps"][-1]["collectives"] for pr in per_rank),
+            "peak_extra_bytes": max(max(s["peak_extra_bytes"] for s in pr["steps"]) for pr in per_rank),
+            "ledger_peak_bytes_max_rank": max(pr["ledger_peak"] for pr in per_rank),
+            "ledger_peak_step": per_rank[0]["ledger_peak_step"],
+            "phase_seconds": {k: max(pr["phase_seconds"].get(k, 0.0) for pr in per_rank) for k in phases},
+            "mismatches": [x for pr in per_rank for x in pr["mismatches"]],
+        }
+    leaks = []
+    for r in results:
+        for m, mem in r["memory"].items():
+            a, b = mem["after_first"], mem["after_last"]
+            if b["device_allocated"] != a["device_allocated"]:
+                leaks.append(f"rank {r['rank']} {m}: device memory {a['device_allocated']} -> {b['device_allocated']}")
+            if b["host_pool_bytes"] != a["host_pool_bytes"] or b["host_allocations"] != a["host_allocations"]:
+                leaks.append(f"rank {r['rank']} {m}: host buffer pool grew after the first step "
+                             f"({a['host_pool_bytes']} -> {b['host_pool_bytes']} bytes)")
+    return {"methods": methods, "leaks": leaks}
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = []
+    ms = report["methods"]
+    lines.append(f"{'method':<16}{'reshard s':>11}{'recv max MiB':>14}{'recv mean MiB':>15}{'link MiB':>11}"
+                 f"{'collectives':>13}{'extra MiB':>11}{'ledger peak MiB':>17}  check")
+    for m, r in ms.items():
+        ok = "ok" if not r["mismatches"] else f"{len(r['mismatches'])} WRONG"
+        lines.append(f"{METHOD_NAMES[m]:<16}{r['reshard_seconds_median']:>11.4f}{_mib(r['max_recv_bytes']):>14}"
+                     f"{_mib(r['mean_recv_bytes']):>15}{_mib(r['link_bytes_per_step']):>11}{r['collectives']:>13}"
+                     f"{_mib(r['peak_extra_bytes']):>11}{_mib(r['ledger_peak_bytes_max_rank']):>17}  {ok}")
+    lines.append("")
+    phases = list(next(iter(ms.values()))["phase_seconds"])
+    lines.append("seconds per switch phase (slowest rank, mean over steps):")
+    lines.append(f"{'phase':<26}" + "".join(f"{METHOD_NAMES[m]:>16}" for m in ms))
+    for ph in phases:
+        lines.append(f"{ph:<26}" + "".join(f"{ms[m]['phase_seconds'].get(ph, 0.0):>16.4f}" for m in ms))
+    return "\n".join(lines)
+
+
+def reference_plans(model_path: Path) -> list[dict[str, Any]]:
+    from verl_patches.reshard.planner import build_plan
+    from verl_patches.reshard.summary import plan_summaries
+
+    out = []
+    for train, rollout in REFERENCE_LAYOUTS:
+        plan = build_plan(str(model_path), train, rollout)
+        out.append({"train": train, "rollout": rollout, "methods": plan_summaries(plan)})
+    return out
+
+
+def render_plans(plans: list[dict[str, Any]]) -> str:
+    lines = ["reshard plan for DeepSeek-V3 671B on 256 dies (configs/model/deepseek_v3.json, bf16):"]
+    for p in plans:
+        lines.append(f"  train {p['train']}  ->  rollout {p['rollout']}")
+        for s in p["methods"]:
+            lines.append(f"    {METHOD_NAMES[s['method']]:<16} recv max {s['max_recv_bytes'] / 1e9:9.2f} GB/rank  "
+                         f"mean {s['mean_recv_bytes'] / 1e9:9.2f} GB  links {s['total_link_bytes'] / 1e12:8.2f} TB  "
+                         f"collectives {s['collectives']:>6}  extra {s['peak_extra_bytes'] / 1e9:7.2f} GB")
+    return "\n".join(lines)
+
+
+def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], elapsed: float) -> int:
+    report = aggregate(results, opts)
+    print(render(report))
+    failures = [f"rank {x['rank']}, parameter {x['param']}, method {x['method']}, step {x['step']}: "
+                f"{x['elements_wrong']} element(s) differ from the expected rollout shard"
+                for m in report["methods"].values() for x in m["mismatches"]]
+    logit = None
+    if opts.gather_shards and not failures:
+        logit = _logit_check(opts, results)
+    elif not opts.gather_shards:
+        print("\nlogit check skipped: the model is too large to gather on one rank")
+    if a.dump:
+        _dump(a.dump, opts, results)
+    plans = None
+    if not a.no_plan and MODELS["deepseek_v3"].is_file():
+        plans = reference_plans(MODELS["deepseek_v3"])
+        print("\n" + render_plans(plans))
+    failures += report["leaks"]
+    if isinstance(logit, str):
+        failures.append(logit)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"options": {k: v for k, v in opts.__dict__.items() if k != "model"}, "world": len(results),
+                   "elapsed_seconds": elapsed, "report": report, "logit_check": logit, "reference_plans": plans,
+                   "failures": failures}
+        a.json.write_text(json.dumps(payload, indent=2, default=str))
+    if failures:
+        print("\nPREFLIGHT FAILED:", file=sys.stderr)
+        for f in failures:
+            print(f"  - {f}", file=sys.stderr)
+        return 1
+    print(f"\npreflight passed: {len(results)} ranks, methods {', '.join(opts.methods)}, {opts.steps} step(s) "
+          f"each, every rollout shard bit-exact, no memory growth ({elapsed:.1f} s)")
+    return 0
+
+
+def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
+    import torch
+
+    from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
+    from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.shards import torch_dtype
+
+    P = build_placements(ModelConfig.from_hf(opts.model), TrainLayout.parse(opts.train),
+                         RolloutLayout.parse(opts.rollout))
+    dtype = torch_dtype(opts.dtype)
+    m = opts.methods[0]
+    step = results[0]["shards"][m]["step"]
+    variants = {"reference": to_hf(P, reference(P, seed=opts.seed, step=step, dtype=dtype))}
+    for side in ("train", "rollout"):
+        storages = {r["rank"]: r["shards"][m][side] for r in results}
+        variants[f"{side} shards"] = to_hf(P, assemble(P, side, storages, dtype))
+    try:
+        info = check_logits(opts.model, P, variants, seed=opts.seed)
+    except LogitCheckError as e:
+        return f"logit check: {e}"
+    print(f"\nlogit check: transformers DeepseekV3 built from the training shards and from the rollout shards "
+          f"({info['parameters']} parameters) gives the reference model's logits exactly")
+    del torch
+    return info
+
+
+def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
+    from safetensors.torch import save_file
+
+    from verl_patches.preflight.hf_check import reference, to_hf
+    from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.shards import torch_dtype
+
+    if not opts.gather_shards:
+        print("dump skipped: the model is too large to gather on one rank")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    m = opts.methods[0]
+    step = results[0]["shards"][m]["step"]
+    for r in results:
+        save_file({k: v.contiguous() for k, v in r["shards"][m]["rollout"].items()}, str(root / f"rollout_rank{r['rank']:05d}.safetensors"))
+    P = build_placements(ModelConfig.from_hf(opts.model), TrainLayout.parse(opts.train), RolloutLayout.parse(opts.rollout))
+    ref = to_hf(P, reference(P, seed=opts.seed, step=step, dtype=torch_dtype(opts.dtype)))
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(root / "reference_model.safetensors"))
+    manifest = {"train_layout": opts.train, "rollout_layout": opts.rollout, "method": m, "seed": opts.seed,
+                "step": step, "dtype": opts.dtype, "world": len(results), "model_config": opts.model,
+                "files": {"reference": "reference_model.safetensors (HF names)",
+                          "rollout": "rollout_rank<RANK>.safetensors (vLLM 0.9.1 names, per rank)"}}
+    (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    print(f"dumped {len(results)} rollout shard files, the reference model and manifest.json to {root}")
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if a.backend == "hccl":
+        os.environ.setdefault("VERL_PATCHES_DEVICE", "npu")
+    elif a.backend == "nccl":
+        os.environ.setdefault("VERL_PATCHES_DEVICE", "cuda")
+    else:
+        os.environ.setdefault("VERL_PATCHES_DEVICE", "cpu")
+    t0 = time.perf_counter()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
+        return _main_torchrun(a, t0)
+    world = a.nproc or 8
+    opts = _options(a, world)
+    print(f"preflight: {world} local processes, backend {a.backend}, model {a.model}, "
+          f"train {opts.train}, rollout {opts.rollout}, methods {', '.join(opts.methods)}, steps {opts.steps}",
+          flush=True)
+    from verl_patches.testing.dist import run_distributed
+
+    results = run_distributed(_rank_entry, world, opts, backend=a.backend,
+                              env={"VERL_PATCHES_DEVICE": os.environ["VERL_PATCHES_DEVICE"]}, timeout=3600)
+    return _finish(a, opts, results, time.perf_counter() - t0)
+
+
+def _main_torchrun(a: argparse.Namespace, t0: float) -> int:
+    import torch.distributed as dist
+
+    from verl_patches import accelerator
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    accelerator.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(a.backend)
+    opts = _options(a, world)
+    res = _rank_entry(rank, world, opts)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(res, gathered, dst=0)
+    code = _finish(a, opts, gathered, time.perf_counter() - t0) if rank == 0 else 0
+    dist.destroy_process_group()
+    return code

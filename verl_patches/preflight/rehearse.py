@@ -1,0 +1,157 @@
+"""One rank's rehearsal of the train/rollout switch: our schedule and engines on real process
+groups, with every rollout byte checked against the seeded ground truth after each reshard.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_patches import accelerator
+from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
+                                  rollout_weights_group, train_params_group)
+from verl_patches.preflight.values import expected_rollout, train_shards, update_in_place
+from verl_patches.reshard.executor import execute
+from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+from verl_patches.reshard.planner import build_plan
+from verl_patches.reshard.shards import torch_dtype
+
+
+@dataclass(frozen=True)
+class Options:
+    model: dict[str, Any]  # HF config.json contents
+    train: str
+    rollout: str
+    methods: tuple[str, ...]
+    steps: int = 2
+    seed: int = 0
+    dtype: str = "bfloat16"
+    bucket_mb: float = 64.0
+    kv_mb: float = 16.0
+    corrupt: tuple[int, str, str] | None = None  # (rank, vLLM parameter, method): fault injection
+    gather_shards: bool = False  # send the shards to rank 0 (logit check, dump); small models only
+
+
+@dataclass
+class MethodResult:
+    steps: list[dict[str, Any]] = field(default_factory=list)  # per step: exec stats
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # mean over iterations
+    ledger_peak: int = 0
+    ledger_peak_step: str | None = None
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+
+
+def host_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _compare(rank: int, method: str, step: int, got: dict[str, torch.Tensor],
+             want: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    bad = []
+    for name, w in want.items():
+        g = got[name]
+        if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g, w):
+            diff = (g != w) if g.shape == w.shape else None
+            first = int(diff.reshape(-1).nonzero()[0]) if diff is not None and diff.any() else -1
+            bad.append({"rank": rank, "method": method, "step": step, "param": name,
+                        "elements_wrong": int(diff.sum()) if diff is not None else -1, "first_flat_index": first})
+    return bad
+
+
+def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
+    """Run ``opts.steps`` switch iterations per method on this rank; return what it saw."""
+    device = accelerator.current_device()
+    dtype = torch_dtype(opts.dtype)
+    P = build_placements(ModelConfig.from_hf(opts.model), TrainLayout.parse(opts.train),
+                         RolloutLayout.parse(opts.rollout))
+    if P.world != world:
+        raise ValueError(f"the rollout layout {opts.rollout!r} covers {P.world} ranks but {world} processes run")
+    plan = build_plan(opts.model, P.train, P.rollout, bucket_bytes=int(opts.bucket_mb * (1 << 20)),
+                      dtype=opts.dtype, placements=P)
+    out: dict[str, Any] = {"rank": rank, "methods": {}, "memory": {}}
+    kv_elems = max(1, int(opts.kv_mb * (1 << 20)) // dtype.itemsize)
+
+    for method in opts.methods:
+        res = MethodResult()
+        engine = OffloadEngine(bucket_bytes=int(opts.bucket_mb * (1 << 20)))
+        params = train_shards(P, rank, seed=opts.seed, step=0, dtype=dtype, device=device)
+        grads = {n: torch.zeros_like(v) for n, v in params.items()}
+        ref = {n: v.clone() for n, v in params.items()}  # the reference model is the initial policy
+        rollout = {n: torch.empty(s, dtype=dtype, device=device) for n, s in P.rollout_storage[rank].items()}
+        kv = [torch.empty(kv_elems, dtype=dtype, device=device)]
+        groups = {
+            "train_params": train_params_group(engine, list(params.values())),
+            # Gradients: released after the update and re-allocated zeroed before it.
+            "grads": TensorGroup(engine, "grads", list(grads.values()), zero_on_allocate=True),
+            "ref_params": reference_group(engine, list(ref.values())),
+            "rollout_weights": rollout_weights_group(engine, list(rollout.values())),
+            "kv_cache": kv_cache_group(engine, kv),
+        }
+        sched = ours(groups)
+        sched.prepare()
+        step_box = {"step": 0}
+
+        def reshard(_train_group, _rollout_group) -> None:
+            s = step_box["step"]
+            accelerator.synchronize()
+            t0 = time.perf_counter()
+            st = execute(plan, rank, params, rollout, method=method)
+            accelerator.synchronize()
+            seconds = time.perf_counter() - t0
+            res.steps.append({"step": s, "recv_bytes": st.recv_bytes, "sent_bytes": st.sent_bytes,
+                              "local_bytes": st.local_bytes, "collectives": st.collectives,
+                              "peak_extra_bytes": st.peak_extra_bytes, "seconds": seconds})
+            if opts.corrupt and opts.corrupt[0] == rank and opts.corrupt[2] == method:
+                # Fault injection (tests): one element of one received parameter changes.
+                flat = rollout[opts.corrupt[1]].view(-1)
+                flat[0] = flat[0] + 1
+            want = expected_rollout(P, rank, seed=opts.seed, step=s, dtype=dtype, device=device)
+            res.mismatches.extend(_compare(rank, method, s, rollout, want))
+            if opts.gather_shards and s == opts.steps - 1:
+                # Both sides of the last switch, for the logit check and the dump on rank 0.
+                out.setdefault("shards", {})[method] = {
+                    "step": s,
+                    "rollout": {n: v.detach().to("cpu", copy=True) for n, v in rollout.items()},
+                    "train": {n: v.detach().to("cpu", copy=True) for n, v in params.items()}}
+
+        def train() -> None:
+            # The simulated update: new parameter values, so the next reshard must move them.
+            step_box["step"] += 1
+            update_in_place(P, rank, params, seed=opts.seed, step=step_box["step"])
+
+        hooks = {"reshard": reshard, "generate": lambda: None, "ref_forward": lambda: None, "train": train}
+        for it in range(opts.steps):
+            for _ in sched.steps:
+                e = sched.advance(**hooks)
+                if rank == 0:  # one progress line per phase
+                    print(f"[preflight] {method:<8} step {it} {e.step:<24} {e.seconds:8.4f} s  "
+                          f"resident on rank 0: {e.total / (1 << 20):9.2f} MiB", flush=True)
+            if it == 0:
+                accelerator.synchronize()
+                out["memory"].setdefault(method, {})["after_first"] = {
+                    "device_allocated": accelerator.memory_allocated(), "host_rss": host_rss(),
+                    "host_pool_bytes": engine.pool.reserved_bytes, "host_allocations": engine.pool.allocations}
+        accelerator.synchronize()
+        out["memory"][method]["after_last"] = {
+            "device_allocated": accelerator.memory_allocated(), "host_rss": host_rss(),
+            "host_pool_bytes": engine.pool.reserved_bytes, "host_allocations": engine.pool.allocations}
+        n_iter = max(1, opts.steps)
+        totals: dict[str, float] = {}
+        for e in sched.ledger.entries:
+            totals[e.step] = totals.get(e.step, 0.0) + e.seconds
+        res.phase_seconds = {k: v / n_iter for k, v in totals.items()}
+        res.ledger_peak = sched.ledger.peak_bytes
+        res.ledger_peak_step = sched.ledger.peak_step
+        for g in groups.values():
+            g.close()
+        out["methods"][method] = res.__dict__
+        dist.barrier()
+    return out
