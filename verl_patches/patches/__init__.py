@@ -6,4 +6,7 @@ order, which is also the order the prelude applies them in.
 
 PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_utils_reward_score",
+    "verl_patches.patches.vllm.patch_distributed_parallel_state",
+    "verl_patches.patches.vllm.patch_config",
+    "verl_patches.patches.vllm.patch_forward_context",
 )
