@@ -6,6 +6,8 @@ Methods, same tensors, side by side after warm-up (medians of --reps):
   pageable  : the same engine over pageable host buffers
   naive     : per tensor, p.data = p.data.cpu() / p.data = p.data.to(device)
   upstream  : per tensor .to(..., non_blocking=True) + sync (verl 0.4.1's non-DDP offload path)
+  verl_ddp  : per storage .cpu().pin_memory() then resize_(0); back: resize_ + copy_ (verl 0.4.1's
+              offload of Megatron DDP buffers: a pageable copy and a fresh pin every step)
   pinned    : ceiling: one copy_ between one device buffer and one pinned buffer of the same bytes
 Then ours vs baseline schedule on a die-ratio model: ledger peak and allocator peak.
 
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from verl_patches import accelerator  # noqa: E402
 from verl_patches.offload import (HostBufferPool, MemoryLedger, OffloadEngine, TensorGroup, baseline,  # noqa: E402
                                   ours)
+from verl_patches.offload.pool import _host_empty_cache  # noqa: E402
 
 GiB = 1 << 30
 
@@ -79,6 +82,14 @@ def fingerprint(ts: list[torch.Tensor]) -> list[int]:
     return [int(t.detach().reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for t in ts]
 
 
+def rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def timed(fn) -> float:
     accelerator.synchronize()
     t0 = time.perf_counter()
@@ -96,8 +107,14 @@ def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
 
     def run(name, offload, onload, check=True):
         d2h, h2d = [], []
+        _host_empty_cache()  # no pinned block cached by an earlier method may serve this one
+        rss0 = rss()
+        held = 0
         for i in range(reps + 1):  # rep 0 is warm-up (first pinning, allocator growth)
-            a, b = timed(offload), timed(onload)
+            a = timed(offload)
+            if i == 0:
+                held = rss() - rss0  # host memory this method holds while the data is offloaded
+            b = timed(onload)
             if i:
                 d2h.append(a)
                 h2d.append(b)
@@ -105,7 +122,7 @@ def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
             assert fingerprint(tensors) == want, f"{name}: data changed by the round trip"
         results[name] = {"d2h_s": statistics.median(d2h), "h2d_s": statistics.median(h2d),
                          "d2h_GBps": nbytes / statistics.median(d2h) / 1e9,
-                         "h2d_GBps": nbytes / statistics.median(h2d) / 1e9}
+                         "h2d_GBps": nbytes / statistics.median(h2d) / 1e9, "host_rss_held_bytes": held}
 
     for label, pin in (("ours", None), ("pageable", False)):
         eng = OffloadEngine(pool=HostBufferPool(pin=pin), bucket_bytes=bucket_bytes)
@@ -149,6 +166,24 @@ def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
     run("naive", naive_off, naive_on)
     if accelerator.device_type() != "cpu":
         run("upstream", nb_off, nb_on)
+        pinned: dict[int, torch.Tensor] = {}
+
+        def ddp_off():
+            for i, p in enumerate(holders):
+                st = p.untyped_storage()
+                pinned[i] = torch.empty(0, dtype=torch.uint8, device=dev).set_(st, 0, (st.nbytes(),), (1,)) \
+                    .cpu().pin_memory()
+                st.resize_(0)
+
+        def ddp_on():
+            for i, p in enumerate(holders):
+                st = p.untyped_storage()
+                st.resize_(pinned[i].numel())
+                torch.empty(0, dtype=torch.uint8, device=dev).set_(st, 0, (st.nbytes(),), (1,)) \
+                    .copy_(pinned[i], non_blocking=True)
+            accelerator.synchronize()
+            pinned.clear()
+        run("verl_ddp", ddp_off, ddp_on)
 
     # Ceiling: the same number of bytes in one device buffer <-> one pinned host buffer.
     flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -231,11 +266,12 @@ def main() -> None:
           + ", ".join(f"{k} {sizes[k] / GiB:.2f} GiB in {counts[k]} tensors" for k in sizes)
           + f"; total {nbytes / GiB:.2f} GiB, median of {args.reps}")
     print()
-    print("| method | offload GB/s | onload GB/s | offload vs pinned copy_ | onload vs pinned copy_ |")
-    print("|---|---|---|---|---|")
+    print("| method | offload GB/s | onload GB/s | offload vs pinned copy_ | onload vs pinned copy_ "
+          "| host GiB held while offloaded |")
+    print("|---|---|---|---|---|---|")
     for name, r in methods.items():
         print(f"| {name} | {r['d2h_GBps']:.1f} | {r['h2d_GBps']:.1f} | {r['d2h_GBps'] / ref['d2h_GBps']:.2f} "
-              f"| {r['h2d_GBps'] / ref['h2d_GBps']:.2f} |")
+              f"| {r['h2d_GBps'] / ref['h2d_GBps']:.2f} | {r['host_rss_held_bytes'] / GiB:.2f} |")
     o, n = methods["ours"], methods["naive"]
     print()
     print(f"ours / naive: offload {o['d2h_GBps'] / n['d2h_GBps']:.1f}x, onload {o['h2d_GBps'] / n['h2d_GBps']:.1f}x")

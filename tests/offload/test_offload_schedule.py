@@ -142,7 +142,7 @@ def test_ledger_matches_the_allocator_on_device():
         for e in s.ledger.entries:
             # The caching allocator rounds each block up to 512 bytes; the die has 12 storages.
             assert abs((e.measured_allocated - floor) - e.total) <= 12 * 512, (s.name, e.step)
-            assert e.measured_peak - floor >= e.step_peak, (s.name, e.step)
+            assert e.measured_peak - floor >= e.step_peak - 12 * 512, (s.name, e.step)
         peaks[s.name] = s.ledger.measured_peak_bytes - floor
         P, G, O, F, R, K = sizes(d)
         for g in d.groups.values():
