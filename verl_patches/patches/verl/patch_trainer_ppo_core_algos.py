@@ -1,0 +1,75 @@
+"""Old log-prob reuse, loss side: inside the update, the policy loss takes log_prob.detach() as the
+old log-prob, so the importance ratio is exactly 1 in value and keeps its gradient (RECIPE.md item 3).
+
+Upstream: verl/trainer/ppo/core_algos.py:compute_policy_loss(old_log_prob, log_prob, ...) computes
+ratio = exp(log_prob - old_log_prob). MegatronPPOActor's loss_func calls it by the name it imported
+(`from ...core_algos import compute_policy_loss`), which the prelude rebinds. The substitution happens
+only while ``reusing_old_log_prob()`` is active: the worker's update_actor wrapper
+(patch_workers_megatron_workers.py) enters it when actor.recompute_old_log_prob=False, so every other
+caller (FSDP actor, tests, a recompute run) reaches the original unchanged.
+
+Why it is exact: on-policy GRPO takes one optimizer step per batch, so the policy of the update's
+forward pass is the policy that produced the rollout; log_prob - log_prob.detach() is 0 in value and
+d ratio / d log_prob = ratio = 1, the same gradient as the recomputed path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any, Callable, Iterator
+
+from verl_patches.core.fingerprint import Fingerprint
+from verl_patches.core.record import Patch
+
+_REUSE: contextvars.ContextVar[bool] = contextvars.ContextVar("verl_patches_reuse_old_log_prob", default=False)
+
+
+@contextlib.contextmanager
+def reusing_old_log_prob() -> Iterator[None]:
+    """While active, compute_policy_loss ignores the old_log_prob it is given (a NaN placeholder
+    in the recipe: any path that misses the substitution yields a NaN loss, never a silent error)."""
+    token = _REUSE.set(True)
+    try:
+        yield
+    finally:
+        _REUSE.reset(token)
+
+
+def reuse_active() -> bool:
+    return _REUSE.get()
+
+
+def wrap_compute_policy_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compute_policy_loss(old_log_prob, log_prob, *args, **kwargs):
+        if _REUSE.get():
+            old_log_prob = log_prob.detach()
+        return original(old_log_prob, log_prob, *args, **kwargs)
+
+    return compute_policy_loss
+
+
+PATCHES = [
+    Patch(
+        id="verl.old_log_prob.policy_loss",
+        target="verl.trainer.ppo.core_algos:compute_policy_loss",
+        kind="wrap",
+        phases=("worker",),
+        upstream="verl",
+        versions="==0.4.1",
+        fingerprint=Fingerprint(
+            signature="def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange=None, "
+                      "cliprange_low=None, cliprange_high=None, clip_ratio_c=3.0, loss_agg_mode: str='token-mean')",
+            source_sha="a8e0143d6a8e0533",
+        ),
+        replacement=f"{__name__}:wrap_compute_policy_loss",
+        flag="actor_rollout_ref.actor.recompute_old_log_prob=False (verl's key; default True = upstream behaviour)",
+        why="verl 0.4.1 reads recompute_old_log_prob in MegatronPPOActor.compute_log_prob but then returns an "
+            "unbound name, and its update always needs old_log_probs: without a forward pass the loss must take "
+            "log_prob.detach() as the old log-prob (ALGORITHMS.md section 4).",
+        remove_when="verl's actor computes the ratio against log_prob.detach() itself when the old log-prob is not "
+                    "recomputed (later verl releases add an on-policy path to the policy loss).",
+    ),
+]
