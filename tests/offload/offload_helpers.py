@@ -1,8 +1,9 @@
-"""Shared builders for the offload tests: a scaled DeepSeek-V3 die's memory mix and checks.
-
-Sizes keep the per-die ratios of the reference layout (bf16 params P, fp32 grads 2P, sharded
-Adam state 0.75P, rollout shard 4.4P, KV cache 5.8P, reference params P).
+"""Shared builders for the offload tests: a scaled DeepSeek-V3 die's memory mix, hooks that
+check what the schedule promises, and bit-exact digests.
 """
+
+# Sizes keep the per-die ratios of the reference layout (bf16 params P, fp32 grads 2P, sharded
+# Adam state 0.75P, rollout shard 4.4P, KV cache 5.8P, reference params P).
 
 from __future__ import annotations
 
@@ -87,6 +88,8 @@ class ScaledDie:
         self.train_snapshot: list[str] | None = None
         self.optim_snapshot: list[str] | None = None
         self.calls = {"reshard": 0, "generate": 0, "ref_forward": 0, "train": 0}
+        self.keep_grads = keep_grads  # schedule copies grads (True) or re-allocates them zeroed
+        self.grads_snapshot: list[str] | None = None
 
     # -- hooks: each checks what the schedule promised and changes what training changes --
     def expected_rollout(self) -> list[torch.Tensor]:
@@ -124,6 +127,11 @@ class ScaledDie:
         if self.train_snapshot is not None:
             assert group_digests(tp) == self.train_snapshot, "training params not restored bit-exactly"
             assert group_digests(opt) == self.optim_snapshot, "optimizer state not restored bit-exactly"
+        if self.keep_grads:
+            if self.grads_snapshot is not None:
+                assert group_digests(self.groups["grads"]) == self.grads_snapshot, "grads not restored"
+            for p in self.params:
+                p.main_grad.zero_()
         for p in self.params:
             assert torch.count_nonzero(p.main_grad) == 0, "grads not re-allocated zeroed"
             p.main_grad.add_(0.5)
@@ -133,6 +141,7 @@ class ScaledDie:
             for v in opt.tensors():
                 v.mul_(0.9).add_(0.1)
         self.train_snapshot, self.optim_snapshot = group_digests(tp), group_digests(opt)
+        self.grads_snapshot = group_digests(self.groups["grads"])
         self.calls["train"] += 1
 
     def hooks(self) -> dict:

@@ -1,4 +1,5 @@
-"""Host buffer pool and copy engine: segment layout, reuse, the host-memory check, buckets."""
+"""Host buffer pool and copy engine: power-of-two pinned segments, reuse across steps,
+the host-memory check before anything is allocated, and bucket splitting."""
 
 import pytest
 import torch

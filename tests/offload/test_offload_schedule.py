@@ -1,12 +1,14 @@
-"""Switch schedule: step order, ledger peaks against sizes, bytes moved, 1000 iterations."""
+"""Switch schedule: step order, ledger peaks of ours vs the verl 0.4.1 order computed from
+the group sizes, bytes moved per iteration, and 1000 bit-exact iterations."""
 
 import gc
 
 import pytest
+import torch
 
 from tests.offload.offload_helpers import ScaledDie, group_digests, wholly_placed
 from verl_patches import accelerator
-from verl_patches.offload import (HostBufferPool, Location, MemoryLedger, OffloadEngine, ScheduleError, baseline,
+from verl_patches.offload import (CallbackGroup, HostBufferPool, Location, MemoryLedger, OffloadEngine, ScheduleError, baseline,
                                   baseline_steps, our_steps, ours)
 
 
@@ -64,6 +66,33 @@ def test_nothing_moves_twice():
         assert s_ours.ledger.moved(it) == (P + O + F, P + O)
         # upstream: params twice each way, rollout weights and reference both ways.
         assert s_base.ledger.moved(it) == (2 * P + O + R + F, 2 * P + O + R + F)
+
+
+def test_keep_grads_copies_them_both_ways_and_restores_them():
+    d = die(keep_grads=True)
+    s = ours(d.groups, keep_grads=True)
+    for _ in range(3):
+        s.run_iteration(**d.hooks())  # the train hook checks the grads came back bit-exactly
+    P, G, O, F, R, K = sizes(d)
+    assert s.ledger.moved(2) == (P + G + O + F, P + G + O)
+
+
+def test_kv_cache_owned_by_the_rollout_engine_is_accounted():
+    held = []
+    d = die()
+
+    def init_kv():  # what a vLLM binding does: build the cache, hand back its tensors
+        held[:] = [torch.zeros(1000, dtype=torch.bfloat16, device=d.params[0].device)]
+        return held
+
+    groups = dict(d.groups, kv_cache=CallbackGroup("vllm_kv", init_kv, held.clear))
+    s = ours(groups)
+    d.groups = groups
+    d.kv = []
+    s.run_iteration(**d.hooks())
+    P, G, O, F, R, K = sizes(d)
+    assert s.ledger.step_peaks(0)["generate"] == R + 2000 and held == []
+    assert s.ledger.last.resident["kv_cache"] == 0
 
 
 def test_tag_aware_baseline_still_holds_the_grads_during_the_reshard():

@@ -1,10 +1,11 @@
 """Offloadable groups: training params, grads, optimizer state, reference params, rollout
 weights and KV cache behind one interface (offload, onload, release, allocate).
-
-A group frees device memory for real by resizing each distinct storage to zero bytes and
-restores it by resizing back: Parameter objects, ``.data`` and every view keep their
-identity (optimizers and vLLM hold references to them), on torch 2.5.1 and on 2.11.
 """
+
+# A group frees device memory for real by resizing each distinct storage to zero bytes and
+# restores it by resizing back: Parameter objects, ``.data`` and every view keep their
+# identity (optimizers, Megatron's DDP buffers and vLLM hold references to them); this works
+# the same on torch 2.5.1 and 2.11 and on torch_npu (verl's own Megatron offload relies on it).
 
 from __future__ import annotations
 

@@ -292,6 +292,7 @@ class OffloadEngine:
         self.pool = pool or HostBufferPool()
         self.copier = copier or CopyEngine(bucket_bytes)
         self._owners: dict[int, str] = {}
+        self._names: set[str] = set()
 
     @property
     def fault_hook(self) -> FaultHook | None:
@@ -302,6 +303,10 @@ class OffloadEngine:
         self.copier.fault_hook = hook
 
     def claim(self, group: str, storage_keys: Iterable[int]) -> None:
+        """Register a new group's storages; a name is a host buffer key, so it must be unique."""
+        if group in self._names:
+            raise ValueError(f"offload group name {group!r} is already used in this engine; "
+                             "names key the host buffers and must be unique")
         keys = list(storage_keys)
         for k in keys:
             owner = self._owners.get(k)
@@ -311,11 +316,14 @@ class OffloadEngine:
                                  "(otherwise the host would hold two copies of it)")
         for k in keys:
             self._owners[k] = group
+        self._names.add(group)
 
     def unclaim(self, group: str) -> None:
+        self._names.discard(group)
         for k in [k for k, g in self._owners.items() if g == group]:
             del self._owners[k]
 
     def close(self) -> None:
         self.pool.close()
         self._owners.clear()
+        self._names.clear()
