@@ -30,7 +30,7 @@ class HostMemoryError(MemoryError):
         super().__init__(
             f"host memory insufficient for offload: need {needed / GiB:.3f} GiB of "
             f"{'pinned' if accelerator.pin_memory_supported() else 'host'} buffers ({detail}), "
-            f"available {available / GiB:.3f} GiB (MemAvailable) minus a reserve of "
+            f"available {available / GiB:.3f} GiB (MemAvailable, or the memory cgroup's headroom) minus a reserve of "
             f"{reserve / GiB:.3f} GiB kept for the rest of the process; nothing was moved. "
             "Offload fewer groups, lower the reserve (VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB), "
             "or free host memory.")
@@ -97,12 +97,58 @@ class HostBuffer:
             done = hi - offset
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _cgroup_inactive_file(path: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, val = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    return int(val)
+    except OSError:
+        pass
+    return 0
+
+
+# cgroup v2, then v1: (directory, limit file, usage file, stat file)
+CGROUP_MEMORY_FILES = (
+    ("/sys/fs/cgroup", "memory.max", "memory.current", "memory.stat"),
+    ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat"),
+)
+
+
+def host_mem_available() -> tuple[int, int]:
+    """(available, total) host bytes, bounded by the container's memory cgroup if it has one.
+
+    /proc/meminfo shows the whole machine inside a container; pinning past the cgroup's limit
+    gets the process killed instead of a clear error. Reclaimable page cache (inactive_file)
+    counts as available, as the kernel would reclaim it.
+    (Candidate for the accelerator facade's host_mem_info.)
+    """
+    avail, total = accelerator.host_mem_info()
+    for root, limit_f, usage_f, stat_f in CGROUP_MEMORY_FILES:
+        limit, usage = _read_int(os.path.join(root, limit_f)), _read_int(os.path.join(root, usage_f))
+        if limit is None or usage is None or limit >= total:
+            continue
+        free_in_cgroup = limit - usage + _cgroup_inactive_file(os.path.join(root, stat_f))
+        return max(0, min(avail, free_in_cgroup)), limit
+    return avail, total
+
+
 def _default_reserve() -> int:
     # Leave headroom for the rest of the process (Ray, dataloaders, the next step's batch).
     env = os.environ.get("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB")
     if env is not None:
         return int(float(env) * GiB)
-    _, total = accelerator.host_mem_info()
+    _, total = host_mem_available()
     return min(4 * GiB, total // 20)
 
 
@@ -127,7 +173,7 @@ class HostBufferPool:
                  host_mem_info: Callable[[], tuple[int, int]] | None = None) -> None:
         self.pin = accelerator.pin_memory_supported() if pin is None else bool(pin)
         self.max_segment, self.min_segment = max_segment, min_segment
-        self._host_mem_info = host_mem_info or accelerator.host_mem_info
+        self._host_mem_info = host_mem_info or host_mem_available
         self.reserve_bytes = _default_reserve() if reserve_bytes is None else int(reserve_bytes)
         self.buffers: dict[str, HostBuffer] = {}
         self.allocations = 0

@@ -167,6 +167,10 @@ class SwitchSchedule:
         missing = [r for r in REQUIRED_ROLES if r not in self.groups]
         if missing:
             raise ScheduleError(f"schedule {self.name!r}: missing required groups {missing}")
+        engines = {id(g.engine) for g in self.groups.values() if getattr(g, "engine", None) is not None}
+        if len(engines) > 1:
+            # One pool per schedule: the host-memory check must see every buffer at once.
+            raise ScheduleError(f"schedule {self.name!r}: groups use {len(engines)} offload engines; use one")
         if self.measure_device is None:
             self.measure_device = accelerator.device_type() != "cpu"
         self.steps = tuple(self.steps)
