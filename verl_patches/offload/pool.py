@@ -301,8 +301,9 @@ class CopyEngine:
         side.wait_stream(current)
         try:
             for b, make_jobs in enumerate(buckets):
-                # Allocation (inside make_jobs) happens on the compute stream, which the
-                # side stream already waited for; new blocks carry no pending work.
+                # make_jobs allocates on the compute stream; a block the caching allocator
+                # hands back may have been freed there with work still queued on it, so the
+                # side stream waits again (an event, no host stall) before writing into it.
                 jobs = make_jobs()
                 side.wait_stream(current)
                 with accelerator.stream(side):
