@@ -187,3 +187,24 @@ def test_every_group_round_trips_bit_exactly_for_1000_cycles_without_memory_grow
     dev = accelerator.memory_allocated()
     assert dev == dev1, f"device memory went from {dev1} to {dev} bytes"
     assert grew <= RSS_TOLERANCE, f"host RSS grew by {grew} bytes over 999 cycles (growth by cycle: {trace})"
+
+
+def test_rollout_group_leaves_buffers_alone_and_optimizer_group_takes_several():
+    from verl_patches.offload import rollout_weights_group
+
+    eng = engine()
+    m = torch.nn.Linear(8, 8).to(device())
+    m.register_buffer("rotary_cache", torch.arange(16.0, device=device()))
+    g = rollout_weights_group(eng, m)
+    g.release()
+    assert m.rotary_cache.untyped_storage().nbytes() == 64  # still there after the release
+    assert m.weight.untyped_storage().nbytes() == 0
+    opts = []
+    for _ in range(2):  # a Megatron ChainedOptimizer holds several inner optimizers
+        p = torch.nn.Parameter(torch.randn(10, device=device()))
+        p.grad = torch.ones_like(p)
+        o = torch.optim.Adam([p])
+        o.step()
+        opts.append(o)
+    og = optimizer_state_group(eng, opts, include_params=True)
+    assert og.num_storages == 2 * 3  # exp_avg, exp_avg_sq, and the param, per optimizer

@@ -326,9 +326,10 @@ class CallbackGroup(OffloadGroup):
 
 # -- builders for the recipe's groups --------------------------------------------------
 
-def module_tensors(module_or_tensors) -> list[torch.Tensor]:
+def module_tensors(module_or_tensors, *, buffers: bool = True) -> list[torch.Tensor]:
     if isinstance(module_or_tensors, torch.nn.Module):
-        return list(module_or_tensors.parameters()) + list(module_or_tensors.buffers())
+        out = list(module_or_tensors.parameters())
+        return out + list(module_or_tensors.buffers()) if buffers else out
     return list(module_or_tensors)
 
 
@@ -354,16 +355,21 @@ def grads_group(engine: OffloadEngine, params, name: str = "grads", *, attr: str
     return TensorGroup(engine, name, tensors, zero_on_allocate=zero_on_allocate)
 
 
-def optimizer_state_group(engine: OffloadEngine, optimizer: torch.optim.Optimizer,
-                          name: str = "optimizer", *, include_params: bool = False) -> TensorGroup:
+def optimizer_state_group(engine: OffloadEngine, optimizer, name: str = "optimizer", *,
+                          include_params: bool = False) -> TensorGroup:
     """Every device tensor of ``optimizer.state`` (Adam moments), plus with ``include_params``
     the optimizer's own parameters: for Megatron's (distributed) optimizer the inner torch
-    optimizer's params are the fp32 master shards, which move with the state."""
+    optimizer's params are the fp32 master shards, which move with the state. ``optimizer``
+    may be a list (the inner optimizers of a Megatron ChainedOptimizer): one group for all."""
     dev = accelerator.device_type()
-    tensors = [v for st in optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor) and v.device.type == dev and v.numel() > 0]
-    if include_params:
-        tensors += [p for grp in optimizer.param_groups for p in grp["params"] if p.device.type == dev]
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    tensors = []
+    for opt in optimizers:
+        # 0-dim tensors (Adam's step counters) stay: bytes not worth a copy, read every step.
+        tensors += [v for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.device.type == dev and v.dim() > 0 and v.numel() > 0]
+        if include_params:
+            tensors += [p for grp in opt.param_groups for p in grp["params"] if p.device.type == dev]
     return TensorGroup(engine, name, tensors)
 
 
@@ -373,8 +379,12 @@ def reference_group(engine: OffloadEngine, params, name: str = "ref_params") -> 
 
 
 def rollout_weights_group(engine: OffloadEngine, params, name: str = "rollout_weights") -> TensorGroup:
-    """Rollout engine weights: released after generation, allocated empty before the reshard."""
-    return TensorGroup(engine, name, module_tensors(params))
+    """Rollout engine weights: released after generation, allocated empty before the reshard.
+
+    Parameters only: a module's buffers (rotary caches) are not rebuilt by the reshard, so
+    releasing them would lose them; pass tensors explicitly to include more.
+    """
+    return TensorGroup(engine, name, module_tensors(params, buffers=False))
 
 
 def kv_cache_group(engine: OffloadEngine, tensors, name: str = "kv_cache") -> TensorGroup:
