@@ -1,0 +1,214 @@
+"""Convert a BF16 DeepSeek-V3 HF checkpoint to a Megatron-core torch_dist checkpoint, one layer at a time.
+
+``python -m verl_patches.tools.hf_to_mcore --hf DIR --out DIR --tp 4 --pp 8 --ep 8 --num-layer-list 7,7,8,8,8,8,8,7 --moe-tp-extend-ep``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import shutil
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from verl_patches.tools.mcore_layout import (DistCheckpointReader, LayoutError, SafetensorsReader, TrainLayout, UnitWriter,
+                                             chunk_ranges, edge_plan, extra_state_keys, layer_plan, write_metadata)
+
+STATE_DIR = ".convert_state"
+
+
+class ConversionError(RuntimeError):
+    """The input cannot be converted as asked; the message names the file, tensor or setting."""
+
+
+def load_hf_index(hf: Path) -> tuple[dict, dict[str, str]]:
+    hf = Path(hf)
+    if not (hf / "config.json").is_file():
+        raise ConversionError(f"{hf}: no config.json")
+    cfg = json.loads((hf / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise ConversionError(f"{hf}: config has quantization_config (FP8): run python -m verl_patches.tools.fp8_to_bf16 first")
+    idx = hf / "model.safetensors.index.json"
+    if idx.is_file():
+        weight_map = json.loads(idx.read_text())["weight_map"]
+    else:
+        files = sorted(hf.glob("*.safetensors"))
+        if len(files) != 1:
+            raise ConversionError(f"{hf}: no model.safetensors.index.json and {len(files)} safetensors files")
+        with SafetensorsReader(files[0]) as f:
+            weight_map = {k: files[0].name for k in f.keys()}
+    return cfg, weight_map
+
+
+def units(cfg: dict) -> list[str]:
+    return ["embedding", *(f"layer_{i:03d}" for i in range(cfg["num_hidden_layers"])), "head"]
+
+
+def unit_plan(cfg: dict, unit: str, spec: str):
+    if unit.startswith("layer_"):
+        return layer_plan(cfg, int(unit.split("_")[1]), spec)
+    return edge_plan(cfg, unit)
+
+
+class HFSource:
+    """Opens only the shards one unit needs and closes them after it."""
+
+    def __init__(self, hf: Path, weight_map: dict[str, str]):
+        self.hf, self.weight_map = Path(hf), weight_map
+
+    def open(self, names, stack: ExitStack):
+        handles = {}
+        for shard in sorted({self.weight_map[n] for n in names}):
+            handles[shard] = stack.enter_context(SafetensorsReader(self.hf / shard))
+        return lambda n: handles[self.weight_map[n]].get_tensor(n)
+
+
+def build(how: str, sources: tuple[str, ...], get) -> torch.Tensor:
+    """One Megatron tensor from its HF sources; experts are filled in place so only one expert is extra."""
+    if how == "copy":
+        return get(sources[0])
+    if how == "cat":
+        return torch.cat([get(sources[0]), get(sources[1])], dim=0)
+    if how == "experts_fc1":
+        first = get(sources[0])
+        n = len(sources) // 2
+        out = torch.empty((n, 2 * first.shape[0], first.shape[1]), dtype=first.dtype)
+        for x in range(n):
+            out[x, : first.shape[0]] = first if x == 0 else get(sources[2 * x])
+            out[x, first.shape[0]:] = get(sources[2 * x + 1])
+        return out
+    if how == "experts_fc2":
+        first = get(sources[0])
+        out = torch.empty((len(sources), *first.shape), dtype=first.dtype)
+        out[0] = first
+        for x in range(1, len(sources)):
+            out[x] = get(sources[x])
+        return out
+    raise ValueError(how)
+
+
+def convert(hf: Path, out: Path, layout: TrainLayout, spec: str = "te", extra_state: bool = True,
+            progress: bool = True, verify: bool = True) -> dict:
+    from tqdm import tqdm
+
+    hf, out = Path(hf), Path(out)
+    cfg, weight_map = load_hf_index(hf)
+    try:
+        layout.validate(cfg)
+    except LayoutError as e:
+        raise ConversionError(str(e)) from e
+    all_units = units(cfg)
+    needed = [s for u in all_units for _, srcs, _ in unit_plan(cfg, u, spec) for s in srcs]
+    missing = [n for n in needed if n not in weight_map]
+    if missing:
+        raise ConversionError(f"{hf}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    src = HFSource(hf, weight_map)
+    out.mkdir(parents=True, exist_ok=True)
+    state = out / STATE_DIR
+    state.mkdir(exist_ok=True)
+    stats = {"units": len(all_units), "resumed": 0, "tensors": 0, "bytes": 0, "verified": 0}
+    done = []
+    if (out / ".metadata").is_file():
+        stats["resumed"] = len(all_units)
+    else:
+        for unit in tqdm(all_units, desc="hf->mcore", unit="layer", disable=not progress):
+            meta_file = state / f"{unit}.meta"
+            if meta_file.is_file() and (out / f"{unit}.distcp").is_file():
+                with open(meta_file, "rb") as f:
+                    done.append(pickle.load(f))
+                stats["resumed"] += 1
+                continue
+            writer = UnitWriter(out / f"{unit}.distcp")
+            with ExitStack() as stack:
+                plan = unit_plan(cfg, unit, spec)
+                get = src.open([s for _, srcs, _ in plan for s in srcs], stack)
+                for name, srcs, how in plan:
+                    t = build(how, srcs, get)
+                    writer.tensor(name, t, chunk_ranges(name, tuple(t.shape), layout, cfg))
+                    stats["tensors"] += 1
+                    stats["bytes"] += t.numel() * t.element_size()
+                    del t
+            if extra_state and unit.startswith("layer_"):
+                for key in extra_state_keys(cfg, int(unit.split("_")[1])):
+                    writer.obj(key, [None])
+            if extra_state and unit == "head" and "output_layer.weight" in [n for n, _, _ in unit_plan(cfg, unit, spec)]:
+                writer.obj("output_layer._extra_state/shard_0_1", [None])
+            meta = writer.close()
+            with open(meta_file.with_suffix(".partial"), "wb") as f:
+                pickle.dump(meta, f)
+            meta_file.with_suffix(".partial").replace(meta_file)
+            done.append(meta)
+        write_metadata(out, done)
+        (out / "recipe_layout.json").write_text(json.dumps({
+            "source": str(hf), "spec": spec, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
+            "num_layer_list": list(layout.num_layer_list or layout.even_layers(cfg["num_hidden_layers"])),
+            "moe_tp_extend_ep": layout.moe_tp_extend_ep, "expert_ranks": layout.expert_ranks,
+            "note": "storage chunks follow this layout; megatron's torch_dist loader reshards to any layout"}, indent=2))
+    if verify:
+        stats["verified"] = verify_checkpoint(hf, out, spec, progress)
+    shutil.rmtree(state, ignore_errors=True)
+    return stats
+
+
+def verify_checkpoint(hf: Path, out: Path, spec: str, progress: bool = True) -> int:
+    """Re-read every tensor from the written checkpoint and compare it bit for bit with the HF source, layer by layer."""
+    from tqdm import tqdm
+
+    cfg, weight_map = load_hf_index(hf)
+    reader = DistCheckpointReader(out)
+    src = HFSource(hf, weight_map)
+    n = 0
+    for unit in tqdm(units(cfg), desc="verify", unit="layer", disable=not progress):
+        with ExitStack() as stack:
+            plan = unit_plan(cfg, unit, spec)
+            get = src.open([s for _, srcs, _ in plan for s in srcs], stack)
+            for name, srcs, how in plan:
+                want = build(how, srcs, get)
+                got = reader.tensor(name)
+                if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+                    raise ConversionError(f"verification failed for {name} ({unit}): written tensor differs from the HF source")
+                n += 1
+    return n
+
+
+def parse_layer_list(s: str | None) -> tuple[int, ...] | None:
+    if not s:
+        return None
+    try:
+        return tuple(int(x) for x in s.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--num-layer-list must be comma-separated integers, got {s!r}") from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m verl_patches.tools.hf_to_mcore", description=__doc__)
+    p.add_argument("--hf", type=Path, required=True, help="BF16 HF checkpoint directory")
+    p.add_argument("--out", type=Path, required=True, help="output torch_dist checkpoint directory (DIST_CKPT_PATH)")
+    p.add_argument("--tp", type=int, default=4)
+    p.add_argument("--pp", type=int, default=8)
+    p.add_argument("--ep", type=int, default=8)
+    p.add_argument("--num-layer-list", type=parse_layer_list, default=None, help="layers per PP stage, e.g. 7,7,8,8,8,8,8,7")
+    p.add_argument("--moe-tp-extend-ep", action="store_true", help="experts over the TP x EP group (MindSpeed)")
+    p.add_argument("--spec", choices=("te", "local"), default="te",
+                   help="layer-norm naming: te (Transformer-Engine / MindSpeed spec, what verl builds) or local")
+    p.add_argument("--no-extra-state", action="store_true", help="do not write the linears' empty _extra_state objects")
+    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    layout = TrainLayout(args.tp, args.pp, args.ep, args.num_layer_list, args.moe_tp_extend_ep)
+    try:
+        stats = convert(args.hf, args.out, layout, args.spec, not args.no_extra_state, not args.no_progress,
+                        not args.no_verify)
+    except (ConversionError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

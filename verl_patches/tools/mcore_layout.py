@@ -1,0 +1,351 @@
+"""DeepSeek-V3 names between HF and Megatron-core 0.12 distributed checkpoints, and the torch_dist file format.
+
+Shared by hf_to_mcore and mcore_to_hf; the mapping is checked against megatron-core's own sharded_state_dict in tests.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Megatron's dist-checkpoint directory markers (what dist_checkpointing.save writes).
+MCORE_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                       "common_backend": "torch", "common_backend_version": 1}
+# Layer norms are fused into the following linear in the Transformer-Engine spec (what verl
+# builds, and what MindSpeed mirrors); the local spec keeps them as separate modules.
+NORM_NAMES = {
+    "te": {"q_a_layernorm": "self_attention.linear_q_up_proj.layer_norm_weight",
+           "kv_a_layernorm": "self_attention.linear_kv_up_proj.layer_norm_weight",
+           "dense_post_attention_layernorm": "mlp.linear_fc1.layer_norm_weight"},
+    "local": {"q_a_layernorm": "self_attention.q_layernorm.weight",
+              "kv_a_layernorm": "self_attention.kv_layernorm.weight",
+              "dense_post_attention_layernorm": "pre_mlp_layernorm.weight"},
+}
+# Tensor-parallel split axis per Megatron linear (column-parallel 0, row-parallel 1); None is replicated.
+TP_AXIS = {
+    "self_attention.linear_proj.weight": 1,
+    "self_attention.linear_q_proj.weight": 0,
+    "self_attention.linear_q_up_proj.weight": 0,
+    "self_attention.linear_kv_up_proj.weight": 0,
+    "mlp.linear_fc1.weight": 0,
+    "mlp.linear_fc2.weight": 1,
+    "mlp.shared_experts.linear_fc1.weight": 0,
+    "mlp.shared_experts.linear_fc2.weight": 1,
+}
+# Linear modules that carry a (Transformer-Engine) _extra_state object in the checkpoint.
+EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
+                       "self_attention.linear_q_up_proj", "self_attention.linear_kv_down_proj",
+                       "self_attention.linear_kv_up_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                       "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+
+
+class LayoutError(ValueError):
+    """The model or the requested training layout is inconsistent; the message says which number."""
+
+
+@dataclass(frozen=True)
+class TrainLayout:
+    """The training layout the checkpoint's storage chunks follow (loading works with any layout)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    num_layer_list: tuple[int, ...] | None = None
+    moe_tp_extend_ep: bool = False
+
+    def validate(self, cfg: dict) -> None:
+        layers, experts = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+        lst = self.num_layer_list or self.even_layers(layers)
+        if len(lst) != self.pp:
+            raise LayoutError(f"num_layer_list has {len(lst)} stages, PP is {self.pp}")
+        if sum(lst) != layers:
+            raise LayoutError(f"num_layer_list {list(lst)} sums to {sum(lst)}, the model has {layers} layers")
+        if experts % self.expert_ranks:
+            raise LayoutError(f"{experts} experts do not divide over {self.expert_ranks} expert ranks")
+        heads = cfg["num_attention_heads"]
+        if heads % self.tp:
+            raise LayoutError(f"{heads} attention heads do not divide over TP{self.tp}")
+
+    def even_layers(self, layers: int) -> tuple[int, ...]:
+        if layers % self.pp:
+            raise LayoutError(f"{layers} layers do not split evenly over PP{self.pp}: give num_layer_list")
+        return (layers // self.pp,) * self.pp
+
+    @property
+    def expert_ranks(self) -> int:
+        # moe_tp_extend_ep: experts split over the TP x EP group, no expert tensor parallelism.
+        return self.tp * self.ep if self.moe_tp_extend_ep else self.ep
+
+    def stage_of(self, layer: int, n_layers: int) -> int:
+        lst = self.num_layer_list or self.even_layers(n_layers)
+        acc = 0
+        for stage, n in enumerate(lst):
+            acc += n
+            if layer < acc:
+                return stage
+        raise LayoutError(f"layer {layer} beyond {acc} layers")
+
+
+def is_dense(cfg: dict, layer: int) -> bool:
+    return layer < cfg["first_k_dense_replace"]
+
+
+def layer_plan(cfg: dict, layer: int, spec: str = "te") -> list[tuple[str, tuple[str, ...], str]]:
+    """(mcore name, HF source names, how) for one decoder layer; how: copy | cat (GLU gate;up) | experts_fc1 | experts_fc2."""
+    h = f"model.layers.{layer}."
+    m = f"decoder.layers.{layer}."
+    norms = NORM_NAMES[spec]
+    plan = [
+        (m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy"),
+        (m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy"),
+        (m + "self_attention.linear_kv_down_proj.weight", (h + "self_attn.kv_a_proj_with_mqa.weight",), "copy"),
+        (m + "self_attention.linear_kv_up_proj.weight", (h + "self_attn.kv_b_proj.weight",), "copy"),
+        (m + norms["kv_a_layernorm"], (h + "self_attn.kv_a_layernorm.weight",), "copy"),
+    ]
+    if cfg.get("q_lora_rank"):
+        plan += [
+            (m + "self_attention.linear_q_down_proj.weight", (h + "self_attn.q_a_proj.weight",), "copy"),
+            (m + "self_attention.linear_q_up_proj.weight", (h + "self_attn.q_b_proj.weight",), "copy"),
+            (m + norms["q_a_layernorm"], (h + "self_attn.q_a_layernorm.weight",), "copy"),
+        ]
+    else:
+        plan.append((m + "self_attention.linear_q_proj.weight", (h + "self_attn.q_proj.weight",), "copy"))
+    if is_dense(cfg, layer):
+        plan += [
+            (m + norms["dense_post_attention_layernorm"], (h + "post_attention_layernorm.weight",), "copy"),
+            (m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "cat"),
+            (m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy"),
+        ]
+    else:
+        e = cfg["n_routed_experts"]
+        plan += [
+            (m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy"),
+            (m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy"),
+            (m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), "copy"),
+            (m + "mlp.experts.experts.linear_fc1.weight",
+             tuple(f"{h}mlp.experts.{x}.{p}_proj.weight" for x in range(e) for p in ("gate", "up")), "experts_fc1"),
+            (m + "mlp.experts.experts.linear_fc2.weight",
+             tuple(f"{h}mlp.experts.{x}.down_proj.weight" for x in range(e)), "experts_fc2"),
+        ]
+        if cfg.get("n_shared_experts"):
+            plan += [
+                (m + "mlp.shared_experts.linear_fc1.weight",
+                 (h + "mlp.shared_experts.gate_proj.weight", h + "mlp.shared_experts.up_proj.weight"), "cat"),
+                (m + "mlp.shared_experts.linear_fc2.weight", (h + "mlp.shared_experts.down_proj.weight",), "copy"),
+            ]
+    return plan
+
+
+def edge_plan(cfg: dict, which: str) -> list[tuple[str, tuple[str, ...], str]]:
+    if which == "embedding":
+        return [("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
+    plan = [("decoder.final_layernorm.weight", ("model.norm.weight",), "copy")]
+    if not cfg.get("tie_word_embeddings", False):
+        plan.append(("output_layer.weight", ("lm_head.weight",), "copy"))
+    return plan
+
+
+def extra_state_keys(cfg: dict, layer: int) -> list[str]:
+    """ShardedObject names of the layer's linear modules' _extra_state (shard_<offset>_<shape>)."""
+    m = f"decoder.layers.{layer}."
+    out = []
+    mods = [x for x in EXTRA_STATE_MODULES if not x.startswith("mlp.")]
+    mods.remove("self_attention.linear_q_proj" if cfg.get("q_lora_rank") else "self_attention.linear_q_down_proj")
+    if not cfg.get("q_lora_rank"):
+        mods.remove("self_attention.linear_q_up_proj")
+    if is_dense(cfg, layer):
+        mods += ["mlp.linear_fc1", "mlp.linear_fc2"]
+    else:
+        if cfg.get("n_shared_experts"):
+            mods += ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"]
+        e = cfg["n_routed_experts"]
+        out += [f"{m}mlp.experts.experts.linear_fc{i}._extra_state/shard_{x}_{e}" for x in range(e) for i in (1, 2)]
+    return [f"{m}{x}._extra_state/shard_0_1" for x in mods] + out
+
+
+def chunk_ranges(name: str, shape: tuple[int, ...], layout: TrainLayout, cfg: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of the storage chunks: one per training owner, so each rank reads one contiguous piece."""
+    if ".experts.experts." in name:
+        per = shape[0] // layout.expert_ranks
+        return [((r * per,) + (0,) * (len(shape) - 1), (per,) + tuple(shape[1:])) for r in range(layout.expert_ranks)]
+    suffix = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    axis = TP_AXIS.get(suffix)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        axis = 0
+    if axis is None or layout.tp == 1 or shape[axis] % layout.tp:
+        return [((0,) * len(shape), tuple(shape))]
+    glu = suffix.endswith("linear_fc1.weight")
+    # GLU fc1 is stored as [gate; up]: each TP rank owns a slice of both halves.
+    parts = 2 * layout.tp if glu else layout.tp
+    step = shape[axis] // parts
+    out = []
+    for p in range(parts):
+        off = [0] * len(shape)
+        size = list(shape)
+        off[axis], size[axis] = p * step, step
+        out.append((tuple(off), tuple(size)))
+    return out
+
+
+# ---------- torch_dist (PyTorch DCP) file format ----------
+
+def dcp_classes():
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
+
+    return dict(StorageInfo=_StorageInfo, Bytes=BytesStorageMetadata, Chunk=ChunkStorageMetadata, Metadata=Metadata,
+                Index=MetadataIndex, Props=TensorProperties, TensorMeta=TensorStorageMetadata)
+
+
+class UnitWriter:
+    """Writes one unit's tensors (a layer, the embedding, the head) to one data file, DCP layout, and keeps its metadata."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tmp = self.path.with_name(self.path.name + ".partial")
+        self.f = open(self.tmp, "wb")
+        self.state_meta: dict = {}
+        self.storage: dict = {}
+        self.C = dcp_classes()
+
+    def _blob(self, obj) -> tuple[int, int]:
+        # Straight into the file, as DCP's own writer does: no second in-memory copy.
+        start = self.f.tell()
+        torch.save(obj, self.f)
+        return start, self.f.tell() - start
+
+    def tensor(self, name: str, t: torch.Tensor, chunks) -> None:
+        C = self.C
+        metas = []
+        for off, size in chunks:
+            piece = t[tuple(slice(o, o + s) for o, s in zip(off, size))]
+            if tuple(size) != tuple(t.shape) or not t.is_contiguous():
+                # torch.save of a view would store the whole underlying tensor.
+                piece = piece.clone()
+            start, length = self._blob(piece)
+            self.storage[C["Index"](name, torch.Size(off))] = C["StorageInfo"](self.path.name, start, length)
+            metas.append(C["Chunk"](offsets=torch.Size(off), sizes=torch.Size(size)))
+        self.state_meta[name] = C["TensorMeta"](properties=C["Props"](dtype=t.dtype), size=torch.Size(t.shape),
+                                                chunks=metas)
+
+    def obj(self, name: str, value) -> None:
+        start, length = self._blob(value)
+        self.storage[self.C["Index"](name)] = self.C["StorageInfo"](self.path.name, start, length)
+        self.state_meta[name] = self.C["Bytes"]()
+
+    def close(self) -> dict:
+        self.f.flush()
+        self.f.close()
+        self.tmp.replace(self.path)
+        return {"state": self.state_meta, "storage": self.storage}
+
+
+def write_metadata(ckpt: Path, units: list[dict]) -> None:
+    C = dcp_classes()
+    state, storage = {}, {}
+    for u in units:
+        state.update(u["state"])
+        storage.update(u["storage"])
+    md = C["Metadata"](state_dict_metadata=state, planner_data=None, storage_data=storage)
+    with open(ckpt / ".metadata.partial", "wb") as f:
+        pickle.dump(md, f)
+    torch.save({}, ckpt / "common.pt")
+    (ckpt / "metadata.json").write_text(json.dumps(MCORE_METADATA_JSON))
+    # Written last and by rename: a checkpoint with .metadata is complete.
+    (ckpt / ".metadata.partial").replace(ckpt / ".metadata")
+
+
+class DistCheckpointReader:
+    """Global tensors out of any torch_dist checkpoint (ours or one Megatron saved), assembled from its chunks."""
+
+    def __init__(self, ckpt: Path):
+        self.ckpt = Path(ckpt)
+        meta = self.ckpt / ".metadata"
+        if not meta.is_file():
+            raise FileNotFoundError(f"{self.ckpt} is not a complete torch_dist checkpoint (no .metadata)")
+        info = json.loads((self.ckpt / "metadata.json").read_text()) if (self.ckpt / "metadata.json").is_file() else {}
+        if info.get("sharded_backend", "torch_dist") != "torch_dist":
+            raise ValueError(f"{self.ckpt}: sharded_backend {info.get('sharded_backend')!r}, only torch_dist is supported")
+        with open(meta, "rb") as f:
+            self.md = pickle.load(f)
+
+    def names(self) -> list[str]:
+        C = dcp_classes()
+        return [k for k, v in self.md.state_dict_metadata.items() if isinstance(v, C["TensorMeta"])]
+
+    def _read(self, index):
+        si = self.md.storage_data[index]
+        with open(self.ckpt / si.relative_path, "rb") as f:
+            f.seek(si.offset)
+            return torch.load(io.BytesIO(f.read(si.length)), map_location="cpu", weights_only=False)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        C = dcp_classes()
+        meta = self.md.state_dict_metadata.get(name)
+        if meta is None:
+            raise KeyError(f"tensor {name!r} is not in {self.ckpt}")
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        covered = 0
+        for ch in meta.chunks:
+            piece = self._read(C["Index"](name, ch.offsets))
+            out[tuple(slice(o, o + s) for o, s in zip(ch.offsets, ch.sizes))] = piece.reshape(tuple(ch.sizes))
+            covered += piece.numel()
+        if covered != out.numel():
+            raise ValueError(f"{name}: chunks cover {covered} of {out.numel()} elements")
+        return out
+
+
+# ---------- safetensors without mmap ----------
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class SafetensorsReader:
+    """Reads single tensors from a .safetensors file with plain reads.
+
+    safetensors' own reader maps the file; mapped pages count as the process's memory while the
+    mapping lives and made the converter's peak depend on the page cache. Plain reads keep it to
+    exactly the tensors held.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.f = open(self.path, "rb")
+        n = int.from_bytes(self.f.read(8), "little")
+        self.header = json.loads(self.f.read(n))
+        self.header.pop("__metadata__", None)
+        self.base = 8 + n
+
+    def keys(self):
+        return list(self.header)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        info = self.header[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{self.path}: {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        self.f.seek(self.base + start)
+        buf = bytearray(end - start)
+        if self.f.readinto(buf) != len(buf):
+            raise ValueError(f"{self.path}: {name} is truncated")
+        if not buf:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
