@@ -156,6 +156,11 @@ def validate(cfg, model: dict) -> Report:
         rep.notes.append(
             f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} < max_model_len {max_len} with chunked prefill: "
             "verl 0.4.1's vLLMRollout rejects this; the recipe's rollout patch must lift that check")
+    rope = model.get("rope_scaling") or {}
+    otc = arr.actor.megatron.override_transformer_config
+    rep.check(not (rope.get("type") == "yarn" and otc.get("apply_rope_fusion", False)),
+              "override_transformer_config.apply_rope_fusion=True with YaRN RoPE: megatron's MLA asserts it off "
+              "(use recipe.megatron.use_fused_rotary_pos_emb on NPU)")
     if model.get("quantization_config"):
         rep.errors.append("model config has quantization_config: convert FP8 to BF16 first "
                           "(python -m verl_patches.tools.fp8_to_bf16) and drop it")

@@ -16,7 +16,8 @@ MODEL_JSON = RC.DEFAULT_MODEL_CONFIG
 # configs/model/deepseek_v3.json belongs to the reshard work; the facts the layout needs
 # are DeepSeek-V3's published ones, used when that file is not there yet.
 FALLBACK_MODEL = {"num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256,
-                  "max_position_embeddings": 163840, "num_nextn_predict_layers": 0}
+                  "max_position_embeddings": 163840, "num_nextn_predict_layers": 0,
+                  "rope_scaling": {"type": "yarn", "factor": 40}}
 CKPT = ["actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt/dsv3"]
 
 
@@ -104,6 +105,7 @@ def test_true_weight_without_checkpoint_is_an_error(model):
     ("actor_rollout_ref.actor.ppo_mini_batch_size=256", "one optimizer step per batch"),
     ("actor_rollout_ref.rollout.free_cache_engine=True", "free_cache_engine=False"),
     ("trainer.nnodes=15", "world size"),
+    ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "YaRN RoPE"),
 ])
 def test_each_layout_rule_can_fail(override, message, model):
     rep = RC.validate(RC.compose("deepseekv3_256die_random_init", [override]), model)
