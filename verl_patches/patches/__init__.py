@@ -6,6 +6,7 @@ order, which is also the order the prelude applies them in.
 
 PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_utils_reward_score",
+    "verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd",
     "verl_patches.patches.verl.patch_trainer_ppo_core_algos",
     "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer",
     "verl_patches.patches.verl.patch_workers_actor_megatron_actor",

@@ -1,14 +1,11 @@
 """KV cache freed and re-created every step through vLLM 0.9.1's real EngineCore and scheduler
-(patch vllm.engine_core.keep_kv_cache_configs + verl_patches.rollout.kv_cache).
-
-The executor and its worker are stand-ins: vLLM's workers need device kernels that the CPU
-build lacks. The stand-in worker allocates the cache from vLLM's own KVCacheConfig and binds
-it with vLLM's own bind_kv_cache, as the GPU / NPU model runners do.
-"""
+(patch vllm.engine_core.keep_kv_cache_configs + verl_patches.rollout.kv_cache); the executor and
+its worker are stand-ins (vllm_engine_standins.py says why)."""
 
 from __future__ import annotations
 
-import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,96 +16,19 @@ from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES
 from verl_patches.rollout.kv_cache import (KEPT_ATTR, PATCH_ID, KVCacheError, free_kv_cache, init_kv_cache,
                                            release_worker_kv_cache)
 
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-BLOCK = 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # site-packages has an unrelated `tests` package
+import vllm_engine_standins as standins  # noqa: E402
+
+LAYERS, BLOCK = standins.LAYERS, standins.BLOCK
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    d = tmp_path_factory.mktemp("tiny_llama")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
-        "max_position_embeddings": 512, "torch_dtype": "float32"}))
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<unk>").save_pretrained(d)
-    return d
-
-
-def _vllm_config(model_dir):
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-
-    mc = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32", max_model_len=256,
-                     enforce_eager=True)
-    mc.use_async_output_proc = False  # the CPU build has no platform to ask
-    cfg = VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"),
-                     cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.5, swap_space=0,
-                                              cache_dtype="auto"),
-                     scheduler_config=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=8, max_model_len=256))
-    cfg.scheduler_config.scheduler_cls = "vllm.v1.core.sched.scheduler.Scheduler"
-    return cfg
-
-
-class _Worker:
-    def __init__(self, vllm_config):
-        self.vllm_config = vllm_config
-        self.model_runner = SimpleNamespace(kv_caches=[])
-        ctx = vllm_config.compilation_config.static_forward_context
-        for name in LAYERS:
-            ctx[name] = SimpleNamespace(kv_cache=[torch.tensor([])])
-        self.inits: list = []
-
-    def initialize_from_config(self, kv_cache_configs):
-        from vllm.v1.utils import bind_kv_cache
-
-        cfg = kv_cache_configs[0]  # this worker's (rpc rank 0), as WorkerWrapperBase picks it
-        caches = {}
-        for t in cfg.kv_cache_tensors:
-            buf = torch.zeros(t.size, dtype=torch.int8)
-            for name in t.shared_by:
-                caches[name] = buf
-        bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context, self.model_runner.kv_caches)
-        self.inits.append(list(kv_cache_configs))
-
-
-class _Executor:
-    max_concurrent_batches = 1
-
-    def __init__(self, vllm_config):
-        self.worker = _Worker(vllm_config)
-
-    def get_kv_cache_specs(self):
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32, use_mla=False)
-        return [{name: spec for name in LAYERS}]
-
-    def determine_available_memory(self):
-        return [1 << 20]
-
-    def initialize_from_config(self, kv_cache_configs):
-        self.collective_rpc("initialize_from_config", args=(kv_cache_configs,))
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        from vllm.utils import run_method
-
-        return [run_method(self.worker, method, args, kwargs or {})]
-
-    def register_failure_callback(self, callback):
-        pass
-
-    def shutdown(self):
-        pass
+    return standins.write_model_dir(tmp_path_factory.mktemp("tiny_llama"))
 
 
 def _core(model_dir):
-    from vllm.v1.engine.core import EngineCore
-
-    return EngineCore(_vllm_config(model_dir), _Executor, log_stats=False)
+    return standins.engine_core(model_dir)
 
 
 @pytest.fixture

@@ -1,0 +1,169 @@
+"""verl 0.4.1's real vLLMRollout constructed from the recipe's real YAML (patch verl.vllm_rollout.recipe_engine).
+
+vllm.LLM cannot be built on CPU (no kernels in the empty build), so verl's module-level LLM is
+swapped for a recorder that keeps the engine arguments and holds vLLM's real EngineCore and
+scheduler around stand-in workers (tests/patches/vllm/vllm_engine_standins.py). Everything
+else is real: verl's class, the composed Hydra config, the DP-domain collective (one gloo rank),
+the KV-cache configs kept by the engine-core patch and the offload engine behind the methods.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+from verl_patches.core.apply import apply_all, undo
+from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import MEMORY_METHODS
+from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import PATCHES as ROLLOUT
+from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
+from verl_patches.rollout.dp_sync import FLAG_ENV
+from verl_patches.testing.dist import free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))  # an unrelated `tests` is installed
+import vllm_engine_standins as standins  # noqa: E402
+
+ONE_RANK = ["actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+            "actor_rollout_ref.rollout.recipe.vllm_dp.dp_size=1",
+            "actor_rollout_ref.rollout.recipe.vllm_dp.instances=1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return standins.write_model_dir(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def world():
+    """verl's job world as the rollout sees it: here one gloo rank."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def env():
+    saved = dict(os.environ)
+    os.environ["VLLM_HOST_IP"] = "127.0.0.1"
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def recorder(model_dir, monkeypatch):
+    from verl.workers.rollout.vllm_rollout import vllm_rollout_spmd
+
+    class RecordingLLM:
+        built: list = []
+
+        def __init__(self, **kwargs):
+            RecordingLLM.built.append(kwargs)
+            self.slept = None
+            core = standins.engine_core(model_dir)
+            self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(engine_core=core))
+
+        def sleep(self, level=1):
+            self.slept = level
+
+    monkeypatch.setattr(vllm_rollout_spmd, "LLM", RecordingLLM)
+    return RecordingLLM
+
+
+def _rollout_config(*overrides):
+    from verl_patches.recipe_config import compose
+
+    return compose("deepseekv3_256die_true_weight", [*ONE_RANK, *overrides]).actor_rollout_ref.rollout
+
+
+def _build(cfg, model_dir):
+    from transformers import AutoTokenizer, LlamaConfig
+    from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import vLLMRollout
+
+    hf = LlamaConfig(max_position_embeddings=8192)
+    return vLLMRollout(str(model_dir), cfg, AutoTokenizer.from_pretrained(str(model_dir)), hf)
+
+
+def _weights_bytes(rollout):
+    model = rollout.engine_memory.core.model_executor.worker.model_runner.model
+    return sum(p.untyped_storage().nbytes() for p in model.parameters())
+
+
+def test_upstream_constructor_rejects_the_recipes_token_budget(model_dir, world, env, recorder):
+    with pytest.raises(ValueError, match="max_num_batched_tokens is smaller than max_model_len"):
+        _build(_rollout_config(), model_dir)
+    assert recorder.built == []
+
+
+def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
+    cfg = _rollout_config()
+    apply_all(ENGINE_CORE + ROLLOUT)
+    try:
+        rollout = _build(cfg, model_dir)
+    finally:
+        undo()
+    (kw,) = recorder.built
+    assert kw["enable_sleep_mode"] is False and kw["enable_expert_parallel"] is True
+    assert kw["max_num_batched_tokens"] == cfg.max_num_batched_tokens == 1024
+    assert kw["enable_chunked_prefill"] is True and kw["max_model_len"] == 1024 + 3072
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["load_format"] == "dummy"
+    from omegaconf import OmegaConf
+
+    assert kw["additional_config"] == OmegaConf.to_container(cfg.engine_kwargs.vllm.additional_config)
+    assert kw["additional_config"]["torchair_graph_config"]["enable_view_optimize"] is False
+    # The DP domain reached the environment vLLM reads, with the YAML's port base.
+    assert os.environ["VLLM_DP_SIZE"] == "1" and os.environ["VLLM_DP_RANK"] == "0"
+    assert os.environ["VLLM_DP_MASTER_PORT"] == str(cfg.recipe.vllm_dp.master_port_base)
+    assert os.environ["VLLM_DP_MASTER_IP"] == "127.0.0.1" and os.environ[FLAG_ENV] == "1"
+    # Sampling from YAML, as upstream builds it.
+    sp = rollout.sampling_params
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (16, 0.9, 0.9, 50, 3072)
+    assert rollout.inference_engine.slept is None  # no sleep mode: the offload engine freed memory
+
+    # The switch, as the schedule drives it: weights and KV cache come and go for real.
+    worker = rollout.engine_memory.core.model_executor.worker
+    full = sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
+    assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
+    for _ in range(2):
+        rollout.onload_model_weights()
+        assert _weights_bytes(rollout) == full
+        rollout.init_cache_engine()
+        assert len(worker.model_runner.kv_caches) == len(standins.LAYERS)
+        assert all(t.numel() > 0 for t in worker.model_runner.kv_caches)
+        rollout.free_cache_engine()
+        rollout.offload_model_weights()
+        assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
+    assert all(callable(getattr(rollout, m)) for m in MEMORY_METHODS)
+
+
+def test_recipe_flags_off_keep_upstream_memory_behaviour(model_dir, world, env, recorder):
+    cfg = _rollout_config("actor_rollout_ref.rollout.recipe.offload=False",
+                          "actor_rollout_ref.rollout.recipe.dp_sync_on_device=False",
+                          "actor_rollout_ref.rollout.enforce_eager=True")
+    apply_all(ROLLOUT)
+    try:
+        rollout = _build(cfg, model_dir)
+    finally:
+        undo()
+    (kw,) = recorder.built
+    assert kw["enable_sleep_mode"] is True and rollout.inference_engine.slept == 1
+    assert not any(hasattr(rollout, m) for m in MEMORY_METHODS)
+    assert os.environ[FLAG_ENV] == "0"
+
+
+def test_no_chunked_prefill_with_a_small_budget_is_refused_by_name(model_dir, world, env, recorder):
+    cfg = _rollout_config("actor_rollout_ref.rollout.enable_chunked_prefill=False")
+    apply_all(ROLLOUT)
+    try:
+        with pytest.raises(ValueError, match="needs rollout.enable_chunked_prefill=True"):
+            _build(cfg, model_dir)
+    finally:
+        undo()
+    assert recorder.built == []

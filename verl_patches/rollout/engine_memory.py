@@ -1,0 +1,78 @@
+"""The rollout engine's memory actions: onload / offload weights, init / free KV cache, on the offload engine.
+
+One in-process vLLM engine per rollout worker. Weights are a TensorGroup (storages resized to
+zero and back, so vLLM's parameters keep their identity); the KV cache is a CallbackGroup whose
+owner is vLLM (verl_patches.rollout.kv_cache frees and re-creates it from the kept configs).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+from verl_patches.offload import CallbackGroup, Location, OffloadEngine, rollout_weights_group
+from verl_patches.rollout import kv_cache
+
+
+class RolloutMemoryActions(Protocol):
+    """What the switch schedule calls on a rollout (RECIPE.md item 2): each is idempotent."""
+
+    def onload_model_weights(self) -> int: ...
+
+    def offload_model_weights(self) -> int: ...
+
+    def init_cache_engine(self) -> int: ...
+
+    def free_cache_engine(self) -> int: ...
+
+
+def _model_of(worker: Any) -> Any:
+    return worker.model_runner.model
+
+
+def _kv_tensors_of(worker: Any) -> list:
+    return list(kv_cache._tensors(worker.model_runner.kv_caches))
+
+
+class VllmEngineMemory:
+    """RolloutMemoryActions for a ``vllm.LLM`` built in-process, backed by the offload engine.
+
+    ``keep_weights_on_host``: offload copies the weights to host and onload copies them back.
+    Off (the recipe), offload only frees them and onload allocates empty storage: the reshard
+    writes every rollout weight after each update, so a host copy would be moved for nothing.
+    """
+
+    def __init__(self, llm: Any, engine: Optional[OffloadEngine] = None, *, keep_weights_on_host: bool = False,
+                 name: str = "rollout") -> None:
+        self.core = kv_cache.engine_core_of(llm)
+        self.engine = engine or OffloadEngine()
+        self.keep_weights_on_host = keep_weights_on_host
+        executor = self.core.model_executor
+        (model,) = executor.collective_rpc(_model_of)  # one worker per engine in verl's SPMD layout
+        self.weights = rollout_weights_group(self.engine, model, name=f"{name}_weights")
+        self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
+        # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
+        # so free it now: the first init_cache_engine re-creates it (before the first generation).
+        kv_cache.free_kv_cache(self.core)
+
+    def _allocate_kv(self) -> list:
+        kv_cache.init_kv_cache(self.core)
+        return [t for ts in self.core.model_executor.collective_rpc(_kv_tensors_of) for t in ts]
+
+    def _release_kv(self) -> None:
+        kv_cache.free_kv_cache(self.core)
+
+    def onload_model_weights(self) -> int:
+        if self.weights.location is Location.HOST:
+            return self.weights.onload()
+        return self.weights.allocate()
+
+    def offload_model_weights(self) -> int:
+        if self.keep_weights_on_host:
+            return self.weights.offload()
+        return self.weights.release()
+
+    def init_cache_engine(self) -> int:
+        return self.kv.allocate()
+
+    def free_cache_engine(self) -> int:
+        return self.kv.release()

@@ -1,0 +1,72 @@
+"""The recipe's rollout settings read from verl's rollout config, with the recipe's values as defaults.
+
+Works on any mapping with ``get`` (OmegaConf DictConfig or dict), so the patch runs whatever the
+YAML holds: a plain verl config gets the recipe's behaviour, the recipe's YAML can turn it off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from verl_patches.rollout.dp_domain import DEFAULT_MASTER_PORT_BASE, DEFAULT_PORT_STRIDE, DPDomainError, DPSpec
+
+RECIPE_KEY = "recipe"  # actor_rollout_ref.rollout.recipe (configs/README.md)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    try:
+        value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    except Exception as e:  # noqa: BLE001 - OmegaConf's MissingMandatoryValue for '???' without importing it
+        if type(e).__name__ != "MissingMandatoryValue":
+            raise
+        return default
+    return default if value is None else value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"rollout.{RECIPE_KEY}.{name} must be true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    offload: bool  # recipe offload/onload instead of vLLM sleep mode (sleep mode off)
+    dp_sync_on_device: bool
+    dp: DPSpec
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+
+    @classmethod
+    def from_config(cls, config: Mapping, world_size: int) -> "RolloutSettings":
+        recipe = _get(config, RECIPE_KEY, {})
+        vdp = _get(recipe, "vllm_dp", {})
+        tp = int(_get(config, "tensor_model_parallel_size", 1))
+        instances = int(_get(vdp, "instances", 1))
+        if tp < 1 or instances < 1 or world_size % (tp * instances):
+            raise DPDomainError(f"rollout world of {world_size} ranks is not divisible by rollout TP{tp} x "
+                                f"{instances} instance(s) (rollout.{RECIPE_KEY}.vllm_dp.instances)")
+        dp_raw = _get(vdp, "dp_size", None)
+        # One DP group over every rank of an instance is the recipe's layout (EP = DP x TP).
+        dp_size = world_size // (tp * instances) if dp_raw in (None, "???") else int(dp_raw)
+        spec = DPSpec(tp_size=tp, dp_size=dp_size, instances=instances,
+                      master_port_base=int(_get(vdp, "master_port_base", DEFAULT_MASTER_PORT_BASE)),
+                      port_stride=int(_get(vdp, "port_stride", DEFAULT_PORT_STRIDE)))
+        tokens = int(_get(config, "max_num_batched_tokens", 8192))
+        if tokens < 1:
+            raise ValueError(f"rollout.max_num_batched_tokens must be positive, got {tokens}")
+        return cls(offload=_bool(_get(recipe, "offload", True), "offload"),
+                   dp_sync_on_device=_bool(_get(recipe, "dp_sync_on_device", True), "dp_sync_on_device"),
+                   dp=spec, max_num_batched_tokens=tokens,
+                   enable_chunked_prefill=_bool(_get(config, "enable_chunked_prefill", True), "enable_chunked_prefill"))
+
+    def check_batched_tokens(self, max_model_len: int) -> None:
+        """Chunked prefill splits long prompts, so a budget below max_model_len is fine with it
+        (the recipe runs 1024 against 4096: 8192 runs out of memory); without it vLLM cannot
+        schedule a full-length prompt."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"rollout.max_num_batched_tokens={self.max_num_batched_tokens} < max_model_len "
+                             f"{max_model_len} needs rollout.enable_chunked_prefill=True")
