@@ -14,7 +14,7 @@ import torch.distributed as dist
 from verl_patches import accelerator
 from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
                                   rollout_weights_group, train_params_group)
-from verl_patches.preflight.values import expected_rollout, train_shards, update_in_place
+from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
 from verl_patches.reshard.executor import execute
 from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
 from verl_patches.reshard.planner import build_plan
@@ -54,9 +54,9 @@ def host_rss() -> int:
 
 
 def _compare(rank: int, method: str, step: int, got: dict[str, torch.Tensor],
-             want: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+             want) -> list[dict[str, Any]]:
     bad = []
-    for name, w in want.items():
+    for name, w in want:
         g = got[name]
         if g.shape != w.shape or g.dtype != w.dtype or not torch.equal(g, w):
             diff = (g != w) if g.shape == w.shape else None
@@ -113,7 +113,7 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
                 # Fault injection (tests): one element of one received parameter changes.
                 flat = rollout[opts.corrupt[1]].view(-1)
                 flat[0] = flat[0] + 1
-            want = expected_rollout(P, rank, seed=opts.seed, step=s, dtype=dtype, device=device)
+            want = expected_rollout_by_param(P, rank, seed=opts.seed, step=s, dtype=dtype, device=device)
             res.mismatches.extend(_compare(rank, method, s, rollout, want))
             if opts.gather_shards and s == opts.steps - 1:
                 # Both sides of the last switch, for the logit check and the dump on rank 0.

@@ -82,11 +82,21 @@ def train_shards(placements: Placements, rank: int, *, seed: int, step: int, dty
                  seed=seed, step=step, dtype=dtype, device=device)
 
 
-def expected_rollout(placements: Placements, rank: int, *, seed: int, step: int, dtype: torch.dtype,
-                     device: Any = "cpu") -> dict[str, torch.Tensor]:
-    """What ``rank``'s vLLM parameters must equal after the reshard at ``step`` (padding zero)."""
-    return _fill(placements.rollout_storage[rank], lambda t: t.rollout, rank, placements,
-                 seed=seed, step=step, dtype=dtype, device=device)
+def expected_rollout_by_param(placements: Placements, rank: int, *, seed: int, step: int,
+                              dtype: torch.dtype, device: Any = "cpu"):
+    """Yield (vLLM name, expected tensor) one parameter at a time, so checking a 671B rank's
+    shard never needs a second copy of the whole shard on the device."""
+    by_slot: dict[str, list] = {}
+    for t in placements.tensors:
+        for part in t.rollout:
+            if rank in part.ranks:
+                by_slot.setdefault(part.slot.name, []).append((t, part))
+    for name, shape in placements.rollout_storage[rank].items():
+        want = torch.zeros(shape, dtype=dtype, device=device)
+        for t, part in by_slot.get(name, ()):
+            part.slot.view(want).copy_(
+                box_values(t.name, t.shape, part.box, seed=seed, step=step, dtype=dtype, device=device))
+        yield name, want
 
 
 def update_in_place(placements: Placements, rank: int, params: dict[str, torch.Tensor], *, seed: int,
