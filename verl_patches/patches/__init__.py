@@ -15,4 +15,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.vllm.patch_config",
     "verl_patches.patches.vllm.patch_forward_context",
     "verl_patches.patches.vllm.patch_v1_engine_core",
+    "verl_patches.patches.vllm.patch_entrypoints_llm",
 )

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from verl_patches.core.apply import apply_all, undo
 from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import MEMORY_METHODS
 from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import PATCHES as ROLLOUT
+from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
 from verl_patches.rollout.dp_sync import FLAG_ENV
 from verl_patches.testing.dist import free_port
@@ -141,6 +142,8 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
         rollout.offload_model_weights()
         assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
     assert all(callable(getattr(rollout, m)) for m in MEMORY_METHODS)
+    # verl's sharding manager reaches the same methods through the engine's sleep / wake_up.
+    assert getattr(rollout.inference_engine, MEMORY_ATTR) is rollout.engine_memory
 
 
 def test_recipe_flags_off_keep_upstream_memory_behaviour(model_dir, world, env, recorder):
@@ -155,6 +158,7 @@ def test_recipe_flags_off_keep_upstream_memory_behaviour(model_dir, world, env, 
     (kw,) = recorder.built
     assert kw["enable_sleep_mode"] is True and rollout.inference_engine.slept == 1
     assert not any(hasattr(rollout, m) for m in MEMORY_METHODS)
+    assert not hasattr(rollout.inference_engine, MEMORY_ATTR)
     assert os.environ[FLAG_ENV] == "0"
 
 

@@ -16,7 +16,9 @@ scheduler, comes from YAML; same sampling parameters) and adds, in this order:
 4. with recipe.offload (default on): sleep mode off, and onload_model_weights /
    offload_model_weights / init_cache_engine / free_cache_engine on the rollout, backed by the
    offload engine (verl_patches.rollout.engine_memory); the KV cache comes back through the
-   configs the engine core keeps (patch vllm.engine_core.keep_kv_cache_configs).
+   configs the engine core keeps (patch vllm.engine_core.keep_kv_cache_configs), and the
+   engine's sleep / wake_up, which verl's sharding manager calls, reach the same methods
+   (patches vllm.llm.sleep_to_offload / wake_up_to_onload).
 """
 
 from __future__ import annotations
@@ -134,6 +136,11 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
         self.engine_memory.offload_model_weights()
         for name in MEMORY_METHODS:
             setattr(self, name, getattr(self.engine_memory, name))
+        # verl's sharding manager drives the switch through the engine's sleep / wake_up
+        # (patches vllm.llm.sleep_to_offload / wake_up_to_onload route them here).
+        from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
+
+        setattr(self.inference_engine, MEMORY_ATTR, self.engine_memory)
     else:
         self.inference_engine.sleep(level=1)
 

@@ -1,0 +1,93 @@
+"""vllm.LLM's sleep / wake_up routed to the recipe's offload engine when the rollout attached one.
+
+Upstream: vllm/entrypoints/llm.py:LLM.sleep and LLM.wake_up drive sleep mode (a memory pool
+that does not free memory on multi-node NPU, and that the recipe turns off). verl 0.4.1's
+MegatronVLLMShardingManager calls wake_up(tags=["weights"]) before loading weights,
+wake_up(tags=["kv_cache"]) after, and sleep(level=1) when generation is done. We wrap both:
+on an engine the recipe's rollout built (verl_patches.rollout.engine_memory attached), those
+calls become onload_model_weights, init_cache_engine, and free_cache_engine +
+offload_model_weights, in that order, so verl's own switch frees memory for real. Any other
+engine gets the original.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+from verl_patches.core.fingerprint import Fingerprint
+from verl_patches.core.record import Patch
+
+# Set on the vllm.LLM instance by the rollout patch (verl.vllm_rollout.recipe_engine).
+MEMORY_ATTR = "verl_patches_memory"
+
+
+def wrap_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def sleep(self, level: int = 1):
+        memory = getattr(self, MEMORY_ATTR, None)
+        if memory is None:
+            return original(self, level)
+        # Cache first: freeing it needs no copy, and weights may then move on a quieter device.
+        memory.free_cache_engine()
+        memory.offload_model_weights()
+
+    return sleep
+
+
+def wrap_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def wake_up(self, tags: Optional[list[str]] = None):
+        memory = getattr(self, MEMORY_ATTR, None)
+        if memory is None:
+            return original(self, tags)
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags {sorted(unknown)}: expected 'weights' and/or 'kv_cache'")
+        # Weights before the cache: the reshard writes them while the cache's memory is still free.
+        if tags is None or "weights" in tags:
+            memory.onload_model_weights()
+        if tags is None or "kv_cache" in tags:
+            memory.init_cache_engine()
+
+    return wake_up
+
+
+_FLAG = ("actor_rollout_ref.rollout.recipe.offload (default True; the rollout attaches its memory to the "
+         "engine only then)")
+_REMOVE = ("verl's sharding manager calls the rollout's onload / offload / init-cache / free-cache methods "
+           "itself (a sharding-manager patch), or vLLM's sleep mode frees device memory on multi-node NPU.")
+
+PATCHES = [
+    Patch(
+        id="vllm.llm.sleep_to_offload",
+        target="vllm.entrypoints.llm:LLM.sleep",
+        kind="wrap",
+        phases=("worker",),
+        upstream="vllm",
+        versions="==0.9.1",
+        fingerprint=Fingerprint(signature="def sleep(self, level: int=1)", source_sha="59440a3d8da0085d"),
+        replacement=f"{__name__}:wrap_sleep",
+        flag=_FLAG,
+        why="verl's sharding manager puts the engine to sleep after generation; with the recipe's sleep mode off "
+            "that frees nothing, so the call frees the KV cache and the rollout weights through the offload "
+            "engine instead (RECIPE.md item 2).",
+        remove_when=_REMOVE,
+    ),
+    Patch(
+        id="vllm.llm.wake_up_to_onload",
+        target="vllm.entrypoints.llm:LLM.wake_up",
+        kind="wrap",
+        phases=("worker",),
+        upstream="vllm",
+        versions="==0.9.1",
+        fingerprint=Fingerprint(signature="def wake_up(self, tags: Optional[list[str]]=None)",
+                                source_sha="f50718b968b300df"),
+        replacement=f"{__name__}:wrap_wake_up",
+        flag=_FLAG,
+        why="verl's sharding manager wakes the engine's weights before resharding into them and its KV cache "
+            "after; the recipe's weights and cache were freed by the offload engine, so these calls allocate "
+            "them again through it (RECIPE.md items 2 and 8).",
+        remove_when=_REMOVE,
+    ),
+]
