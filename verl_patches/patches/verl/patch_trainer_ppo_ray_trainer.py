@@ -227,6 +227,11 @@ def _wrap_stage(state: DriverCacheState, op: str, original: Callable[..., Any]) 
         out = original(small)
         state.last_rows = rows.clone()
         state.take_reply(out, op)
+        if out.batch is None and op != "update_actor":
+            from tensordict import TensorDict
+
+            # The trainer unions the result into its batch: give it the batch's row count, no keys.
+            out.batch = TensorDict({}, batch_size=[len(data)])
         if op == "update_actor":
             state.reset()  # the workers dropped the step's tensors
         return out

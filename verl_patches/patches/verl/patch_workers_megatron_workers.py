@@ -89,8 +89,10 @@ def _wrap_stage(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 keep = [k for k in request["cache"] if k in out.batch.keys()]
                 cache.put({k: out.batch[k].to(device) for k in keep}, rows)
                 returned = [k for k in request["return"] if k in out.batch.keys()]
-                out = DataProto(batch=out.batch.select(*returned), non_tensor_batch=out.non_tensor_batch,
-                                meta_info=out.meta_info)
+                # No batch at all when nothing goes back: an empty TensorDict cannot be pickled
+                # (DataProto.__getstate__ consolidates it); the driver restores the row count.
+                out = DataProto(batch=out.batch.select(*returned) if returned else None,
+                                non_tensor_batch=out.non_tensor_batch, meta_info=out.meta_info)
             out.meta_info[META_KEY] = {"cached": cache.names()}
             return out
 
