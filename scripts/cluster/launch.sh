@@ -135,11 +135,12 @@ launch_main() {
     return 1
   fi
 
+  # CANN first: the doctor imports torch_npu on Ascend.
+  bringup_source_cann || return $?
   if [[ "$role" == head ]]; then
     launch_check_inputs 0 || return 2
     launch_validate || return 1
   fi
-  bringup_source_cann || return $?
   bringup_export_env
   trap bringup_stop EXIT
   trap 'exit 130' INT
