@@ -101,3 +101,17 @@ def test_fingerprint_command_matches_the_record():
     r = cli("fingerprint", p.target)
     assert r.returncode == 0 and f'source_sha="{p.fingerprint.source_sha}"' in r.stdout
     assert cli("fingerprint", "verl.utils.reward_score:nope").returncode == 1
+
+
+def test_cann_is_read_from_its_install_record(tmp_path):
+    """No CANN here: a toolkit install record laid out as CANN writes it is found and compared."""
+    home = tmp_path / "ascend-toolkit" / "latest"
+    (home / "x86_64-linux").mkdir(parents=True)
+    rows = {r["id"]: r for r in json.loads(cli("doctor", "--json", env={"ASCEND_TOOLKIT_HOME": str(home)}).stdout)}
+    assert rows["lock:cann"]["status"] == "missing" and rows["lock:cann"]["required"] is False
+    (home / "x86_64-linux" / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=8.2.RC1\n")
+    rows = {r["id"]: r for r in json.loads(cli("doctor", "--json", env={"ASCEND_TOOLKIT_HOME": str(home)}).stdout)}
+    assert rows["lock:cann"]["status"] == "ok" and rows["lock:cann"]["installed"] == "8.2.RC1"
+    # On an NPU platform a missing CANN fails --strict.
+    r = cli("doctor", "--strict", "--platform", "npu", env={"ASCEND_TOOLKIT_HOME": str(tmp_path / "nothing")})
+    assert r.returncode == 1 and "lock:cann" in r.stdout

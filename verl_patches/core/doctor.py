@@ -7,6 +7,7 @@ component and per patch; each is ok, missing, changed or version-mismatch.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,13 +48,37 @@ def _same_release(installed: str, expected: str) -> bool:
         return installed == expected
 
 
+def _cann_homes() -> list[Path]:
+    env = [os.environ.get(k) for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")]
+    return [Path(p) for p in env if p] + [Path("/usr/local/Ascend/ascend-toolkit/latest")]
+
+
+def system_component_version(key: str) -> tuple[str, Path] | None:
+    """Version of a non-Python component from its install record (CANN's toolkit info file)."""
+    if key != "cann":
+        return None
+    for home in _cann_homes():
+        for info in sorted(home.glob("*/ascend_toolkit_install.info")) + [home / "version.cfg"]:
+            if info.is_file():
+                for line in info.read_text(errors="replace").splitlines():
+                    k, _, v = line.partition("=")
+                    if k.strip() in ("version", "Version"):
+                        return v.strip().strip('"'), info
+    return None
+
+
 def check_component(comp: Component, platform: str, root: Path | None) -> Finding:
     required = comp.required_on(platform)
     fid = f"lock:{comp.key}"
     if not comp.import_name:
-        return Finding(fid, comp.key, "ok" if not required else "missing",
-                       f"{comp.key} {comp.ref} is a system component; not checked from Python",
-                       None, comp.ref, required)
+        found = system_component_version(comp.key)
+        if found is None:
+            return Finding(fid, comp.key, "missing", f"{comp.key} {comp.ref}: no install record found "
+                           f"(looked in {', '.join(str(p) for p in _cann_homes())})", None, comp.ref, required)
+        version, where = found
+        status = "ok" if version == comp.ref else "version-mismatch"
+        return Finding(fid, comp.key, status, f"{version} at {where}; the lock says {comp.ref}",
+                       version, comp.ref, required)
     loc = locate(comp.import_name, comp.package, root)
     if loc.path is None:
         return Finding(fid, comp.import_name, "missing", f"{comp.import_name} not found"
