@@ -192,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--print-config", action="store_true", help="print the resolved YAML")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as given to verl.trainer.main_ppo")
     args = p.parse_args(argv)
-    from omegaconf import OmegaConf
-
+    try:
+        from omegaconf import OmegaConf
+    except ImportError as e:
+        print(f"error: {e}: hydra-core is needed to compose the config (requirements.txt)", file=sys.stderr)
+        return 1
     try:
         cfg = compose(args.config_name, args.overrides, args.config_dir)
         resolved = OmegaConf.to_container(cfg, resolve=True)

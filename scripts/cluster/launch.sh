@@ -58,6 +58,19 @@ launch_validate() {
   local rc=0
   # The overlay from this checkout, whether or not it is pip-installed.
   local -x PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+  echo "== python environment ($PYTHON)"
+  local missing
+  missing="$("$PYTHON" - <<'PY' 2>&1
+import importlib.util
+need = {"torch": "torch", "hydra": "hydra-core", "omegaconf": "hydra-core", "verl": "verl", "ray": "ray"}
+print(" ".join(sorted({pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None})))
+PY
+)" || missing="(python failed: $missing)"
+  if [[ -n "$missing" ]]; then
+    echo "error: $PYTHON lacks: $missing (install requirements.txt, or set PYTHON to the recipe's environment)" >&2
+    return 1
+  fi
+  echo "  torch, hydra-core, verl, ray importable"
   echo "== doctor"
   if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
     "$PYTHON" -m verl_patches doctor --platform "$DEVICE" || { echo "error: doctor failed (see above)" >&2; rc=1; }

@@ -159,3 +159,13 @@ echo STOPPED
         time.sleep(0.2)
     assert _group_members(pgid) == []
     assert time.monotonic() - t0 < 60
+
+
+def test_dry_run_names_missing_python_packages(tmp_path, ckpt_dir):
+    # A Python without site-packages stands for a fresh machine's interpreter.
+    bare = tmp_path / "bare_python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt_dir), NODE_RANK="0", PYTHON=str(bare))
+    assert r.returncode == 1
+    assert "lacks: hydra-core ray torch verl" in r.stderr and "dry run FAILED" in r.stderr
