@@ -173,3 +173,17 @@ def test_cli_reports_errors_and_success(capsys, tmp_path):
     assert "composed and validated" in out and '"world": 256' in out
     assert RC.main(["--config-name", "no_such_config", "--model-config", str(mj)]) == 1
     assert "config composition failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", RC.RUN_CONFIGS)
+def test_verl_trainer_accepts_the_config(name):
+    # verl's own RayPPOTrainer._validate_config (it reads only config, use_critic and use_reference_policy).
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    cfg = RC.compose(name, CKPT)
+    RayPPOTrainer._validate_config(SimpleNamespace(config=cfg, use_critic=False, use_reference_policy=True))
+    bad = RC.compose(name, [*CKPT, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+    with pytest.raises(AssertionError, match="must be divisible"):
+        RayPPOTrainer._validate_config(SimpleNamespace(config=bad, use_critic=False, use_reference_policy=True))
