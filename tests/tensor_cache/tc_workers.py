@@ -75,6 +75,13 @@ def permuted_relayout(rank: int, world: int, batch: int, seed: int) -> dict:
     return {"exact": all(torch.equal(_bits(out[k]), _bits(full[k][wanted])) for k in full), "stats": stats}
 
 
+def all_checks(rank: int, world: int, tp: int, pp: int, batch: int) -> dict:
+    """Every distributed check in one spawn of ``world`` ranks (starting processes dominates)."""
+    return {"megatron": megatron_relayout(rank, world, tp, pp, batch),
+            "permuted": permuted_relayout(rank, world, batch, 5),
+            "mismatch": mismatched_rows(rank, world)}
+
+
 def mismatched_rows(rank: int, world: int) -> str:
     t = torch.zeros(4, 3 if rank == 0 else 2)
     try:

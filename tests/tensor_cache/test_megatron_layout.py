@@ -5,13 +5,21 @@ import pytest
 
 import tc_workers  # noqa: F401  (tests/tensor_cache is put on sys.path below)
 
-from verl_patches.testing.dist import DistributedFailure, run_distributed
+from verl_patches.testing.dist import run_distributed
+
+
+WORLD, TP, PP, BATCH = 8, 2, 2, 32
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(tc_workers.all_checks, WORLD, TP, PP, BATCH, timeout=300)
 
 
 @pytest.mark.slow
-def test_generation_to_megatron_tp2_pp2_dp2_is_bit_exact():
-    world, tp, pp, batch = 8, 2, 2, 32
-    res = run_distributed(tc_workers.megatron_relayout, world, tp, pp, batch, timeout=240)
+def test_generation_to_megatron_tp2_pp2_dp2_is_bit_exact(results):
+    world, tp, pp, batch = WORLD, TP, PP, BATCH
+    res = [r["megatron"] for r in results]
     assert {r["dp_size"] for r in res} == {2}
     for rank, r in enumerate(res):
         # The ranks that hold one DP chunk are megatron's model-parallel group (t*p = 4 ranks).
@@ -26,8 +34,7 @@ def test_generation_to_megatron_tp2_pp2_dp2_is_bit_exact():
 
 
 @pytest.mark.slow
-def test_permuted_layout_and_row_size_mismatch():
-    res = run_distributed(tc_workers.permuted_relayout, 4, 24, 5, timeout=120)
-    assert all(r["exact"] and r["stats"].exchanged for r in res)
-    msgs = run_distributed(tc_workers.mismatched_rows, 2, timeout=120)
+def test_permuted_layout_and_row_size_mismatch(results):
+    assert all(r["permuted"]["exact"] and r["permuted"]["stats"].exchanged for r in results)
+    msgs = [r["mismatch"] for r in results]
     assert all("pack rows of different byte sizes" in m and "rank 0: 12" in m and "rank 1: 8" in m for m in msgs)
