@@ -184,6 +184,22 @@ def validate(cfg, model: dict) -> Report:
     return rep
 
 
+def verl_validate(cfg) -> str | None:
+    """verl's own trainer-side checks (RayPPOTrainer._validate_config); the failure message, or None."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    # It reads only these three attributes; GRPO has no critic and uses the reference policy (KL loss).
+    probe = SimpleNamespace(config=cfg, use_critic=cfg.algorithm.adv_estimator == "gae",
+                            use_reference_policy=bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward))
+    try:
+        RayPPOTrainer._validate_config(probe)
+    except (AssertionError, ValueError) as e:
+        return f"verl's RayPPOTrainer._validate_config rejects the config: {e}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_patches.recipe_config", description=__doc__)
     p.add_argument("--config-name", required=True, help=f"one of {RUN_CONFIGS}")
@@ -212,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     rep = validate(cfg, model)
+    verl_error = verl_validate(cfg)
+    if verl_error:
+        rep.errors.append(verl_error)
     print(f"model config: {model_path}")
     print("layout: " + json.dumps(rep.layout))
     for note in rep.notes:

@@ -171,6 +171,9 @@ def test_cli_reports_errors_and_success(capsys, tmp_path):
     assert RC.main(["--config-name", "deepseekv3_256die_true_weight", "--model-config", str(mj), *CKPT]) == 0
     out = capsys.readouterr().out
     assert "composed and validated" in out and '"world": 256' in out
+    assert RC.main(["--config-name", "deepseekv3_256die_true_weight", "--model-config", str(mj), *CKPT,
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"]) == 1
+    assert "RayPPOTrainer._validate_config rejects" in capsys.readouterr().err
     assert RC.main(["--config-name", "no_such_config", "--model-config", str(mj)]) == 1
     assert "config composition failed" in capsys.readouterr().err
 
