@@ -13,6 +13,9 @@ for _p in (_REPO / "tests" / "fixtures", _REPO):
 os.environ.setdefault("VLLM_PLUGINS", "verl_patches")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# megatron-core's import applies torch.compile, which makes torch pre-fork inductor compile
+# workers in every process; the tests compile nothing, and on 2 cores those pools hurt.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 from verl_patches.testing.upstream_env import prepare_cpu_upstream  # noqa: E402
 

@@ -273,6 +273,9 @@ def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
+    # megatron-core wraps fused ops in torch.compile at import; torch then pre-forks a pool of
+    # inductor compile workers in every rank. Preflight compiles nothing: one thread, no pool.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     if a.backend == "hccl":
         os.environ.setdefault("VERL_PATCHES_DEVICE", "npu")
     elif a.backend == "nccl":
