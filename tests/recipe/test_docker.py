@@ -109,7 +109,8 @@ def test_run_container_errors_without_devices(tmp_path):
 
 
 def _linter(name, env_var):
-    path = os.environ.get(env_var) or shutil.which(name)
+    # PATH, or the running venv's bin/ (pip-installed linters land there without activation).
+    path = os.environ.get(env_var) or shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if not path:
         if os.environ.get("REQUIRE_LINTERS") == "1":
             pytest.fail(f"{name} not installed but REQUIRE_LINTERS=1")
