@@ -113,12 +113,15 @@ bringup_ray_worker_cmd() {
 }
 
 # What the trainer and every Ray worker process read; exported before Ray starts so
-# Ray's workers inherit it on every node.
+# Ray's workers inherit it on every node. Only variables something reads: RECIPE_ROOT
+# (the configs' custom_reward_function.path), PYTHONPATH (the overlay), RAY_ADDRESS
+# (verl's ray.init joins this cluster), the socket interface for gloo and HCCL/NCCL,
+# and HCCL's connect timeout.
 bringup_export_env() {
-  export RECIPE_ROOT MASTER_ADDR
+  export RECIPE_ROOT
   export PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
   export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
-  export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME" TP_SOCKET_IFNAME="$SOCKET_IFNAME"
+  export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME"
   if [[ "$DEVICE" == npu ]]; then
     export HCCL_SOCKET_IFNAME="$SOCKET_IFNAME" HCCL_CONNECT_TIMEOUT
   else
