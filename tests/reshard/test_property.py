@@ -26,7 +26,8 @@ def layouts(draw):
     model = ModelConfig.from_hf(dict(BASE, vocab_size=vocab))
     t = draw(st.sampled_from([1, 2, 4]))
     p = draw(st.sampled_from([1, 2, 4]))
-    d = draw(st.sampled_from([1, 2, 3, 4]))
+    # at most 16 simulated ranks keeps an example around a second on 2 cores
+    d = draw(st.sampled_from([x for x in (1, 2, 3, 4) if t * p * x <= 16]))
     e = draw(st.sampled_from([x for x in (1, 2, 4) if d % x == 0 and 16 % (t * x) == 0]))
     cuts = sorted(draw(st.lists(st.integers(1, 3), min_size=p - 1, max_size=p - 1, unique=True)))
     bounds = [0, *cuts, 4]
@@ -39,7 +40,7 @@ def layouts(draw):
                         mla_down_split=draw(st.booleans()))
     rollout = RolloutLayout(tp=tr, dp=rest // k, instances=k)
     return model, train, rollout, draw(st.sampled_from(["bfloat16", "float32"])), draw(
-        st.sampled_from([128, 1000, 1 << 16]))
+        st.sampled_from([512, 3000, 1 << 16]))
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

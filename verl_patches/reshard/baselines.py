@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from verl_patches import accelerator
+from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.layout import Logical, Placements, box_numel
 from verl_patches.reshard.planner import Plan, RankStats, _intersect
 
@@ -106,7 +107,7 @@ def _sl(box: Any) -> tuple[slice, ...]:
 def _full_from_shards(lt: Logical, shards: list[torch.Tensor]) -> torch.Tensor:
     full = torch.empty(lt.shape, dtype=shards[0].dtype, device=shards[0].device)
     for part in lt.train:
-        full[_sl(part.box)].copy_(part.slot.view(shards[part.shard]))
+        copy_into(full[_sl(part.box)], part.slot.view(shards[part.shard]))
     return full
 
 
@@ -114,7 +115,7 @@ def _load_from_full(P: Placements, rank: int, tid: int, full: torch.Tensor,
                     roll: dict[str, torch.Tensor]) -> None:
     # What vLLM's load_weights does with a full tensor: narrow out this rank's part.
     for part in _needs(P, rank).get(tid, []):
-        part.slot.view(roll[part.slot.name]).copy_(full[_sl(part.box)])
+        copy_into(part.slot.view(roll[part.slot.name]), full[_sl(part.box)])
 
 
 class _Peak:
@@ -294,10 +295,10 @@ def execute_recipe(plan: Plan, rank: int, train: dict[str, torch.Tensor],
         for k, lst in enumerate(sends):
             for tid, box in lst:
                 if k == me:
-                    roll_view(tid, box).copy_(part_view(tid, box, me))
+                    copy_into(roll_view(tid, box), part_view(tid, box, me))
                     continue
                 n = box_numel(box)
-                sbuf[off:off + n].view([b - a for a, b in box]).copy_(part_view(tid, box, me))
+                copy_into(sbuf[off:off + n].view([b - a for a, b in box]), part_view(tid, box, me))
                 off += n
         dist.all_to_all_single(rbuf, sbuf, output_split_sizes=rsplit, input_split_sizes=ssplit, group=G.ep)
         st.collectives += 1
@@ -308,7 +309,7 @@ def execute_recipe(plan: Plan, rank: int, train: dict[str, torch.Tensor],
                 continue
             for tid, box in lst:
                 n = box_numel(box)
-                roll_view(tid, box).copy_(rbuf[off:off + n].view([b - a for a, b in box]))
+                copy_into(roll_view(tid, box), rbuf[off:off + n].view([b - a for a, b in box]))
                 off += n
         peak.sub((sbuf.numel() + rbuf.numel()) * es)
         if my_stage != u.stage:

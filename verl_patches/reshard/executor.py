@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from verl_patches import accelerator
+from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.layout import Box, Part, Placements
 from verl_patches.reshard.planner import Plan, RankProgram, Transfer, rank_program
 
@@ -112,16 +113,18 @@ def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor],
 
 
 def pack(plan: Plan, rank: int, bucket: int, train: dict[str, torch.Tensor], dtype: torch.dtype,
-         device: Any) -> tuple[torch.Tensor, list[int]]:
+         device: Any, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """This rank's flat send buffer of one bucket (ordered by destination peer, then plan
-    order: the order in which each peer unpacks) and its per-peer split sizes."""
+    order: the order in which each peer unpacks) and its per-peer split sizes. Written into
+    the front of ``out`` when given."""
     P = plan.placements
     ssplit, _, send, _ = _program(plan, rank).buckets[bucket]
-    sbuf = torch.empty(sum(ssplit), dtype=dtype, device=device)
+    n_all = sum(ssplit)
+    sbuf = torch.empty(n_all, dtype=dtype, device=device) if out is None else out[:n_all]
     off = 0
     for tr in send:
         n = tr[4]
-        sbuf[off:off + n].view(_shape(tr[1])).copy_(src_view(P, tr, train))
+        copy_into(sbuf[off:off + n].view(_shape(tr[1])), src_view(P, tr, train))
         off += n
     return sbuf, ssplit
 
@@ -133,7 +136,7 @@ def unpack(plan: Plan, rank: int, bucket: int, rbuf: torch.Tensor, roll: dict[st
     off = 0
     for tr in recv:
         n = tr[4]
-        dst_view(P, tr, roll).copy_(rbuf[off:off + n].view(_shape(tr[1])))
+        copy_into(dst_view(P, tr, roll), rbuf[off:off + n].view(_shape(tr[1])))
         off += n
 
 
@@ -142,32 +145,74 @@ def copy_local(plan: Plan, rank: int, train: dict[str, torch.Tensor], roll: dict
     P = plan.placements
     n = 0
     for tr in _program(plan, rank).local:
-        dst_view(P, tr, roll).copy_(src_view(P, tr, train))
+        copy_into(dst_view(P, tr, roll), src_view(P, tr, train))
         n += tr[4]
     return n
 
 
+def _local_chunks(local: list[Transfer], n: int) -> list[list[Transfer]]:
+    """Local copies cut into n groups of about equal bytes, one issued per bucket so that they
+    run while the links are busy."""
+    n = max(1, n)
+    total = sum(t[4] for t in local) or 1
+    out: list[list[Transfer]] = [[] for _ in range(n)]
+    acc = 0
+    for t in local:
+        out[min(n - 1, acc * n // total)].append(t)
+        acc += t[4]
+    return out
+
+
 def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
                     roll: dict[str, torch.Tensor], group: Any) -> ExecStats:
+    """Two buckets in flight: bucket b+1 is packed and its all-to-all queued while bucket b is
+    on the links; bucket b is unpacked once its all-to-all is done (work.wait() orders the
+    device stream after the collective without blocking the host). Local copies are spread
+    over the buckets so they overlap the transfers too."""
     P = plan.placements
     prog = _program(plan, rank)
     st = ExecStats("direct")
     t0 = time.perf_counter()
     ref = next(iter(roll.values()))
+    es = ref.element_size()
     zero_padding(P, rank, roll)
-    st.local_bytes = copy_local(plan, rank, train, roll) * ref.element_size()
-    for b, (_, rsplit, _, _) in enumerate(prog.buckets):
-        sbuf, ssplit = pack(plan, rank, b, train, ref.dtype, ref.device)
-        rbuf = torch.empty(sum(rsplit), dtype=ref.dtype, device=ref.device)
-        dist.all_to_all_single(rbuf, sbuf, output_split_sizes=rsplit, input_split_sizes=ssplit,
-                               group=group)
-        unpack(plan, rank, b, rbuf, roll)
-        es = sbuf.element_size()
+    nb = len(prog.buckets)
+    local = _local_chunks(prog.local, nb)
+    # Two staging buffers allocated once, each holding one bucket's send and receive parts:
+    # the extra memory is exactly two buckets (no per-bucket allocation, no allocator rounding).
+    size = max((sum(ss) + sum(rs) for ss, rs, _, _ in prog.buckets), default=0)
+    stage = [torch.empty(size, dtype=ref.dtype, device=ref.device) for _ in range(min(2, nb))]
+    st.peak_extra_bytes = size * len(stage) * es
+    inflight: list[tuple[int, Any, torch.Tensor]] = []
+
+    def issue(b: int) -> None:
+        rsplit = prog.buckets[b][1]
+        buf = stage[b % 2]
+        sbuf, ssplit = pack(plan, rank, b, train, ref.dtype, ref.device, out=buf)
+        rbuf = buf[sbuf.numel():sbuf.numel() + sum(rsplit)]
+        work = dist.all_to_all_single(rbuf, sbuf, output_split_sizes=rsplit, input_split_sizes=ssplit,
+                                      group=group, async_op=True)
+        inflight.append((b, work, rbuf))
         st.sent_bytes += sbuf.numel() * es
         st.recv_bytes += rbuf.numel() * es
-        st.peak_extra_bytes = max(st.peak_extra_bytes, (sbuf.numel() + rbuf.numel()) * es)
         st.collectives += 1
-        del sbuf, rbuf
+
+    def retire() -> None:
+        b, work, rbuf = inflight.pop(0)
+        work.wait()
+        unpack(plan, rank, b, rbuf, roll)
+
+    if nb == 0:
+        copy_local(plan, rank, train, roll)
+    for b in range(nb):
+        if len(inflight) == 2:
+            retire()
+        issue(b)
+        for tr in local[b]:
+            copy_into(dst_view(P, tr, roll), src_view(P, tr, train))
+    while inflight:
+        retire()
+    st.local_bytes = sum(t[4] for t in prog.local) * es
     accelerator.synchronize()
     st.seconds = time.perf_counter() - t0
     return st

@@ -102,7 +102,7 @@ def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollou
                bucket_bytes: int = 256 << 20, dtype: str = "bfloat16",
                placements: Placements | None = None) -> Plan:
     """Route every rollout element from one training holder; bucket by bucket_bytes per rank
-    (each rank's send and receive volume in one bucket stays within it)."""
+    (each rank's send plus receive volume in one bucket stays within it)."""
     if dtype not in DTYPE_BYTES:
         raise LayoutError(f"dtype {dtype!r}: expected one of {sorted(DTYPE_BYTES)}")
     if isinstance(train, str):
@@ -118,7 +118,7 @@ def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollou
     stats = [RankStats() for _ in range(W)]
     sent = [0] * W
     local: list[Transfer] = []
-    remote: list[Transfer] = []
+    pair_q: dict[tuple[int, int], list[Transfer]] = {}
     for tid, lt in enumerate(P.tensors):
         holders = [(q.box, q.ranks, frozenset(q.ranks)) for q in lt.train]
         for part in lt.rollout:
@@ -143,42 +143,63 @@ def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollou
                         continue
                     src = min(qranks, key=sent.__getitem__)
                     sent[src] += n
-                    for sub in split_box(inter, cap):
-                        remote.append((tid, sub, src, dst, box_numel(sub)))
-    # First fit into buckets. A rank's pointer is its first bucket with room left (a bucket
-    # counts as full for a rank once less than 1/16 of it is free), so later small transfers
-    # backfill earlier buckets and the number of collectives stays near max(send, recv) / cap.
+                    # pieces of at most a quarter bucket, so a bucket can carry traffic in both
+                    # directions of a link at once (links are full duplex)
+                    for sub in split_box(inter, max(1, cap // 4)):
+                        pair_q.setdefault((src, dst), []).append((tid, sub, src, dst, box_numel(sub)))
+    # Round-robin over (src, dst) pairs: every bucket then mixes all pairs and directions
+    # instead of, say, stage 0 sending in the first buckets and stage 1 in the last ones.
+    remote: list[Transfer] = []
+    queues = list(pair_q.values())
+    depth = 0
+    while queues:
+        remote.extend(q[depth] for q in queues)
+        depth += 1
+        queues = [q for q in queues if len(q) > depth]
+    # First fit into buckets. The bound is on a rank's send + receive volume in one bucket (its
+    # two buffers); the executor keeps two buckets in flight, so its extra memory stays within
+    # two buckets. A rank's pointer is its first bucket with room left (full once less than
+    # 1/16 is free), so later small transfers backfill earlier buckets and the number of
+    # collectives stays near (send + recv) / cap.
     bsend: list[list[int]] = []
     brecv: list[list[int]] = []
+    used: list[list[int]] = []
     buckets: list[list[Transfer]] = []
-    ptr_s = [0] * W
-    ptr_r = [0] * W
+    ptr = [0] * W
     full = cap - max(1, cap // 16)
     for tr in remote:
         _, _, src, dst, n = tr
-        b = max(ptr_s[src], ptr_r[dst])
+        b = max(ptr[src], ptr[dst])
         while True:
             if b == len(buckets):
                 buckets.append([])
                 bsend.append([0] * W)
                 brecv.append([0] * W)
-            if bsend[b][src] + n <= cap and brecv[b][dst] + n <= cap:
+                used.append([0] * W)
+            if used[b][src] + n <= cap and used[b][dst] + n <= cap:
                 break
             b += 1
         buckets[b].append(tr)
         bsend[b][src] += n
         brecv[b][dst] += n
-        while ptr_s[src] < len(buckets) and bsend[ptr_s[src]][src] >= full:
-            ptr_s[src] += 1
-        while ptr_r[dst] < len(buckets) and brecv[ptr_r[dst]][dst] >= full:
-            ptr_r[dst] += 1
+        used[b][src] += n
+        used[b][dst] += n
+        for r in (src, dst):
+            while ptr[r] < len(buckets) and used[ptr[r]][r] >= full:
+                ptr[r] += 1
     for r in range(W):
         st = stats[r]
         st.sent_bytes = sum(bs[r] for bs in bsend) * es
         st.recv_bytes = sum(br[r] for br in brecv) * es
-        st.peak_extra_bytes = max((bs[r] + br[r] for bs, br in zip(bsend, brecv)), default=0) * es
+        st.peak_extra_bytes = pipeline_peak([u[r] for u in used]) * es
         st.collectives = len(buckets)
     return Plan(P, dtype, es, bucket_bytes, local, buckets, stats)
+
+
+def pipeline_peak(per_bucket: list[int]) -> int:
+    """Extra memory of the executor: two staging buffers (one while a single bucket), each
+    sized for this rank's largest bucket (send + receive)."""
+    return max(per_bucket, default=0) * min(2, len(per_bucket))
 
 
 @dataclass

@@ -98,14 +98,17 @@ def rollout_shards(placements: Placements, rank: int, logical: dict[str, torch.T
 
 def random_train_shards(placements: Placements, rank: int, dtype: Any, device: Any = "cpu",
                         seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random training shards without a full model (benchmarks): replicas of the same part get
-    the same values because each part is drawn from a generator seeded by its identity."""
+    """Random training shards without a full model (benchmarks), drawn on ``device``: replicas
+    of the same part get the same values because each part is drawn from a generator seeded
+    by its identity (on the same device type)."""
     dt = torch_dtype(dtype)
-    out = allocate(placements.train_storage[rank], dt, "cpu", fill=0.0)
+    dev = torch.device(device)
+    out = allocate(placements.train_storage[rank], dt, dev, fill=0.0)
     for t in placements.tensors:
         for part in t.train:
             if rank in part.ranks:
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(f"{t.name}{part.box}".encode()))
+                g = torch.Generator(device=dev).manual_seed(
+                    seed * 1_000_003 + zlib.crc32(f"{t.name}{part.box}".encode()))
                 shape = tuple(b - a for a, b in part.box)
-                part.slot.view(out[part.slot.name]).copy_(torch.randn(shape, generator=g).to(dt))
-    return {n: v.to(device) for n, v in out.items()}
+                part.slot.view(out[part.slot.name]).copy_(torch.randn(shape, generator=g, device=dev, dtype=dt))
+    return out

@@ -1,0 +1,275 @@
+"""Benchmark of the three reshard methods (direct, upstream A, recipe B) side by side on
+DeepSeek-V3-shaped layers: time, bytes, peak device memory, bus bandwidth vs all_to_all.
+
+Launch with torchrun (gloo on CPU, NCCL on GPU through the accelerator facade):
+    torchrun --nproc-per-node 2 scripts/bench_reshard.py --train tp=1,pp=2,ep=1 --rollout tp=2,dp=1
+The plan needs megatron-core (rank coordinates); where it is not installed, build it elsewhere
+with --save-plan FILE (no torchrun needed) and pass --plan FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verl_patches import accelerator  # noqa: E402
+from verl_patches.reshard.baselines import recipe_stats, upstream_stats  # noqa: E402
+from verl_patches.reshard.executor import execute  # noqa: E402
+from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements  # noqa: E402
+from verl_patches.reshard.planner import Plan, build_plan  # noqa: E402
+from verl_patches.reshard.shards import allocate, random_train_shards, torch_dtype  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def bench_model(layers: int, experts: int, path: str = str(REPO / "configs/model/deepseek_v3.json")) -> ModelConfig:
+    """DeepSeek-V3 with its real hidden, MLA, expert and vocab sizes, fewer layers and experts."""
+    cfg = json.loads(Path(path).read_text())
+    cfg.update(num_hidden_layers=layers, first_k_dense_replace=min(1, layers), n_routed_experts=experts)
+    return ModelConfig.from_hf(cfg)
+
+
+def make_plans(args: argparse.Namespace) -> list[Plan]:
+    model = bench_model(args.layers, args.experts, args.model)
+    plans = []
+    for train, rollout in zip(args.train, args.rollout):
+        P = build_placements(model, TrainLayout.parse(train), RolloutLayout.parse(rollout))
+        plans.append(build_plan(model, P.train, P.rollout, bucket_bytes=int(args.bucket_mb * (1 << 20)),
+                                dtype=args.dtype, placements=P))
+    return plans
+
+
+def a2a_busbw(nbytes: int, dtype: torch.dtype, device: torch.device, world: int, rank: int,
+              repeats: int) -> float:
+    """Bus bandwidth (bytes a rank sends to peers / time) of one all_to_all_single in which each
+    rank sends nbytes in total, split evenly over its peers."""
+    es = torch.empty((), dtype=dtype).element_size()
+    n = nbytes // es
+    peers = max(1, world - 1)
+    splits = [0 if p == rank and world > 1 else n // peers for p in range(world)]
+    total = sum(splits)
+    rsplits = [0 if p == rank and world > 1 else n // peers for p in range(world)]
+    sbuf = torch.ones(total, dtype=dtype, device=device)
+    rbuf = torch.empty(sum(rsplits), dtype=dtype, device=device)
+    times = []
+    for i in range(repeats + 2):
+        dist.barrier()
+        accelerator.synchronize()
+        t0 = time.perf_counter()
+        dist.all_to_all_single(rbuf, sbuf, output_split_sizes=rsplits, input_split_sizes=splits)
+        accelerator.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return total * es / float(t.item())
+
+
+def phase_times(plan: Plan, rank: int, train: dict, roll: dict, device: torch.device) -> dict[str, float]:
+    """Direct method run phase by phase with a sync after each (no overlap): where time goes."""
+    from verl_patches.reshard.executor import _program, copy_local, pack, unpack
+
+    prog = _program(plan, rank)
+    out = {"local": 0.0, "pack": 0.0, "a2a": 0.0, "unpack": 0.0}
+    ref = next(iter(roll.values()))
+
+    def timed(key: str, fn):
+        accelerator.synchronize()
+        t0 = time.perf_counter()
+        r = fn()
+        accelerator.synchronize()
+        out[key] += time.perf_counter() - t0
+        return r
+
+    timed("local", lambda: copy_local(plan, rank, train, roll))
+    for b, (_, rsplit, _, _) in enumerate(prog.buckets):
+        sbuf, ssplit = timed("pack", lambda: pack(plan, rank, b, train, ref.dtype, ref.device))
+        rbuf = torch.empty(sum(rsplit), dtype=ref.dtype, device=ref.device)
+        timed("a2a", lambda: dist.all_to_all_single(rbuf, sbuf, output_split_sizes=rsplit,
+                                                     input_split_sizes=ssplit))
+        timed("unpack", lambda: unpack(plan, rank, b, rbuf, roll))
+    t = torch.tensor([out[k] for k in sorted(out)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: float(v) for k, v in zip(sorted(out), t.tolist())}
+
+
+def check_copy_kernel(device: torch.device) -> bool:
+    """The transposing copy used on CUDA equals torch's own copy_ (bitwise), on the shapes the
+    expert weights have (Megatron [E, H, 2I] view -> vLLM [E, I, H]) and on ragged ones."""
+    from verl_patches.reshard.copyops import copy_into
+
+    ok = True
+    for e, h, i2, lo, n in ((3, 7168, 4096, 2048, 2048), (2, 1000, 300, 0, 150), (1, 513, 257, 1, 255)):
+        w = torch.randn(e, h, i2, device=device).to(torch.bfloat16)
+        src = w[:, :, lo:lo + n].permute(0, 2, 1)
+        a = torch.empty(src.shape, dtype=src.dtype, device=device)
+        b = torch.empty_like(a)
+        copy_into(a, src)
+        b.copy_(src)
+        ok &= bool(torch.equal(a, b))
+        copy_into(a[0], src[0])  # 2-D
+        ok &= bool(torch.equal(a, b))
+    return ok
+
+
+def run(args: argparse.Namespace) -> int:
+    backend = accelerator.dist_backend()
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = accelerator.set_device(local)
+    dist.init_process_group(backend)
+    world = dist.get_world_size()
+    if args.plan:
+        with open(args.plan, "rb") as f:
+            plans = pickle.load(f)
+    else:
+        plans = make_plans(args)
+    copy_ok = check_copy_kernel(device)
+    if rank == 0:
+        print(f"transposing copy kernel equals torch copy_: {copy_ok}", flush=True)
+    if not copy_ok:
+        raise SystemExit("copy kernel mismatch")
+    a2a_first = {p.bucket_bytes: a2a_busbw(p.bucket_bytes // 2, torch_dtype(p.dtype), device, world, rank,
+                                           3 * args.repeats) for p in plans}
+    rows = []
+    for plan in plans:
+        P = plan.placements
+        if P.world != world:
+            raise SystemExit(f"plan is for {P.world} ranks, torchrun started {world}")
+        dt = torch_dtype(plan.dtype)
+        train = random_train_shards(P, rank, plan.dtype, device=device, seed=1)
+        roll = allocate(P.rollout_storage[rank], dt, device)
+        reference = None
+        modelled = {"direct": plan.ranks, "upstream": upstream_stats(P, plan.elem_size),
+                    "recipe": recipe_stats(P, plan.elem_size)}
+        for method in args.methods:
+            times, peaks, st = [], [], None
+            for i in range(args.warmup + args.repeats):
+                for v in roll.values():
+                    v.fill_(float("nan"))
+                accelerator.synchronize()
+                dist.barrier()
+                base = accelerator.memory_allocated()
+                accelerator.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                st = execute(plan, rank, train, roll, method=method, check=(i == 0))
+                accelerator.synchronize()
+                dt_s = time.perf_counter() - t0
+                peaks.append(accelerator.max_memory_allocated() - base)
+                if i >= args.warmup:
+                    times.append(dt_s)
+            med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+            dist.all_reduce(med, op=dist.ReduceOp.MAX)
+            if reference is None:
+                reference = {n: v.clone() for n, v in roll.items()}
+                same = True
+            else:
+                same = all(torch.equal(roll[n], reference[n]) for n in roll)
+            flag = torch.tensor([0 if same else 1], device=device)
+            dist.all_reduce(flag)
+            # link bytes of a rank: the larger of what it sends and receives (the baselines
+            # count only what they receive: their sends mirror it)
+            sent = torch.tensor([max(st.sent_bytes, st.recv_bytes), st.recv_bytes, max(peaks)],
+                                dtype=torch.float64, device=device)
+            dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+            rows.append({
+                "train": P.train, "rollout": P.rollout, "method": method, "seconds": float(med.item()),
+                "max_link_bytes": float(sent[0].item()), "max_recv_bytes": float(sent[1].item()),
+                "planned_max_recv_bytes": max(s.recv_bytes for s in modelled[method]),
+                "peak_extra_bytes": float(sent[2].item()), "collectives": st.collectives,
+                "identical_to_first": int(flag.item()) == 0,
+            })
+            if rank == 0:
+                print(f"  {method:<9} {float(med.item()) * 1e3:9.1f} ms", flush=True)
+        if args.phases:
+            phase_times(plan, rank, train, roll, device)  # warm-up
+            ph = phase_times(plan, rank, train, roll, device)
+            if rank == 0:
+                print("  direct phases, serialised (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in ph.items()),
+                      flush=True)
+        del train, roll, reference
+        accelerator.empty_cache()
+        # A bucket bounds a rank's send + receive volume, so a full bucket moves about half of
+        # it each way: compare with an all_to_all_single of that per-rank size.
+        # Best of two measurements, before any allocation and after this layout (the links'
+        # bandwidth varies from run to run; the higher reference gives the lower fraction).
+        a2a = max(a2a_first[plan.bucket_bytes],
+                  a2a_busbw(plan.bucket_bytes // 2, dt, device, world, rank, 3 * args.repeats))
+        for r in rows:
+            if r["train"] is P.train and r["rollout"] is P.rollout:
+                r["a2a_busbw"] = a2a
+                r["busbw"] = r["max_link_bytes"] / r["seconds"]
+                r["busbw_fraction"] = r["busbw"] / a2a
+    if rank == 0:
+        info = accelerator.describe()
+        print(f"\ndevice {info.get('device_name', 'cpu')} x{world}, backend {backend}, torch {torch.__version__}, "
+              f"bucket {plans[0].bucket_bytes / (1 << 20):g} MiB, {plans[0].dtype}, "
+              f"layers {plans[0].placements.model.num_layers}, experts {plans[0].placements.model.n_routed_experts}, "
+              f"hidden {plans[0].placements.model.hidden_size}")
+        print(f"{'train -> rollout':<44}{'method':<10}{'time ms':>9}{'vs direct':>10}{'recv GB':>9}"
+              f"{'peak GB':>9}{'coll':>6}{'busbw GB/s':>11}{'of a2a':>8}{'same':>6}")
+        for r in rows:
+            d = next(x for x in rows if x["train"] is r["train"] and x["rollout"] is r["rollout"]
+                     and x["method"] == "direct")
+            lay = (f"tp{r['train'].tp} pp{r['train'].pp} ep{r['train'].ep} -> "
+                   f"tp{r['rollout'].tp} dp{r['rollout'].dp} x{r['rollout'].instances}")
+            print(f"{lay:<44}{r['method']:<10}{r['seconds'] * 1e3:>9.1f}{r['seconds'] / d['seconds']:>9.2f}x"
+                  f"{r['max_recv_bytes'] / 1e9:>9.3f}{r['peak_extra_bytes'] / 1e9:>9.3f}{r['collectives']:>6}"
+                  f"{r['busbw'] / 1e9:>11.1f}{r['busbw_fraction']:>8.2f}{str(r['identical_to_first']):>6}")
+        if args.json_out:
+            out = [dict(r, train=vars(r["train"]), rollout=vars(r["rollout"])) for r in rows]
+            Path(args.json_out).write_text(json.dumps({"device": accelerator.describe(), "world": world,
+                                                       "rows": out}, indent=2, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--train", action="append", help="Megatron layout (repeat for several cases)")
+    ap.add_argument("--rollout", action="append", help="vLLM layout, one per --train")
+    ap.add_argument("--model", default=str(REPO / "configs/model/deepseek_v3.json"),
+                    help="HF config whose sizes are used (default: DeepSeek-V3)")
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers (first one dense)")
+    ap.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
+    ap.add_argument("--bucket-mb", type=float, default=256.0)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--methods", default="direct,upstream,recipe")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--phases", action="store_true", help="also time the direct method's phases one by one")
+    ap.add_argument("--plan", help="load plans pickled by --save-plan instead of planning here")
+    ap.add_argument("--save-plan", help="plan (metadata only), pickle to this file and exit")
+    ap.add_argument("--json-out", help="write the result rows as JSON (rank 0)")
+    args = ap.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    if not args.plan:
+        args.train = args.train or ["tp=1,pp=2,ep=1"]
+        args.rollout = args.rollout or ["tp=2,dp=1"]
+        if len(args.train) != len(args.rollout):
+            ap.error("give one --rollout per --train")
+    if args.save_plan:
+        plans = make_plans(args)
+        with open(args.save_plan, "wb") as f:
+            pickle.dump(plans, f)
+        for p in plans:
+            print(f"{p.placements.train} -> {p.placements.rollout}: {len(p.buckets)} buckets, "
+                  f"max recv {max(s.recv_bytes for s in p.ranks) / 1e9:.3f} GB")
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
