@@ -50,6 +50,10 @@ def _worker(seen: dict):
     def ref_log_prob(data, calculate_entropy=False):
         return -(data.batch["input_ids"][:, -R:].float() % 7) / 7 - 0.1, None
 
+    def actor_log_prob(data, calculate_entropy=False):
+        lp = -(data.batch["input_ids"][:, -R:].float() % 5) / 5 - 0.2
+        return lp, -lp
+
     def make_minibatch_iterator(data):
         seen["update"] = {k: data.batch[k].clone() for k in data.batch.keys()}
         return iter([data])
@@ -68,7 +72,8 @@ def _worker(seen: dict):
 
     cfg = OmegaConf.create({"ref": {"log_prob_micro_batch_size_per_gpu": 2, "log_prob_max_token_len_per_gpu": 64,
                                     "log_prob_use_dynamic_bsz": False},
-                            "rollout": {"temperature": 1.0},
+                            "rollout": {"temperature": 1.0, "log_prob_micro_batch_size_per_gpu": 2,
+                                        "log_prob_max_token_len_per_gpu": 64, "log_prob_use_dynamic_bsz": False},
                             "actor": {"ppo_micro_batch_size_per_gpu": 1, "ppo_epochs": 1}})
     return types.SimpleNamespace(
         config=cfg, _is_rollout=True, _is_ref=True, _is_actor=True, _is_offload_param=False,
@@ -76,7 +81,8 @@ def _worker(seen: dict):
         tokenizer=types.SimpleNamespace(eos_token_id=0, pad_token_id=0), sharding_manager=SM(),
         rollout=types.SimpleNamespace(generate_sequences=generate),
         ref_policy=types.SimpleNamespace(compute_log_prob=ref_log_prob),
-        actor=types.SimpleNamespace(make_minibatch_iterator=make_minibatch_iterator, update_policy=lambda dataloader: {}),
+        actor=types.SimpleNamespace(make_minibatch_iterator=make_minibatch_iterator, update_policy=lambda dataloader: {},
+                                    compute_log_prob=actor_log_prob),
         flops_counter=types.SimpleNamespace(estimate_flops=lambda *a: (1.0, 1.0)), world_size=dist.get_world_size(),
         actor_optimizer=types.SimpleNamespace(param_groups=[{"lr": 1e-6}]),
         actor_optimizer_scheduler=types.SimpleNamespace(step=lambda n: None),
@@ -115,26 +121,41 @@ class _Group:
     def compute_ref_log_prob(self, data):
         return self._megatron("compute_ref_log_prob", data)
 
+    def compute_log_prob(self, data):
+        return self._megatron("compute_log_prob", data)
+
     def update_actor(self, data):
         return self._megatron("update_actor", data)
 
 
 def all_modes(rank: int, world: int) -> dict:
-    """Upstream, cache on without the worker patches, cache on with them (one spawn for all three)."""
+    """Each mode of the step, in one spawn: upstream and cached, with the old log-prob skipped (the
+    recipe) or recomputed, and cached with each worker patch left out in turn (or all of them)."""
     from verl_patches.core.apply import apply_all, undo
     from verl_patches.patches.verl import patch_workers_megatron_workers as workers
 
     _cpu_device_stubs()
-    res = {"off": step(False), "unpatched": step(True)}
-    apply_all(workers.PATCHES)
-    try:
-        res["on"] = step(True)
-    finally:
-        undo()
+    res = {"off": step(False, False), "off_recompute": step(False, True), "unpatched": step(True, False)}
+    for left_out in [None] + [p.id for p in workers.PATCHES]:
+        apply_all([p for p in workers.PATCHES if p.id != left_out])
+        try:
+            if left_out is None:
+                res["on"], res["on_recompute"] = step(True, False), step(True, True)
+            else:
+                res[f"without {left_out}"] = step(True, True)
+        finally:
+            undo()
     return res
 
 
-def step(cache_on: bool) -> dict:
+def step(cache_on: bool, recompute: bool) -> dict:
+    try:
+        return _step(cache_on, recompute)
+    except Exception as e:  # noqa: BLE001 - a mode that cannot run is a result (every rank fails alike)
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _step(cache_on: bool, recompute: bool) -> dict:
     from omegaconf import OmegaConf
     from verl.protocol import DataProto
     from verl.trainer.ppo.ray_trainer import compute_advantage, compute_response_mask
@@ -143,7 +164,8 @@ def step(cache_on: bool) -> dict:
 
     seen, sent = {}, {}
     wg = _Group(_worker(seen), sent)
-    wg.compute_log_prob = driver.skipped_compute_log_prob  # the recipe: old log-prob reuse
+    if not recompute:
+        wg.compute_log_prob = driver.skipped_compute_log_prob  # the recipe: old log-prob reuse
     if cache_on:
         trainer = types.SimpleNamespace(config=OmegaConf.create({"algorithm": {"use_kl_in_reward": False}}),
                                         actor_rollout_wg=wg, use_reference_policy=True, ref_in_actor=True)
@@ -155,16 +177,15 @@ def step(cache_on: bool) -> dict:
                                          "position_ids": torch.arange(P).expand(PROMPTS, -1).clone()},
                                 non_tensors={"uid": np.array([str(i) for i in range(PROMPTS)], dtype=object)})
     gen = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids"])
-    try:
-        out = wg.generate_sequences(gen)
-    except RuntimeError as e:
-        if "cache reply" not in str(e):
-            raise
-        return {"error": str(e)}
+    out = wg.generate_sequences(gen)
     batch = batch.repeat(N, interleave=True).union(out)
     batch.batch["response_mask"] = compute_response_mask(batch)
     batch.reorder(torch.randperm(len(batch), generator=torch.Generator().manual_seed(1)))  # as batch balancing does
     batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+    old = wg.compute_log_prob(batch)  # fit(): entropy metric from entropys, then union
+    entropy = float(old.batch["entropys"].mean())
+    old.batch.pop("entropys")
+    batch = batch.union(old)
     batch = batch.union(wg.compute_ref_log_prob(batch))
     scores = torch.zeros(len(batch), R)
     scores[:, -1] = (batch.batch["responses"][:, 0] % 2).float()
@@ -172,5 +193,6 @@ def step(cache_on: bool) -> dict:
     batch = compute_advantage(batch, adv_estimator="grpo", num_repeat=N)
     wg.update_actor(batch)
     keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "ref_log_prob"]
-    return {"digest": _digest({k: seen["update"][k] for k in keys}), "sent": sent,
+    keys += ["old_log_probs"] if recompute else []
+    return {"digest": _digest({k: seen["update"][k] for k in keys}), "sent": sent, "entropy": entropy,
             "update_keys": sorted(seen["update"]), "host_keys": sorted(out.batch.keys())}

@@ -242,3 +242,17 @@ def test_recompute_true_is_upstream():
     cfg = _recipe("actor_rollout_ref.actor.recompute_old_log_prob=True", "actor_rollout_ref.actor.ppo_epochs=2")
     assert not driver_patch.reuse_old_log_prob(cfg)
     assert driver_patch.reuse_old_log_prob(_recipe())
+
+
+@pytest.mark.parametrize("left_out", [p.id for p in ALL])
+def test_each_actor_side_patch_is_needed(left_out):
+    ap.apply_all([p for p in ALL if p.id != left_out])
+    try:
+        try:
+            loss, _, _ = _update(False, _batch())
+        except KeyError as e:  # no placeholder: verl's iterator cannot select old_log_probs
+            assert "old_log_probs" in str(e)
+            return
+    finally:
+        ap.undo()
+    assert torch.isnan(loss).all()  # the placeholder reached the loss: switch or substitution missing

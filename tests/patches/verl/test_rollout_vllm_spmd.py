@@ -131,6 +131,8 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
     # The switch, as the schedule drives it: weights and KV cache come and go for real.
     worker = rollout.engine_memory.core.model_executor.worker
     full = sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
+    buffer = worker.model_runner.model.cos_sin_cache
+    assert buffer.tolist() == list(range(32))  # built once, rewritten by nobody: must never be freed
     assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
     for _ in range(2):
         rollout.onload_model_weights()
@@ -141,6 +143,7 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
         rollout.free_cache_engine()
         rollout.offload_model_weights()
         assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
+        assert buffer.tolist() == list(range(32))
     assert all(callable(getattr(rollout, m)) for m in MEMORY_METHODS)
     # verl's sharding manager reaches the same methods through the engine's sleep / wake_up.
     assert getattr(rollout.inference_engine, MEMORY_ATTR) is rollout.engine_memory

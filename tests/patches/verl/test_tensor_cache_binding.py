@@ -28,17 +28,26 @@ from verl_patches.testing.dist import run_distributed  # noqa: E402
 
 @pytest.mark.slow
 def test_real_worker_bodies_cache_on_equals_off_and_sends_only_host_fields():
-    res = run_distributed(tc_binding_rank.all_modes, 2, timeout=240)
-    off, on, broken = [r["off"] for r in res], [r["on"] for r in res], [r["unpatched"] for r in res]
-    assert off[0]["digest"] == off[1]["digest"]
-    assert [r["digest"] for r in on] == [r["digest"] for r in off]  # every rank, bit-identical update inputs
-    sent_off, sent_on = off[0]["sent"], on[0]["sent"]
+    res = run_distributed(tc_binding_rank.all_modes, 2, timeout=300)
+    mode = lambda name: [r[name] for r in res]  # noqa: E731
+    for off, on in (("off", "on"), ("off_recompute", "on_recompute")):
+        assert all("digest" in r for r in mode(off) + mode(on)), (mode(off), mode(on))
+        assert mode(off)[0]["digest"] == mode(off)[1]["digest"]
+        # Every rank's update got bit-identical inputs with and without the cache.
+        assert [r["digest"] for r in mode(on)] == [r["digest"] for r in mode(off)]
+    assert mode("on_recompute")[0]["entropy"] == mode("off_recompute")[0]["entropy"]
+    sent_off, sent_on, sent_re = mode("off")[0]["sent"], mode("on")[0]["sent"], mode("on_recompute")[0]["sent"]
     assert {"input_ids", "position_ids", "responses", "attention_mask"} <= set(sent_off["update_actor"])
-    assert sent_on["compute_ref_log_prob"] == [ROW_KEY]
-    assert sent_on["update_actor"] == sorted([ROW_KEY, "advantages"])
-    assert on[0]["host_keys"] == sorted(["prompts", "responses", "attention_mask", ROW_KEY])
+    assert sent_on["compute_ref_log_prob"] == [ROW_KEY] and sent_re["compute_log_prob"] == [ROW_KEY]
+    assert sent_on["update_actor"] == sent_re["update_actor"] == sorted([ROW_KEY, "advantages"])
+    assert mode("on")[0]["host_keys"] == sorted(["prompts", "responses", "attention_mask", ROW_KEY])
     # Without the worker patches the workers ignore the request and the driver says what is missing.
-    assert all("worker-side patches (verl.tensor_cache.*) are not applied" in r["error"] for r in broken)
+    assert all("worker-side patches (verl.tensor_cache.*) are not applied" in r["error"] for r in mode("unpatched"))
+    # Each worker patch is needed: leaving any one out breaks the cached step.
+    from verl_patches.patches.verl import patch_workers_megatron_workers as workers
+
+    for p in workers.PATCHES:
+        assert all("error" in r for r in mode(f"without {p.id}")), p.id
 
 
 # -- init_workers ---------------------------------------------------------------------------------
