@@ -48,7 +48,10 @@ class VllmEngineMemory:
         self.keep_weights_on_host = keep_weights_on_host
         executor = self.core.model_executor
         (model,) = executor.collective_rpc(_model_of)  # one worker per engine in verl's SPMD layout
-        self.weights = rollout_weights_group(self.engine, model, name=f"{name}_weights")
+        # Parameters only: the reshard rewrites every one of them after each update. Buffers
+        # (rotary caches and the like) are computed once at build time and nothing rewrites
+        # them, so freeing them without a copy would bring back garbage; they are small.
+        self.weights = rollout_weights_group(self.engine, list(model.parameters()), name=f"{name}_weights")
         self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
         # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
         # so free it now: the first init_cache_engine re-creates it (before the first generation).

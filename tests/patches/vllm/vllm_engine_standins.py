@@ -45,10 +45,17 @@ def vllm_config(model_dir):
     return cfg
 
 
+def _model() -> torch.nn.Module:
+    """Weights the reshard would rewrite, plus a buffer computed at build time (a rotary cache's part)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    model.register_buffer("cos_sin_cache", torch.arange(32, dtype=torch.float32))
+    return model
+
+
 class Worker:
     def __init__(self, vllm_config):
         self.vllm_config = vllm_config
-        self.model_runner = SimpleNamespace(kv_caches=[], model=torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)))
+        self.model_runner = SimpleNamespace(kv_caches=[], model=_model())
         ctx = vllm_config.compilation_config.static_forward_context
         for name in LAYERS:
             ctx[name] = SimpleNamespace(kv_cache=[torch.tensor([])])
