@@ -129,3 +129,10 @@ def test_hadolint():
     hl = _linter("hadolint", "HADOLINT")
     r = subprocess.run([hl, str(DOCKERFILE)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_build_context_excludes_the_venv_and_keeps_what_is_copied():
+    ignore = (REPO / "docker" / "Dockerfile.dockerignore").read_text().split()
+    assert ".venv" in ignore and ".git" in ignore
+    copied = re.findall(r"^COPY (\S+)", DOCKERFILE.read_text(), re.M)
+    assert copied and not any(c.split("/")[0] in ignore for c in copied)
