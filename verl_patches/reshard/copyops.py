@@ -1,7 +1,9 @@
-"""Device copies of the reshard: dst.copy_(src), except transposing copies on CUDA, which go
-through a tiled Triton kernel (torch's generic strided copy reads a transposed bf16 view at
-a fraction of memory bandwidth; Megatron's grouped-GEMM expert weights are transposed
-relative to vLLM's, so most of the bytes of a MoE model take this path).
+"""The reshard's device copies: dst.copy_(src), except transposing copies on CUDA, which go
+through a tiled Triton kernel; every method (direct and both baselines) uses the same copies.
+
+Why: torch's generic strided copy reads a transposed bf16 view at a fraction of memory
+bandwidth, and Megatron's grouped-GEMM expert weights are transposed relative to vLLM's, so
+most bytes of a MoE model take this path. Without Triton (CPU, Ascend) it is plain copy_.
 """
 
 from __future__ import annotations

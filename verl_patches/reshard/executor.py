@@ -1,5 +1,5 @@
 """Runs a reshard plan on one rank over torch.distributed (gloo, NCCL or HCCL through the
-accelerator facade): local copies, then one all_to_all_single per bucket.
+accelerator facade): one all_to_all_single per bucket, two buckets in flight, local copies.
 
 Senders pack boxes of their training storage straight into one flat send buffer; receivers
 unpack the flat receive buffer straight into the rollout parameters (transposes and gate/up

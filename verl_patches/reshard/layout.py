@@ -573,5 +573,10 @@ def hf_expert_names(name: str, num_experts: int) -> list[str]:
     return [f"{prefix}.experts.{j}.{tail}" for j in range(num_experts)]
 
 
+_EXPERT_STACKS = (".mlp.experts.gate_proj.weight", ".mlp.experts.up_proj.weight",
+                  ".mlp.experts.down_proj.weight")
+
+
 def is_expert_stack(name: str) -> bool:
-    return ".mlp.experts." in name and name.count(".") == 6
+    """Whether a logical name is a routed-expert stack (model.layers.L.mlp.experts.X.weight)."""
+    return name.endswith(_EXPERT_STACKS)
