@@ -105,8 +105,20 @@ class Executor:
 
 
 def engine_core(model_dir):
+    import os
+
     from vllm.v1.engine.core import EngineCore
 
-    return EngineCore(vllm_config(model_dir), Executor, log_stats=False)
+    # EngineCore loads vLLM's general plugins, ours among them: it would apply this (driver)
+    # process's patches and leave them applied for later tests. Tests apply what they test.
+    saved = os.environ.get("VERL_PATCHES_OFF")
+    os.environ["VERL_PATCHES_OFF"] = "1"
+    try:
+        return EngineCore(vllm_config(model_dir), Executor, log_stats=False)
+    finally:
+        if saved is None:
+            os.environ.pop("VERL_PATCHES_OFF")
+        else:
+            os.environ["VERL_PATCHES_OFF"] = saved
 
 
