@@ -97,6 +97,9 @@ def test_two_patches_on_one_target_stack_in_order_and_unstack(clean):
     assert outer.__verl_patch_id__ == "fixture.count_calls_2"
     assert outer.__verl_patch_original__.__verl_patch_id__ == "fixture.count_calls"
     assert naive.default_compute_score is outer
+    # Re-applying the inner patch (e.g. the prelude running again) must not wrap it again.
+    assert ap.apply_all([fx.GOOD, second]) == []
+    assert rs.default_compute_score is outer
     ap.undo()
     assert rs.default_compute_score is original and naive.default_compute_score is original
 

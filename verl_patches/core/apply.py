@@ -106,6 +106,15 @@ def _check_fingerprint(patch: Patch, owner: Any) -> None:
         raise _error(patch, f"upstream changed: expected {patch.fingerprint}, found {fp} in {path}")
 
 
+def _chain_ids(func: Any) -> set[str]:
+    """Ids of every patch layered on a target: the outermost mark, then each original under it."""
+    ids: set[str] = set()
+    while func is not None and getattr(func, MARK, None) is not None:
+        ids.add(getattr(func, MARK))
+        func = getattr(func, ORIGINAL, None)
+    return ids
+
+
 def _unwrap_descriptor(raw: Any) -> Any:
     return raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
 
@@ -137,8 +146,8 @@ def apply_one(patch: Patch) -> bool:
     """Apply one patch; return False if it was already in place (no change)."""
     owner, attr = _resolve_owner(patch)
     raw = vars(owner)[attr]
-    if getattr(_unwrap_descriptor(raw), MARK, None) == patch.id:
-        return False  # already applied here or in the parent of this forked process
+    if patch.id in _chain_ids(_unwrap_descriptor(raw)):
+        return False  # already applied (maybe under another patch's wrapper), here or in a forked parent
     ok, v = _version_ok(patch)
     if not ok:
         raise _error(patch, f"version {v} is outside the supported range {patch.versions!r}")
