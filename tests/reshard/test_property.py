@@ -43,10 +43,7 @@ def layouts(draw):
         st.sampled_from([512, 3000, 1 << 16]))
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layouts())
-def test_random_layouts_route_every_element_once(case):
-    model, train, rollout, dtype, bucket = case
+def simulate(model, train, rollout, dtype, bucket):
     P = build_placements(model, train, rollout)
     plan = build_plan(model, train, rollout, bucket_bytes=bucket, dtype=dtype, placements=P)
     W = P.world
@@ -71,3 +68,20 @@ def test_random_layouts_route_every_element_once(case):
         s = plan.ranks[r]
         assert s.recv_bytes == s.shard_bytes - s.local_bytes
         assert s.peak_extra_bytes <= 2 * bucket
+    return P
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_random_layouts_route_every_element_once(case):
+    simulate(*case)
+
+
+def test_model_without_q_lora():
+    """DeepSeek-V2-Lite style attention (q_proj, no q_lora_rank) routes the same way."""
+    model = ModelConfig.from_hf(dict(BASE, q_lora_rank=None))
+    P = simulate(model, TrainLayout(2, 2, 2, (1, 3)), RolloutLayout(tp=4, dp=2), "bfloat16", 3000)
+    names = {t.name for t in P.tensors}
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("q_a_proj" in n for n in names)
+    assert any(n.endswith("self_attention.linear_q_proj.weight") for n in P.train_storage[0])
