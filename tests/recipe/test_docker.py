@@ -17,7 +17,8 @@ from verl_patches.core.lock import load_lock
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
-SHELL_SCRIPTS = sorted([*REPO.glob("scripts/train_*.sh"), *REPO.glob("scripts/cluster/*.sh"), *REPO.glob("docker/*.sh")])
+SHELL_SCRIPTS = sorted([*REPO.glob("scripts/*.sh"), *REPO.glob("scripts/cluster/*.sh"), *REPO.glob("docker/*.sh"),
+                        REPO / "run_container.sh", REPO / ".ci" / "run"])
 
 
 def _expected_from_lock():
@@ -74,7 +75,7 @@ def test_build_sh_passes_the_lock_as_build_args():
 
 
 def _run_container(tmp_path, *args, **env):
-    return subprocess.run(["bash", str(REPO / "docker" / "run_container.sh"), *args], capture_output=True, text=True,
+    return subprocess.run(["bash", str(REPO / "run_container.sh"), *args], capture_output=True, text=True,
                           env=dict(os.environ, **env), timeout=30)
 
 
