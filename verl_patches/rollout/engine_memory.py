@@ -13,6 +13,18 @@ from verl_patches.offload import CallbackGroup, Location, OffloadEngine, rollout
 from verl_patches.rollout import kv_cache
 
 
+_SHARED: Optional[OffloadEngine] = None
+
+
+def shared_offload_engine() -> OffloadEngine:
+    """The process's one OffloadEngine: the rollout's groups and the training groups share its
+    host pool and its storage registry (one storage, one owner, one host copy)."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = OffloadEngine()
+    return _SHARED
+
+
 class RolloutMemoryActions(Protocol):
     """What the switch schedule calls on a rollout (RECIPE.md item 2): each is idempotent."""
 
@@ -44,7 +56,7 @@ class VllmEngineMemory:
     def __init__(self, llm: Any, engine: Optional[OffloadEngine] = None, *, keep_weights_on_host: bool = False,
                  name: str = "rollout") -> None:
         self.core = kv_cache.engine_core_of(llm)
-        self.engine = engine or OffloadEngine()
+        self.engine = engine or shared_offload_engine()
         self.keep_weights_on_host = keep_weights_on_host
         executor = self.core.model_executor
         (model,) = executor.collective_rpc(_model_of)  # one worker per engine in verl's SPMD layout
@@ -52,10 +64,21 @@ class VllmEngineMemory:
         # (rotary caches and the like) are computed once at build time and nothing rewrites
         # them, so freeing them without a copy would bring back garbage; they are small.
         self.weights = rollout_weights_group(self.engine, list(model.parameters()), name=f"{name}_weights")
+        self._closed = False
         self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
         # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
         # so free it now: the first init_cache_engine re-creates it (before the first generation).
         kv_cache.free_kv_cache(self.core)
+
+    def close(self) -> None:
+        """Give the weights' host buffer and storage claims back to the offload engine (engine rebuilt)."""
+        if not self._closed:
+            self.weights.close()
+            self._closed = True
+
+    def groups(self) -> dict:
+        """The groups under the switch schedule's role names (verl_patches.offload.schedule.ROLES)."""
+        return {"rollout_weights": self.weights, "kv_cache": self.kv}
 
     def _allocate_kv(self) -> list:
         kv_cache.init_kv_cache(self.core)

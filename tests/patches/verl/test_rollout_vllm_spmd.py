@@ -145,8 +145,15 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
         assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
         assert buffer.tolist() == list(range(32))
     assert all(callable(getattr(rollout, m)) for m in MEMORY_METHODS)
+    from verl_patches.offload.schedule import ROLES
+    from verl_patches.rollout.engine_memory import shared_offload_engine
+
+    # The switch schedule can drive the same groups, on the process's shared offload engine.
+    assert set(rollout.engine_memory.groups()) <= set(ROLES)
+    assert rollout.engine_memory.engine is shared_offload_engine()
     # verl's sharding manager reaches the same methods through the engine's sleep / wake_up.
     assert getattr(rollout.inference_engine, MEMORY_ATTR) is rollout.engine_memory
+    rollout.engine_memory.close()  # one rollout per process on the cluster; tests build several
 
 
 def test_recipe_flags_off_keep_upstream_memory_behaviour(model_dir, world, env, recorder):

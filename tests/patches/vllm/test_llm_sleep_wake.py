@@ -14,6 +14,7 @@ from verl_patches.core.apply import apply_all, undo
 from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
 from verl_patches.patches.vllm.patch_entrypoints_llm import PATCHES as LLM_PATCHES
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
+from verl_patches.offload import OffloadEngine
 from verl_patches.rollout.engine_memory import VllmEngineMemory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # an unrelated `tests` package is installed
@@ -51,7 +52,7 @@ def _llm(model_dir, attach: bool):
         undo()
     llm = LLM.__new__(LLM)
     llm.llm_engine = _EngineCalls(core)
-    memory = VllmEngineMemory(llm)  # frees the KV cache, as the rollout's constructor does
+    memory = VllmEngineMemory(llm, OffloadEngine())  # frees the KV cache, as the rollout's constructor does
     memory.offload_model_weights()
     if attach:
         setattr(llm, MEMORY_ATTR, memory)
