@@ -41,8 +41,9 @@ def any_unfinished(has_unfinished: bool, group: Any, device: torch.device) -> bo
 def tokens_across_dp(num_tokens: int, dp_size: int, dp_rank: int, group: Any, device: torch.device) -> torch.Tensor:
     """Every DP rank's token count, as vLLM's DPMetadata wants it: an int32 CPU tensor of dp_size."""
     _check_rank(dp_size, dp_rank)
-    counts = torch.zeros(dp_size, dtype=torch.int32, device=device)
+    counts = torch.zeros(dp_size, dtype=torch.int32)
     counts[dp_rank] = int(num_tokens)
+    counts = counts.to(device)  # filled on the host: one copy, no fill kernels on the device
     dist.all_reduce(counts, group=group)
     return counts.cpu()
 
@@ -63,11 +64,12 @@ def agree_forward(padded_tokens: int, num_tokens: int, with_prefill: bool, enabl
     a vote sum above zero means some rank voted.
     """
     _check_rank(dp_size, dp_rank)
-    buf = torch.zeros(2 * dp_size + 2, dtype=torch.int32, device=device)
+    buf = torch.zeros(2 * dp_size + 2, dtype=torch.int32)
     buf[dp_rank] = int(padded_tokens)
     buf[dp_size + dp_rank] = int(num_tokens)
     buf[2 * dp_size] = 1 if with_prefill else 0
     buf[2 * dp_size + 1] = 0 if enable_dbo else 1
+    buf = buf.to(device)
     dist.all_reduce(buf, group=group)
     host = buf.cpu()  # one device-to-host copy for everything the host decides on
     return ForwardAgreement(host[:dp_size].clone(), host[dp_size:2 * dp_size].clone(),
