@@ -113,12 +113,10 @@ bringup_ray_worker_cmd() {
 }
 
 # What the trainer and every Ray worker process read; exported before Ray starts so
-# Ray's workers inherit it on every node. Only variables something reads: RECIPE_ROOT
-# (the configs' custom_reward_function.path), PYTHONPATH (the overlay), RAY_ADDRESS
-# (verl's ray.init joins this cluster), the socket interface for gloo and HCCL/NCCL,
-# and HCCL's connect timeout.
+# Ray's workers inherit it on every node. Only variables something reads: PYTHONPATH
+# (the overlay), RAY_ADDRESS (verl's ray.init joins this cluster), the socket interface
+# for gloo and HCCL/NCCL, and HCCL's connect timeout.
 bringup_export_env() {
-  export RECIPE_ROOT
   export PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
   export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
   export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME"
