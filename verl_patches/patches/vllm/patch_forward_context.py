@@ -35,7 +35,8 @@ PATCHES = [
         id="vllm.dp_sync.tokens_on_device",
         target="vllm.forward_context:DPMetadata.num_tokens_across_dp",
         kind="wrap",
-        phases=("worker",),
+        # engine_core too: with vLLM's own engine process and TP 1 the model runner lives there.
+        phases=("worker", "engine_core"),
         upstream="vllm",
         versions="==0.9.1",
         fingerprint=Fingerprint(

@@ -54,7 +54,8 @@ PATCHES = [
         id="vllm_ascend.dp_sync.forward_metadata_on_device",
         target="vllm_ascend.worker.model_runner_v1:NPUModelRunner._get_forward_metadata_across_dp",
         kind="wrap",
-        phases=("worker",),
+        # engine_core too: with vLLM's own engine process and TP 1 the model runner lives there.
+        phases=("worker", "engine_core"),
         upstream="vllm_ascend",
         versions="==0.9.1",
         fingerprint=Fingerprint(
