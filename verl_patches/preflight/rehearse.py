@@ -15,7 +15,7 @@ from verl_patches import accelerator
 from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
                                   rollout_weights_group, train_params_group)
 from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
-from verl_patches.reshard.executor import execute
+from verl_patches.reshard.executor import execute, prepare
 from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
 from verl_patches.reshard.planner import build_plan
 from verl_patches.reshard.shards import torch_dtype
@@ -43,6 +43,13 @@ class MethodResult:
     ledger_peak: int = 0
     ledger_peak_step: str | None = None
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _settle() -> None:
+    """Wait for all device work and let the allocator process frees deferred by record_stream
+    (side-stream copies), so memory_allocated counts live tensors only."""
+    accelerator.synchronize()
+    accelerator.empty_cache()
 
 
 def host_rss() -> int:
@@ -76,6 +83,8 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
         raise ValueError(f"the rollout layout {opts.rollout!r} covers {P.world} ranks but {world} processes run")
     plan = build_plan(opts.model, P.train, P.rollout, bucket_bytes=int(opts.bucket_mb * (1 << 20)),
                       dtype=opts.dtype, placements=P)
+    # Plan once per run, as a real job does: the per-rank program is built before any timing.
+    prepare(plan, rank)
     out: dict[str, Any] = {"rank": rank, "methods": {}, "memory": {}}
     kv_elems = max(1, int(opts.kv_mb * (1 << 20)) // dtype.itemsize)
 
@@ -135,11 +144,11 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
                     print(f"[preflight] {method:<8} step {it} {e.step:<24} {e.seconds:8.4f} s  "
                           f"resident on rank 0: {e.total / (1 << 20):9.2f} MiB", flush=True)
             if it == 0:
-                accelerator.synchronize()
+                _settle()
                 out["memory"].setdefault(method, {})["after_first"] = {
                     "device_allocated": accelerator.memory_allocated(), "host_rss": host_rss(),
                     "host_pool_bytes": engine.pool.reserved_bytes, "host_allocations": engine.pool.allocations}
-        accelerator.synchronize()
+        _settle()
         out["memory"][method]["after_last"] = {
             "device_allocated": accelerator.memory_allocated(), "host_rss": host_rss(),
             "host_pool_bytes": engine.pool.reserved_bytes, "host_allocations": engine.pool.allocations}

@@ -70,6 +70,11 @@ def _program(plan: Plan, rank: int) -> RankProgram:
     return cache[rank]
 
 
+def prepare(plan: Plan, rank: int) -> None:
+    """Build this rank's transfer program now (plan once per run, outside any timed region)."""
+    _program(plan, rank)
+
+
 def zero_padding(P: Placements, rank: int, roll: dict[str, torch.Tensor]) -> None:
     """vLLM zero-fills the vocab rows past the real vocabulary; do the same (no traffic)."""
     for slot in P.rollout_zero[rank]:
