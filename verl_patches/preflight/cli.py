@@ -30,6 +30,9 @@ DEFAULT_LAYOUTS = {
 REFERENCE_LAYOUTS = [("tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7", "tp=2,dp=128"),
                      ("tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7", "tp=2,dp=64,instances=2")]
 METHOD_NAMES = {"direct": "ours (direct)", "recipe": "B (recipe)", "upstream": "A (upstream)"}
+# Device memory may differ by allocator rounding and collective bookkeeping between steps
+# (under 1 MiB seen on H200 with a 38 GB model, both signs); a leaked weight is far larger.
+LEAK_TOLERANCE = 2 << 20
 # Models up to this many parameters are gathered on rank 0 for the logit check and the dump.
 GATHER_LIMIT = 50_000_000
 
@@ -136,7 +139,7 @@ def aggregate(results: list[dict[str, Any]], opts: Any) -> dict[str, Any]:
     for r in results:
         for m, mem in r["memory"].items():
             a, b = mem["after_first"], mem["after_last"]
-            if b["device_allocated"] != a["device_allocated"]:
+            if b["device_allocated"] - a["device_allocated"] > LEAK_TOLERANCE:
                 leaks.append(f"rank {r['rank']} {m}: device memory {a['device_allocated']} -> {b['device_allocated']}")
             if b["host_pool_bytes"] != a["host_pool_bytes"] or b["host_allocations"] != a["host_allocations"]:
                 leaks.append(f"rank {r['rank']} {m}: host buffer pool grew after the first step "
@@ -218,7 +221,8 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
             print(f"  - {f}", file=sys.stderr)
         return 1
     print(f"\npreflight passed: {len(results)} ranks, methods {', '.join(opts.methods)}, {opts.steps} step(s) "
-          f"each, every rollout shard bit-exact, no memory growth ({elapsed:.1f} s)")
+          f"each, every rollout shard bit-exact, device memory growth <= {LEAK_TOLERANCE >> 20} MiB, host buffer pool "
+          f"unchanged ({elapsed:.1f} s)")
     return 0
 
 

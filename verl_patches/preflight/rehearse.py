@@ -4,6 +4,7 @@ groups, with every rollout byte checked against the seeded ground truth after ea
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +47,10 @@ class MethodResult:
 
 
 def _settle() -> None:
-    """Wait for all device work and let the allocator process frees deferred by record_stream
-    (side-stream copies), so memory_allocated counts live tensors only."""
+    """Wait for all device work, drop unreachable Python objects (finished collective work
+    objects still holding buffers), and let the allocator process frees deferred by
+    record_stream (side-stream copies), so memory_allocated counts live tensors only."""
+    gc.collect()
     accelerator.synchronize()
     accelerator.empty_cache()
 
