@@ -6,8 +6,14 @@ import shutil
 import pytest
 
 from tests.helpers import REPO, cli, run_py
+from verl_patches.prelude import patches_for
 
 PATCH_ID = "verl.reward_score.deepscaler"
+
+
+def expected(phase: str, without: str | None = None) -> list[str]:
+    """Every registered patch of the phase: what one prelude run must apply, exactly once."""
+    return sorted(p.id for p in patches_for(phase) if p.id != without)
 # Printed by the snippets below: which patches the process applied, and whether the target
 # carries exactly one layer of our wrapper (the original under it is unmarked).
 REPORT = r"""
@@ -72,7 +78,8 @@ assert naive.default_compute_score is rs.default_compute_score
     assert r.returncode == 0, r.stderr[-3000:]
     rep = _report(r.stdout)
     assert rep["file"].startswith(str(copied_verl)), "the copied tree must be the one imported"
-    assert rep["applied"] == [PATCH_ID] and rep["layers"] == 1
+    assert rep["applied"] == expected("driver") and rep["layers"] == 1
+    assert PATCH_ID in rep["applied"]
 
 
 def test_hook_remove_restores_the_file(copied_verl, tmp_path):
@@ -91,9 +98,9 @@ def test_forked_and_spawned_children_never_stack():
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("CHILDREN"))[len("CHILDREN"):])
     # Fork inherits the patched modules: nothing new to apply, one layer.
-    assert out["fork"] == {"again": [], "layers": 1, "applied_here": [PATCH_ID]}
+    assert out["fork"] == {"again": [], "layers": 1, "applied_here": expected("driver")}
     # Spawn starts clean: the hook applies once in the child, a second call adds nothing.
-    assert out["spawn"] == {"again": [], "layers": 1, "applied_here": [PATCH_ID]}
+    assert out["spawn"] == {"again": [], "layers": 1, "applied_here": expected("driver")}
 
 
 def test_vllm_general_plugin_entry_point_applies_the_prelude():
@@ -105,12 +112,13 @@ from vllm.plugins import load_general_plugins
 load_general_plugins()
 """ + REPORT, env={"VLLM_PLUGINS": "verl_patches"})
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _report(r.stdout)["applied"] == [PATCH_ID]
+    assert _report(r.stdout)["applied"] == expected("driver")
 
 
 def test_disable_list_and_off_switch():
     r = run_py("from verl_patches import prelude_patch\n" + REPORT, env={"VERL_PATCHES_DISABLE": PATCH_ID})
-    assert _report(r.stdout)["applied"] == []
+    rep = _report(r.stdout)
+    assert rep["applied"] == expected("driver", without=PATCH_ID) and rep["layers"] == 0
     r = run_py("from verl_patches import prelude_patch\n" + REPORT, env={"VERL_PATCHES_OFF": "1"})
     assert _report(r.stdout)["applied"] == []
 
@@ -151,4 +159,4 @@ print("RAY" + json.dumps(out))
         rep = out[role]
         assert rep["pid"] != out["driver_pid"]
         assert rep["file"].startswith(str(copied_verl))
-        assert rep["phase"] == phase and rep["applied"] == [PATCH_ID] and rep["layers"] == 1, rep
+        assert rep["phase"] == phase and rep["applied"] == expected(phase) and rep["layers"] == 1, rep

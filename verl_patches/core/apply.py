@@ -79,17 +79,19 @@ def _resolve_owner(patch: Patch) -> tuple[Any, str]:
         module = importlib.import_module(patch.module)
     except ImportError as e:
         raise _error(patch, f"module {patch.module} cannot be imported: {e}") from e
-    if getattr(getattr(module, "__spec__", None), "_initializing", False):
-        raise _error(patch, f"module {patch.module} is still being imported; put "
-                            "`from verl_patches import prelude_patch` at the end of it, not the top")
+    # The hook line at the end of verl's worker module runs while that module is still
+    # initialising: its classes exist by then. Only a name not yet defined is a problem.
+    initialising = getattr(getattr(module, "__spec__", None), "_initializing", False)
+    hint = (f" (module {patch.module} is still being imported: put `from verl_patches import "
+            "prelude_patch` at the end of it, not the top)") if initialising else ""
     *outer, attr = patch.qualname.split(".")
     owner: Any = module
     for part in outer:
         if part not in vars(owner):
-            raise _error(patch, f"{part!r} does not exist in {getattr(owner, '__name__', owner)}")
+            raise _error(patch, f"{part!r} does not exist in {getattr(owner, '__name__', owner)}{hint}")
         owner = vars(owner)[part]
     if attr not in vars(owner):
-        raise _error(patch, f"attribute {attr!r} does not exist (never created by the overlay)")
+        raise _error(patch, f"attribute {attr!r} does not exist (never created by the overlay){hint}")
     return owner, attr
 
 
