@@ -7,10 +7,13 @@ owner is vLLM (verl_patches.rollout.kv_cache frees and re-creates it from the ke
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Protocol
 
 from verl_patches.offload import CallbackGroup, Location, OffloadEngine, rollout_weights_group
 from verl_patches.rollout import kv_cache
+
+logger = logging.getLogger(__name__)
 
 
 _SHARED: Optional[OffloadEngine] = None
@@ -63,8 +66,15 @@ class VllmEngineMemory:
         # Parameters only: the reshard rewrites every one of them after each update. Buffers
         # (rotary caches and the like) are computed once at build time and nothing rewrites
         # them, so freeing them without a copy would bring back garbage; they are small.
-        self.weights = rollout_weights_group(self.engine, list(model.parameters()), name=f"{name}_weights")
+        params = list(model.parameters())
+        self.weights = rollout_weights_group(self.engine, params, name=f"{name}_weights")
         self._closed = False
+        # Graphs captured at build time (CUDA graphs; TorchAir with vLLM-Ascend's
+        # frozen_parameter=True) read weights at the addresses they had then. Storage that
+        # comes back elsewhere is reported after every onload (see moved_parameters).
+        self._params = params
+        self._built_at = [p.data_ptr() for p in params]
+        self._graph_mode = not bool(getattr(self.core.vllm_config.model_config, "enforce_eager", True))
         self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
         # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
         # so free it now: the first init_cache_engine re-creates it (before the first generation).
@@ -87,10 +97,24 @@ class VllmEngineMemory:
     def _release_kv(self) -> None:
         kv_cache.free_kv_cache(self.core)
 
+    def moved_parameters(self) -> int:
+        """How many resident parameters are no longer at the address the engine was built with."""
+        return sum(1 for p, at in zip(self._params, self._built_at)
+                   if p.untyped_storage().nbytes() and p.data_ptr() != at)
+
     def onload_model_weights(self) -> int:
         if self.weights.location is Location.HOST:
-            return self.weights.onload()
-        return self.weights.allocate()
+            moved = self.weights.onload()
+        else:
+            moved = self.weights.allocate()
+        if self._graph_mode:
+            n = self.moved_parameters()
+            if n:
+                logger.warning("%d of %d rollout parameters came back at a different device address than the "
+                               "captured graphs use (enforce_eager=False); graph replays may read stale memory. "
+                               "Verify generations, or run the rollout with enforce_eager=True.", n,
+                               len(self._params))
+        return moved
 
     def offload_model_weights(self) -> int:
         if self.keep_weights_on_host:
