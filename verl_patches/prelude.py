@@ -20,10 +20,14 @@ def disabled_ids() -> set[str]:
     return {x.strip() for x in os.environ.get("VERL_PATCHES_DISABLE", "").split(",") if x.strip()}
 
 
-def patches_for(phase: str, registry: list[Patch] | None = None) -> list[Patch]:
+def patches_for(phase: str, registry: list[Patch] | None = None, device_type: str | None = None) -> list[Patch]:
+    """The patches this process applies: its phase, its accelerator, not disabled."""
+    from verl_patches import accelerator
+
     off = disabled_ids()
+    dev = device_type or accelerator.device_type()
     return [p for p in (registry if registry is not None else load_registry())
-            if phase in p.phases and p.id not in off]
+            if phase in p.phases and p.id not in off and p.applies_on(dev)]
 
 
 def apply_prelude(phase: str | None = None) -> list[str]:

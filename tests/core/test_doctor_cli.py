@@ -115,3 +115,21 @@ def test_cann_is_read_from_its_install_record(tmp_path):
     # On an NPU platform a missing CANN fails --strict.
     r = cli("doctor", "--strict", "--platform", "npu", env={"ASCEND_TOOLKIT_HOME": str(tmp_path / "nothing")})
     assert r.returncode == 1 and "lock:cann" in r.stdout
+
+
+def test_npu_only_patch_is_skipped_off_ascend_but_still_fingerprinted():
+    """A patch whose target needs torch_npu (vLLM-Ascend's model runner) is not applied on CPU
+    or CUDA, and the doctor checks its fingerprint by parsing without requiring it here."""
+    from verl_patches.core.registry import load_registry
+    from verl_patches.prelude import patches_for
+
+    npu_only = [p for p in load_registry() if p.platforms == ("npu",)]
+    assert npu_only, "expected at least one NPU-only patch in the registry"
+    pid = npu_only[0].id
+    phase = npu_only[0].phases[0]
+    assert pid not in [p.id for p in patches_for(phase, device_type="cpu")]
+    assert pid in [p.id for p in patches_for(phase, device_type="npu")]
+    rows = {r["id"]: r for r in json.loads(cli("doctor", "--json").stdout)}
+    assert rows[pid]["status"] == "ok" and rows[pid]["required"] is False
+    rows = {r["id"]: r for r in json.loads(cli("doctor", "--json", "--platform", "npu").stdout)}
+    assert rows[pid]["required"] is True

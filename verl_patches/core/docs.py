@@ -28,7 +28,8 @@ def render_patches_md(patches: list[Patch]) -> str:
         out += [
             f"## {p.id}",
             "",
-            f"- **target**: `{p.target}` ({p.kind}, applied in: {', '.join(p.phases)})",
+            f"- **target**: `{p.target}` ({p.kind}, applied in: {', '.join(p.phases)}"
+            + (f"; only on: {', '.join(p.platforms)})" if p.platforms else ")"),
             f"- **upstream**: {p.upstream} {p.versions}; fingerprint `{p.fingerprint}`",
             f"- **ours**: `{p.replacement}`",
             f"- **flag**: {f'`{p.flag}`' if p.flag else 'always on when the prelude runs'}",

@@ -98,7 +98,7 @@ def check_patch(patch: Patch, lock: dict[str, Component], platform: str, root: P
     if comp is None:
         return Finding(patch.id, patch.target, "missing",
                        f"upstream {patch.upstream!r} is not in the lock", None, patch.versions, True)
-    required = comp.required_on(platform)
+    required = comp.required_on(platform) and patch.applies_on(platform)
     loc = locate(comp.import_name or patch.module.split(".")[0], comp.package, root)
     if loc.path is None:
         return Finding(patch.id, patch.target, "missing", f"{comp.import_name} is not installed",

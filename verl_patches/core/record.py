@@ -62,6 +62,15 @@ class Patch:
     def qualname(self) -> str:
         return self.target.split(":", 1)[1]
 
+    @property
+    def platforms(self) -> tuple[str, ...] | None:
+        """Accelerators the patch applies on (extra["platforms"]); None: all of them."""
+        plats = self.extra.get("platforms")
+        return tuple(plats) if plats else None
+
+    def applies_on(self, device_type: str) -> bool:
+        return self.platforms is None or device_type in self.platforms
+
     def load_replacement(self) -> Any:
         mod, _, name = self.replacement.partition(":")
         obj: Any = importlib.import_module(mod)

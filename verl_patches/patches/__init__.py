@@ -16,4 +16,5 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.vllm.patch_forward_context",
     "verl_patches.patches.vllm.patch_v1_engine_core",
     "verl_patches.patches.vllm.patch_entrypoints_llm",
+    "verl_patches.patches.vllm_ascend.patch_worker_model_runner_v1",
 )
