@@ -155,14 +155,66 @@ def mem_get_info() -> tuple[int, int]:
     return tuple(int(x) for x in device_module().mem_get_info())  # type: ignore[return-value]
 
 
-def host_mem_info() -> tuple[int, int]:
-    """(available, total) bytes of host memory, from /proc/meminfo (no psutil needed)."""
+# The container's memory cgroup, v2 then v1: (directory, limit file, usage file, stat file).
+CGROUP_MEMORY_FILES = (
+    ("/sys/fs/cgroup", "memory.max", "memory.current", "memory.stat"),
+    ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat"),
+)
+
+
+def _machine_mem_info() -> tuple[int, int]:
+    """(available, total) bytes of the whole machine, from /proc/meminfo."""
     info: dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
             key, _, rest = line.partition(":")
             info[key] = int(rest.split()[0]) * 1024
     return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def _cgroup_inactive_file(path: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, val = line.partition(" ")
+                if key in ("inactive_file", "total_inactive_file"):
+                    return int(val)
+    except OSError:
+        pass
+    return 0
+
+
+def host_mem_info() -> tuple[int, int]:
+    """(available, total) host bytes, bounded by the container's memory cgroup if it has one.
+
+    /proc/meminfo shows the whole machine inside a container, and pinning past the cgroup's
+    limit gets the process killed instead of a clear error. Reclaimable page cache
+    (inactive_file) counts as available, as the kernel would reclaim it.
+    """
+    avail, total = _machine_mem_info()
+    for root, limit_f, usage_f, stat_f in CGROUP_MEMORY_FILES:
+        limit, usage = _read_int(os.path.join(root, limit_f)), _read_int(os.path.join(root, usage_f))
+        if limit is None or usage is None or limit >= total:
+            continue
+        free_in_cgroup = limit - usage + _cgroup_inactive_file(os.path.join(root, stat_f))
+        return max(0, min(avail, free_in_cgroup)), limit
+    return avail, total
+
+
+def host_empty_cache() -> None:
+    """Hand cached freed pinned host blocks back to the OS. CUDA only: torch_npu keeps its own
+    host cache, and on CPU nothing is pinned."""
+    if device_type() == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()
 
 
 def pin_memory_supported() -> bool:

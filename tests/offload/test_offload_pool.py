@@ -73,17 +73,15 @@ def test_pool_pins_on_a_device():
 
 
 def test_host_memory_respects_a_container_limit(tmp_path, monkeypatch):
-    from verl_patches.offload import pool as pool_mod
-
     (tmp_path / "memory.max").write_text(f"{1 << 30}\n")
     (tmp_path / "memory.current").write_text(f"{600 * MiB}\n")
     (tmp_path / "memory.stat").write_text(f"anon 1\ninactive_file {100 * MiB}\n")
-    monkeypatch.setattr(pool_mod, "CGROUP_MEMORY_FILES",
+    monkeypatch.setattr(accelerator, "CGROUP_MEMORY_FILES",
                         ((str(tmp_path), "memory.max", "memory.current", "memory.stat"),))
-    monkeypatch.setattr(accelerator, "host_mem_info", lambda: (64 << 30, 128 << 30))
-    assert pool_mod.host_mem_available() == (524 * MiB, 1 << 30)
+    monkeypatch.setattr(accelerator, "_machine_mem_info", lambda: (64 << 30, 128 << 30))
+    assert accelerator.host_mem_info() == (524 * MiB, 1 << 30)
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the machine's numbers
-    assert pool_mod.host_mem_available() == (64 << 30, 128 << 30)
+    assert accelerator.host_mem_info() == (64 << 30, 128 << 30)
     (tmp_path / "memory.max").write_text(f"{1 << 30}\n")
     with pytest.raises(HostMemoryError, match="need 1.000 GiB"):
         HostBufferPool(pin=False, reserve_bytes=0).acquire("g", 1 << 30)

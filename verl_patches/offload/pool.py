@@ -97,67 +97,13 @@ class HostBuffer:
             done = hi - offset
 
 
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # "max": no limit
-
-
-def _cgroup_inactive_file(path: str) -> int:
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, val = line.partition(" ")
-                if key in ("inactive_file", "total_inactive_file"):
-                    return int(val)
-    except OSError:
-        pass
-    return 0
-
-
-# cgroup v2, then v1: (directory, limit file, usage file, stat file)
-CGROUP_MEMORY_FILES = (
-    ("/sys/fs/cgroup", "memory.max", "memory.current", "memory.stat"),
-    ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat"),
-)
-
-
-def host_mem_available() -> tuple[int, int]:
-    """(available, total) host bytes, bounded by the container's memory cgroup if it has one.
-
-    /proc/meminfo shows the whole machine inside a container; pinning past the cgroup's limit
-    gets the process killed instead of a clear error. Reclaimable page cache (inactive_file)
-    counts as available, as the kernel would reclaim it.
-    (Candidate for the accelerator facade's host_mem_info.)
-    """
-    avail, total = accelerator.host_mem_info()
-    for root, limit_f, usage_f, stat_f in CGROUP_MEMORY_FILES:
-        limit, usage = _read_int(os.path.join(root, limit_f)), _read_int(os.path.join(root, usage_f))
-        if limit is None or usage is None or limit >= total:
-            continue
-        free_in_cgroup = limit - usage + _cgroup_inactive_file(os.path.join(root, stat_f))
-        return max(0, min(avail, free_in_cgroup)), limit
-    return avail, total
-
-
 def _default_reserve() -> int:
     # Leave headroom for the rest of the process (Ray, dataloaders, the next step's batch).
     env = os.environ.get("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB")
     if env is not None:
         return int(float(env) * GiB)
-    _, total = host_mem_available()
+    _, total = accelerator.host_mem_info()
     return min(4 * GiB, total // 20)
-
-
-def _host_empty_cache() -> None:
-    # Torch caches freed pinned blocks; hand them back to the OS when the pool lets go so
-    # that "released" means released. CUDA only: torch_npu keeps its own host cache.
-    # (Candidate for the accelerator facade: accelerator.host_empty_cache().)
-    if accelerator.device_type() == "cuda" and hasattr(torch._C, "_host_emptyCache"):
-        torch._C._host_emptyCache()
 
 
 class HostBufferPool:
@@ -173,7 +119,7 @@ class HostBufferPool:
                  host_mem_info: Callable[[], tuple[int, int]] | None = None) -> None:
         self.pin = accelerator.pin_memory_supported() if pin is None else bool(pin)
         self.max_segment, self.min_segment = max_segment, min_segment
-        self._host_mem_info = host_mem_info or host_mem_available
+        self._host_mem_info = host_mem_info or accelerator.host_mem_info
         self.reserve_bytes = _default_reserve() if reserve_bytes is None else int(reserve_bytes)
         self.buffers: dict[str, HostBuffer] = {}
         self.allocations = 0
@@ -220,7 +166,7 @@ class HostBufferPool:
         except BaseException:
             buf.segments.clear()
             if self.pin:
-                _host_empty_cache()
+                accelerator.host_empty_cache()
             raise
         self.buffers[key] = buf
         return buf
@@ -233,7 +179,7 @@ class HostBufferPool:
         if buf is not None:
             buf.segments.clear()
             if self.pin:
-                _host_empty_cache()
+                accelerator.host_empty_cache()
 
     def close(self) -> None:
         for key in list(self.buffers):

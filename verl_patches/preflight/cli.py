@@ -116,9 +116,7 @@ def aggregate(results: list[dict[str, Any]], opts: Any) -> dict[str, Any]:
         steps = len(per_rank[0]["steps"])
         recv = [[pr["steps"][s]["recv_bytes"] for pr in per_rank] for s in range(steps)]
         secs = [max(pr["steps"][s]["seconds"] for pr in per_rank) for s in range(steps)]
-        phases = sorted({k for pr in per_rank for k in pr["phase_seconds"]},
-                        key=lambda k: list(per_rank[0]["phase_seconds"]).index(k)
-                        if k in per_rank[0]["phase_seconds"] else 99)
+        phases = list(dict.fromkeys(k for pr in per_rank for k in pr["phase_seconds"]))  # schedule order
         methods[m] = {
             "method": m,
             # The last step is the steady state (the first one also sets up communicators).
@@ -227,8 +225,6 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
 
 
 def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
-    import torch
-
     from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
     from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
     from verl_patches.reshard.shards import torch_dtype
@@ -248,7 +244,6 @@ def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
         return f"logit check: {e}"
     print(f"\nlogit check: transformers DeepseekV3 built from the training shards and from the rollout shards "
           f"({info['parameters']} parameters) gives the reference model's logits exactly")
-    del torch
     return info
 
 

@@ -127,8 +127,9 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
                 flat[0] = flat[0] + 1
             want = expected_rollout_by_param(P, rank, seed=opts.seed, step=s, dtype=dtype, device=device)
             res.mismatches.extend(_compare(rank, method, s, rollout, want))
-            if opts.gather_shards and s == opts.steps - 1:
-                # Both sides of the last switch, for the logit check and the dump on rank 0.
+            if opts.gather_shards and s == opts.steps - 1 and method == opts.methods[0]:
+                # Both sides of the last switch of the first method (every method's shards were
+                # just checked equal to the same ground truth), for the logit check and the dump.
                 out.setdefault("shards", {})[method] = {
                     "step": s,
                     "rollout": {n: v.detach().to("cpu", copy=True) for n, v in rollout.items()},

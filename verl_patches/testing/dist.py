@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -67,8 +68,6 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world:
