@@ -1,0 +1,271 @@
+"""A Megatron actor's and reference's device memory as offload groups: what the worker moves at each
+step of the switch schedule (ALGORITHMS.md section 3), with a ledger of what is resident.
+
+Where megatron-core 0.12.1 keeps things (see verl.utils.megatron_utils offload_megatron_model_to_cpu):
+a DDP chunk's ``buffers`` and ``expert_parallel_buffers`` each hold ``param_data`` (the params are
+views of it with the distributed optimizer; None without it) and ``grad_data`` (every
+``param.main_grad`` is a view of it). The optimizer's inner torch optimizers hold the state and,
+for mixed precision, the fp32 master copies as their params. Groups resize storages in place, so
+DDP's buckets, the optimizer and vLLM's reshard keep their references.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from verl_patches import accelerator
+from verl_patches.offload.groups import Location, TensorGroup, _storage_key
+from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
+from verl_patches.offload.pool import OffloadEngine
+
+
+def _chunks(modules: Any) -> list[torch.nn.Module]:
+    chunks = list(modules) if isinstance(modules, (list, tuple, torch.nn.ModuleList)) else [modules]
+    if not chunks or not all(isinstance(m, torch.nn.Module) for m in chunks):
+        raise TypeError(f"expected a Megatron module list (verl's actor_module), got {type(modules).__name__}"
+                        + (f" holding {sorted({type(m).__name__ for m in chunks})}" if chunks else " (empty)"))
+    return chunks
+
+
+def megatron_buffers(chunk: torch.nn.Module) -> list[Any]:
+    # DDP's ``buffers`` attribute (a list of _ParamAndGradBuffer) shadows nn.Module.buffers().
+    out = []
+    for name in ("buffers", "expert_parallel_buffers"):
+        value = chunk.__dict__.get(name)
+        if isinstance(value, (list, tuple)):
+            out += list(value)
+    return out
+
+
+def param_tensors(modules: Any) -> list[torch.Tensor]:
+    """Every parameter of the chunks, plus DDP's contiguous param_data (params are views of it)."""
+    out: list[torch.Tensor] = []
+    for chunk in _chunks(modules):
+        out += [b.param_data for b in megatron_buffers(chunk) if getattr(b, "param_data", None) is not None]
+        out += list(chunk.parameters())
+    return out
+
+
+def grad_tensors(modules: Any) -> list[torch.Tensor]:
+    """DDP's grad_data per buffer, and any main_grad / grad outside them (an unwrapped chunk)."""
+    out: list[torch.Tensor] = []
+    for chunk in _chunks(modules):
+        out += [b.grad_data for b in megatron_buffers(chunk)]
+        for p in chunk.parameters():
+            for g in (getattr(p, "main_grad", None), p.grad):
+                if isinstance(g, torch.Tensor):
+                    out.append(g)
+    return out
+
+
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron optimizer: ChainedOptimizer.chained_optimizers, each
+    MegatronOptimizer's ``.optimizer``, or a torch optimizer itself."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [o for c in chained for o in inner_optimizers(c)]
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer):
+        return [inner]
+    raise TypeError(f"optimizer of type {type(optimizer).__name__} holds no torch optimizer "
+                    "(expected a torch.optim.Optimizer, a Megatron optimizer with .optimizer, or a ChainedOptimizer)")
+
+
+def optimizer_tensors(optimizer: Any, exclude: set[int]) -> list[torch.Tensor]:
+    """Optimizer state tensors and the inner optimizers' params (the fp32 master copies) that do
+    not share storage with ``exclude`` (fp32 training params are their own masters)."""
+    dev = accelerator.device_type()
+    out = []
+    for opt in inner_optimizers(optimizer):
+        cand = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        cand += [p for g in opt.param_groups for p in g["params"]]
+        # Tensors elsewhere (a swap optimizer's host copies) are not ours to move.
+        out += [t for t in cand if t.device.type == dev and t.untyped_storage().nbytes() > 0
+                and _storage_key(t) not in exclude]
+    return out
+
+
+class _Tracked:
+    """Ledger bookkeeping shared by the actor's and the reference's memory."""
+
+    schedule = "megatron_worker"
+
+    def __init__(self, ledger: MemoryLedger | None) -> None:
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.iteration = 0
+
+    def groups(self) -> dict[str, TensorGroup]:
+        raise NotImplementedError
+
+    def resident(self) -> dict[str, int]:
+        """Device bytes per group now, read from the storages."""
+        return {k: g.device_bytes() for k, g in self.groups().items()}
+
+    def locations(self) -> dict[str, Location]:
+        return {k: g.location for k, g in self.groups().items()}
+
+    def _record(self, step: str, t0: float, h2d: int = 0, d2h: int = 0) -> LedgerEntry:
+        res = self.resident()
+        entry = LedgerEntry(schedule=self.schedule, iteration=self.iteration, step=step, resident=res,
+                            total=sum(res.values()), step_peak=sum(res.values()), step_peak_resident=res,
+                            h2d_bytes=h2d, d2h_bytes=d2h, seconds=time.perf_counter() - t0)
+        self.ledger.record(entry)
+        return entry
+
+
+class ActorMemory(_Tracked):
+    """Training params, grads and optimizer state of a Megatron actor as three offload groups.
+
+    ``keep_grads=False`` (the recipe): grads are released after the update and come back zeroed,
+    as Megatron zeroes its grad buffers before every backward anyway; True copies them both ways.
+    ``optimizer=None`` leaves the optimizer alone (MindSpeed's swap optimizer moves its own state).
+    The optimizer group is built at its first offload: Adam creates its moments at the first step.
+    """
+
+    def __init__(self, modules: Any, optimizer: Any = None, *, engine: OffloadEngine, name: str = "actor",
+                 keep_grads: bool = False, ledger: MemoryLedger | None = None) -> None:
+        super().__init__(ledger)
+        if not isinstance(engine, OffloadEngine):
+            raise TypeError(f"engine must be an OffloadEngine, got {type(engine).__name__}")
+        self.modules, self.optimizer, self.engine, self.name = _chunks(modules), optimizer, engine, name
+        self.keep_grads = keep_grads
+        self.params = TensorGroup(engine, f"{name}_params", param_tensors(self.modules))
+        grads = grad_tensors(self.modules)
+        if not grads:
+            raise ValueError(f"{name}: no gradient buffer found (expected megatron-core DDP chunks with grad_data, "
+                             "or parameters with main_grad / grad)")
+        self.grads = TensorGroup(engine, f"{name}_grads", grads, zero_on_allocate=True)
+        self._param_keys = {_storage_key(t) for t in self.params.tensors()}
+        if optimizer is not None:
+            inner_optimizers(optimizer)  # a clear error now rather than at the first offload
+        self.opt: TensorGroup | None = None
+        self._opt_keys: frozenset[int] = frozenset()
+
+    def groups(self) -> dict[str, TensorGroup]:
+        out = {"train_params": self.params, "grads": self.grads}
+        if self.opt is not None:
+            out["optimizer"] = self.opt
+        return out
+
+    # -- params ------------------------------------------------------------------------
+    def offload_params(self) -> int:
+        t0 = time.perf_counter()
+        moved = self.params.offload()
+        self._record("offload_params", t0, d2h=moved)
+        return moved
+
+    def onload_params(self) -> int:
+        t0 = time.perf_counter()
+        moved = self.params.onload()
+        self._record("onload_params", t0, h2d=moved)
+        return moved
+
+    # -- grads -------------------------------------------------------------------------
+    def offload_grads(self) -> int:
+        t0 = time.perf_counter()
+        moved = self.grads.offload() if self.keep_grads else self.grads.release()
+        self._record("offload_grads", t0, d2h=moved)
+        return moved
+
+    def onload_grads(self) -> int:
+        t0 = time.perf_counter()
+        if self.grads.location is Location.HOST:
+            moved = self.grads.onload()
+        else:
+            moved = self.grads.allocate(zero=True)
+        self._record("onload_grads", t0, h2d=moved)
+        return moved
+
+    # -- optimizer ---------------------------------------------------------------------
+    def _optimizer_group(self) -> TensorGroup | None:
+        if self.optimizer is None:
+            return None
+        if self.opt is not None and self.opt.location is not Location.DEVICE:
+            return self.opt
+        tensors = optimizer_tensors(self.optimizer, self._param_keys)
+        keys = frozenset(_storage_key(t) for t in tensors)
+        if self.opt is not None and keys == self._opt_keys:
+            return self.opt
+        if self.opt is not None:  # the state grew (first step after a build): regroup while on device
+            self.opt.close()
+            self.opt = None
+        if tensors:
+            self.opt, self._opt_keys = TensorGroup(self.engine, f"{self.name}_optimizer", tensors), keys
+        return self.opt
+
+    def offload_optimizer(self) -> int:
+        t0 = time.perf_counter()
+        group = self._optimizer_group()
+        moved = group.offload() if group is not None else 0
+        self._record("offload_optimizer", t0, d2h=moved)
+        return moved
+
+    def onload_optimizer(self) -> int:
+        t0 = time.perf_counter()
+        moved = self.opt.onload() if self.opt is not None else 0
+        self._record("onload_optimizer", t0, h2d=moved)
+        return moved
+
+    # -- the schedule's two actor steps ------------------------------------------------
+    def after_update(self) -> int:
+        """Step 1: grads (and optimizer state) leave; the params stay for the reshard."""
+        return self.offload_grads() + self.offload_optimizer()
+
+    def before_update(self) -> int:
+        """Step 9: training params, grads and optimizer state back on device."""
+        moved = self.onload_params() + self.onload_grads() + self.onload_optimizer()
+        self.iteration += 1
+        return moved
+
+    def close(self) -> None:
+        """Bring everything back to device and give back the host buffers."""
+        self.onload_params()
+        self.onload_grads()
+        self.onload_optimizer()
+        for g in self.groups().values():
+            g.close()
+
+
+class ReferenceMemory(_Tracked):
+    """The frozen reference model: copied to host once, then each offload only frees it."""
+
+    def __init__(self, modules: Any, *, engine: OffloadEngine, name: str = "ref",
+                 ledger: MemoryLedger | None = None) -> None:
+        super().__init__(ledger)
+        if not isinstance(engine, OffloadEngine):
+            raise TypeError(f"engine must be an OffloadEngine, got {type(engine).__name__}")
+        self.modules = _chunks(modules)
+        tensors = param_tensors(self.modules)
+        for chunk in self.modules:  # rotary and router buffers: read-only too (nn.Module.buffers, not DDP's list)
+            tensors += list(torch.nn.Module.buffers(chunk))
+        self.params = TensorGroup(engine, f"{name}_params", tensors, read_only=True)
+
+    def groups(self) -> dict[str, TensorGroup]:
+        return {"ref_params": self.params}
+
+    def onload(self) -> int:
+        t0 = time.perf_counter()
+        moved = self.params.onload()
+        self._record("ref_onload", t0, h2d=moved)
+        return moved
+
+    def offload(self) -> int:
+        t0 = time.perf_counter()
+        moved = self.params.offload()
+        self._record("ref_offload", t0, d2h=moved)
+        self.iteration += 1
+        return moved
+
+    def close(self) -> None:
+        self.params.onload()
+        self.params.close()
+
+
+__all__ = ["ActorMemory", "ReferenceMemory", "grad_tensors", "inner_optimizers", "megatron_buffers",
+           "optimizer_tensors", "param_tensors"]
+
