@@ -11,6 +11,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer",
     "verl_patches.patches.verl.patch_workers_actor_megatron_actor",
     "verl_patches.patches.verl.patch_workers_megatron_workers",
+    "verl_patches.patches.verl.patch_workers_sharding_manager_megatron_vllm",
     "verl_patches.patches.vllm.patch_distributed_parallel_state",
     "verl_patches.patches.vllm.patch_config",
     "verl_patches.patches.vllm.patch_forward_context",

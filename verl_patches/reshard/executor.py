@@ -106,6 +106,9 @@ def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor],
     P = plan.placements
     if check:
         check_inputs(P, rank, train_shards, rollout_params)
+    if method != "direct" and P.train.expert_storage != "grouped":
+        raise ValueError(f"method {method!r} emulates its reference on GroupedMLP storage; this training "
+                         f"layout stores experts as {P.train.expert_storage!r}: use method 'direct'")
     if method == "upstream":
         from verl_patches.reshard.baselines import execute_upstream
 

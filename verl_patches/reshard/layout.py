@@ -113,6 +113,9 @@ def _parse_kv(text: str, what: str) -> dict[str, str]:
     return out
 
 
+EXPERT_STORAGES = ("grouped", "te_grouped", "sequential")
+
+
 @dataclass(frozen=True)
 class TrainLayout:
     """Megatron: TP t, PP p with an explicit layer list, EP e with moe_tp_extend_ep (experts
@@ -127,11 +130,16 @@ class TrainLayout:
     # megatron-core 0.12.1's MLA spec builds the q/kv down-projections as column-parallel
     # (output split over TP, gathered in forward); MindSpeed's spec keeps them replicated.
     mla_down_split: bool = True
+    # How a rank stores its routed experts (EXPERT_STORAGES): "grouped" is GroupedMLP
+    # (weight1 / weight2, MindSpeed's and megatron's legacy grouped GEMM), "te_grouped" is
+    # TEGroupedMLP (linear_fc1.weight<j> per local expert, verl's GPU spec), "sequential" is
+    # SequentialMLP (local_experts.<j>.linear_fc1.weight).
+    expert_storage: str = "grouped"
 
     @classmethod
     def parse(cls, text: str) -> "TrainLayout":
         kv = _parse_kv(text, "train")
-        unknown = set(kv) - {"tp", "pp", "ep", "layers", "vocab_div", "mla_down"}
+        unknown = set(kv) - {"tp", "pp", "ep", "layers", "vocab_div", "mla_down", "experts"}
         if unknown:
             raise LayoutError(f"train layout: unknown keys {sorted(unknown)}")
         try:
@@ -143,7 +151,10 @@ class TrainLayout:
         mla = kv.get("mla_down", "split")
         if mla not in ("split", "replicated"):
             raise LayoutError(f"train layout: mla_down must be split or replicated, not {mla!r}")
-        return cls(tp, pp, ep, layers, div, mla == "split")
+        experts = kv.get("experts", "grouped")
+        if experts not in EXPERT_STORAGES:
+            raise LayoutError(f"train layout: experts must be one of {EXPERT_STORAGES}, not {experts!r}")
+        return cls(tp, pp, ep, layers, div, mla == "split", experts)
 
 
 @dataclass(frozen=True)
@@ -467,7 +478,8 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
         tensors.append(lt)
 
     def experts(name: str, shape: tuple[int, int, int], s: int, tname: str, rname: str,
-                tslot: Any, rslot: Any, tshape: tuple[int, ...], rshape_fn: Any) -> None:
+                tslot: Any, rslot: Any, tshape: tuple[int, ...], rshape_fn: Any,
+                per_expert: tuple[Any, tuple[int, ...]] | None = None) -> None:
         lt = Logical(name, shape, stage=s, gather="ep")
         E = shape[0]
         if E % te:
@@ -475,10 +487,20 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
                               f"tp*ep = {t}*{e} = {te}")
         el = E // te
         for k in range(te):
-            lt.train.append(Part(((k * el, (k + 1) * el),) + full_box(shape[1:]), tuple(stage_ep[s][k]),
-                                 tslot(el), k))
-            for r in stage_ep[s][k]:
-                tstore[r][tname] = tshape
+            if per_expert is None:
+                lt.train.append(Part(((k * el, (k + 1) * el),) + full_box(shape[1:]), tuple(stage_ep[s][k]),
+                                     tslot(el), k))
+                for r in stage_ep[s][k]:
+                    tstore[r][tname] = tshape
+                continue
+            # One parameter per local expert j: one part each.
+            slot_of, pshape = per_expert
+            for j in range(el):
+                sl = slot_of(j)
+                lt.train.append(Part(((k * el + j, k * el + j + 1),) + full_box(shape[1:]),
+                                     tuple(stage_ep[s][k]), sl, k))
+                for r in stage_ep[s][k]:
+                    tstore[r][sl.name] = pshape
         for q in range(ep_r):
             a, b = vllm_expert_range(E, ep_r, q)
             if b > a:
@@ -553,18 +575,37 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
         # Megatron GroupedMLP: weight1 [H, El*2I] is used as view(El, H, 2I) (gate | up on the
         # last dim), weight2 [El*I, H] as view(El, I, H): both transposed relative to HF/vLLM.
         # vLLM FusedMoE: w13 [El, 2I, H] (gate rows then up rows), w2 [El, H, I].
+        # TEGroupedMLP / SequentialMLP: one [2I, H] fc1 (gate rows then up rows) and one [H, I]
+        # fc2 per local expert, already in HF/vLLM orientation.
+        fc1, fc2 = _per_expert_names(tp_ + "mlp.experts.", train.expert_storage)
         for k, lname in ((0, "gate_proj"), (1, "up_proj")):
             experts(hp + f"mlp.experts.{lname}.weight", (E, Im, H), s, w1, r13,
                     lambda n, k=k: Slot(w1, reshape=(n, H, 2 * Im), narrows=((2, k * Im, Im),),
                                         permute=(0, 2, 1)),
                     lambda n, k=k: Slot(r13, narrows=((1, k * Im, Im),)),
-                    (H, el * 2 * Im), lambda n: (n, 2 * Im, H))
+                    (H, el * 2 * Im), lambda n: (n, 2 * Im, H),
+                    None if fc1 is None else
+                    (lambda j, k=k: Slot(fc1(j), reshape=(1, 2 * Im, H), narrows=((1, k * Im, Im),)),
+                     (2 * Im, H)))
         experts(hp + "mlp.experts.down_proj.weight", (E, H, Im), s, w2, r2,
                 lambda n: Slot(w2, reshape=(n, Im, H), permute=(0, 2, 1)),
-                lambda n: Slot(r2), (el * Im, H), lambda n: (n, H, Im))
+                lambda n: Slot(r2), (el * Im, H), lambda n: (n, H, Im),
+                None if fc2 is None else (lambda j: Slot(fc2(j), reshape=(1, H, Im)), (H, Im)))
     dense("model.norm.weight", (H,), p - 1, "decoder.final_layernorm.weight", "model.norm.weight", None, None)
     vocab("lm_head.weight", "output_layer.weight", "lm_head.weight", p - 1)
     return Placements(model, train, rollout, W, tc, rc, tensors, tstore, rstore, rzero, stage_layers)
+
+
+def _per_expert_names(prefix: str, storage: str) -> tuple[Any, Any]:
+    """Megatron parameter names of local expert j's fc1 / fc2, or (None, None) for GroupedMLP."""
+    if storage == "te_grouped":
+        return (lambda j: f"{prefix}linear_fc1.weight{j}"), (lambda j: f"{prefix}linear_fc2.weight{j}")
+    if storage == "sequential":
+        return ((lambda j: f"{prefix}local_experts.{j}.linear_fc1.weight"),
+                (lambda j: f"{prefix}local_experts.{j}.linear_fc2.weight"))
+    if storage != "grouped":
+        raise LayoutError(f"expert storage {storage!r}: expected one of {EXPERT_STORAGES}")
+    return None, None
 
 
 def hf_expert_names(name: str, num_experts: int) -> list[str]:

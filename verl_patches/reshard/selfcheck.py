@@ -26,6 +26,8 @@ def check_plan(rank: int, plan: Plan, methods: tuple[str, ...] = METHODS, seed: 
     mine = train_shards(P, rank, logical, device=device)
     want = rollout_shards(P, rank, logical, device=device)
     out: dict[str, Any] = {"plan": vars(plan.ranks[rank]).copy()}
+    if P.train.expert_storage != "grouped":  # the baselines emulate GroupedMLP storage only
+        methods = tuple(m for m in methods if m == "direct")
     for method in methods:
         got = allocate(P.rollout_storage[rank], torch_dtype(plan.dtype), device, fill=float("nan"))
         before = {n: v.clone() for n, v in mine.items()}

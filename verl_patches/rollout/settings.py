@@ -12,6 +12,9 @@ from typing import Any, Mapping
 from verl_patches.rollout.dp_domain import DEFAULT_MASTER_PORT_BASE, DEFAULT_PORT_STRIDE, DPDomainError, DPSpec
 
 RECIPE_KEY = "recipe"  # actor_rollout_ref.rollout.recipe (configs/README.md)
+# The rollout's LLM carries its settings under this attribute, for the sharding manager.
+ENGINE_ATTR = "_verl_patches_rollout_settings"
+RESHARD_METHODS = ("direct", "recipe", "upstream")
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -39,6 +42,8 @@ class RolloutSettings:
     dp: DPSpec
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
+    reshard_method: str = "direct"  # recipe.reshard_method
+    num_layer_list: tuple[int, ...] = ()  # recipe.megatron.num_layer_list (() = even split)
 
     @classmethod
     def from_config(cls, config: Mapping, world_size: int) -> "RolloutSettings":
@@ -58,7 +63,17 @@ class RolloutSettings:
         tokens = int(_get(config, "max_num_batched_tokens", 8192))
         if tokens < 1:
             raise ValueError(f"rollout.max_num_batched_tokens must be positive, got {tokens}")
+        method = str(_get(recipe, "reshard_method", "direct"))
+        if method not in RESHARD_METHODS:
+            raise ValueError(f"rollout.{RECIPE_KEY}.reshard_method must be one of {RESHARD_METHODS}, got {method!r}")
+        raw_layers = _get(_get(recipe, "megatron", {}), "num_layer_list", None)
+        try:
+            layers = tuple(int(x) for x in raw_layers) if raw_layers else ()
+        except (TypeError, ValueError):
+            raise ValueError(f"rollout.{RECIPE_KEY}.megatron.num_layer_list must be a list of integers, "
+                             f"got {raw_layers!r}") from None
         return cls(offload=_bool(_get(recipe, "offload", True), "offload"),
+                   reshard_method=method, num_layer_list=layers,
                    dp_sync_on_device=_bool(_get(recipe, "dp_sync_on_device", True), "dp_sync_on_device"),
                    dp=spec, max_num_batched_tokens=tokens,
                    enable_chunked_prefill=_bool(_get(config, "enable_chunked_prefill", True), "enable_chunked_prefill"))

@@ -127,6 +127,10 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
         **_engine_kwargs(config),
     )
 
+    # For the sharding manager, which receives the engine only (patch verl.sharding_manager.reshard).
+    from verl_patches.rollout.settings import ENGINE_ATTR
+
+    setattr(self.inference_engine, ENGINE_ATTR, settings)
     if settings.offload:
         from verl_patches.rollout.engine_memory import VllmEngineMemory
 

@@ -1,0 +1,61 @@
+"""verl's real MegatronVLLMShardingManager entered with patch verl.sharding_manager.reshard: a real
+megatron-core 0.12.1 actor (MLA + MoE) resharded straight into a real vLLM 0.9.1 DeepseekV3 model
+on CPU equals vLLM's own load_weights of the same weights, MLA's derived tensors included, in the
+switch schedule's order. Stand-ins (declared in verl_patches/testing/live_models.py and
+binding_check.py): the engine wrapper around the vLLM model, the worker's ActorMemory, and the few
+CUDA-only calls of the CPU build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verl_patches.testing.binding_check import sharding_manager_rank
+from verl_patches.testing.dist import run_distributed
+
+CONFIG = Path(__file__).resolve().parents[3] / "configs/model/tiny_deepseek_v3.json"
+SCHEDULE = ["wake_up:weights", "offload_params", "wake_up:kv_cache", "generate", "sleep:1"]
+CASES = [
+    dict(grouped=True, method="direct", dtype="float32", patched=False),   # upstream __enter__
+    dict(grouped=False, method="direct", dtype="float32"),                 # SequentialMLP experts
+    dict(grouped=True, method="direct", dtype="bfloat16"),                 # GroupedMLP (MindSpeed), fp32 expert bias
+    dict(grouped=True, method="recipe", dtype="float32"),                  # method B in the same binding
+    dict(grouped=True, method="direct", dtype="float32", recipe={"megatron": {"num_layer_list": [3, 1]}}),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_dsv3")
+    (d / "config.json").write_text(CONFIG.read_text())
+    return run_distributed(sharding_manager_rank, 1, str(d), CASES, timeout=400)[0]
+
+
+@pytest.mark.parametrize("case", [1, 2, 3], ids=["sequential-direct-fp32", "grouped-direct-bf16", "grouped-recipe-fp32"])
+def test_reshard_into_vllm_equals_vllms_own_load(results, case):
+    r = results[case]
+    assert r["error"] is None
+    assert r["differ_before"] > 0  # the rollout model started with other weights
+    assert r["mismatch"] == []
+    assert r["mla_layers"] == json.loads(CONFIG.read_text())["num_hidden_layers"]
+    assert r["mla_mismatch"] == []  # W_UK_T / W_UV recomputed from the new kv_b_proj
+
+
+def test_switch_schedule_order(results):
+    # weights allocated, reshard, training params offloaded, then the KV cache; upstream's exit
+    assert results[1]["events"] == SCHEDULE
+
+
+def test_without_the_patch_the_rollout_model_does_not_get_the_weights(results):
+    r = results[0]
+    assert r["mismatch"] or r["error"]
+    assert "offload_params" not in r["events"]
+
+
+def test_a_wrong_layer_list_is_refused_before_anything_moves(results):
+    r = results[4]
+    assert "num_layer_list" in (r["error"] or "")
+    assert len(r["mismatch"]) == r["differ_before"]
+    assert r["events"] == []  # nothing allocated, nothing offloaded

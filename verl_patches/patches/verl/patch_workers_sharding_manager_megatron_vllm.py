@@ -1,0 +1,159 @@
+"""Entering rollout runs the switch schedule with our reshard engine writing straight into vLLM's
+parameters.
+
+Upstream: verl/workers/sharding_manager/megatron_vllm.py:MegatronVLLMShardingManager.__enter__
+(verl 0.4.1) reloads offloaded actor params, wakes the engine's weights, runs
+per_tensor_generator (PP broadcast, TP all-gather, EP all-gather to full tensors, HF names) into
+vLLM's load_weights, offloads the actor params, wakes the KV cache and swaps the RNG state. It
+never redoes vLLM's post-load processing, so MLA's W_UK_T / W_UV (derived from kv_b_proj once
+at engine build) stay those of the initial weights.
+
+Ours, for recipe.reshard_method direct (default) or recipe, with the rollout built by patch
+verl.vllm_rollout.recipe_engine (which leaves its settings on the engine), in the order of the
+switch schedule (ALGORITHMS.md section 3, steps 2 to 5):
+  wake the weights (= allocate, no copy, through patch vllm.llm.wake_up_to_onload), reshard from
+  the actor's live parameters into them (verl_patches.reshard.binding: one plan for the run,
+  every byte once), redo MLA's post-load processing, offload the training params (the worker's
+  ActorMemory when it attached one, else verl's own offload when param_offload is on), then
+  wake the KV cache (= create it now that the training params left) and swap the RNG state as
+  upstream does. __exit__ is upstream's: sleep(level=1), which the recipe engine routes to
+  free KV cache + release rollout weights.
+recipe.reshard_method=upstream runs verl's own __enter__ (plus the MLA fix), for comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+from verl_patches.core.fingerprint import Fingerprint
+from verl_patches.core.record import Patch
+
+logger = logging.getLogger(__name__)
+SESSION_ATTR = "_verl_patches_reshard"
+
+
+def _settings(manager: Any) -> Any:
+    from verl_patches.rollout.settings import ENGINE_ATTR
+
+    return getattr(manager.inference_engine, ENGINE_ATTR, None)
+
+
+def _model(manager: Any) -> Any:
+    return manager.model_runner.model
+
+
+def _session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
+    """The run's plan, built on the first switch (every rank together: it agrees the layout)."""
+    session = getattr(manager, SESSION_ATTR, None)
+    if session is not None:
+        return session
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from verl_patches.reshard.binding import LiveReshard
+    from verl_patches.reshard.layout import RolloutLayout
+
+    hf = manager.model_config.to_dict() if hasattr(manager.model_config, "to_dict") else dict(manager.model_config)
+    dp = settings.dp
+    session = LiveReshard.build(
+        hf, rollout=RolloutLayout(tp=dp.tp_size, dp=dp.dp_size, instances=dp.instances),
+        tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(), layers=settings.num_layer_list, train=train, roll=roll,
+        rank=dist.get_rank(), method=settings.reshard_method)
+    setattr(manager, SESSION_ATTR, session)
+    s = session.plan.ranks[session.rank]
+    logger.info("reshard plan (%s): receive %d B, local %d B, %d collectives, peak extra %d B",
+                session.method, s.recv_bytes, s.local_bytes, s.collectives, s.peak_extra_bytes)
+    return session
+
+
+def _swap_rng_for_generation(manager: Any) -> None:
+    # Same contract as upstream: every rollout TP rank samples with the same generator state.
+    from verl.utils.device import get_torch_device
+
+    if manager.device_mesh is not None:
+        manager.torch_random_states = get_torch_device().get_rng_state()
+        get_torch_device().set_rng_state(manager.gen_random_states)
+
+
+def _wake(manager: Any, tag: str) -> None:
+    import inspect
+
+    if "tags" in inspect.signature(manager.inference_engine.wake_up).parameters:
+        manager.inference_engine.wake_up(tags=[tag])
+    elif tag == "weights":
+        manager.inference_engine.wake_up()
+
+
+def recipe_enter(manager: Any, settings: Any) -> None:
+    from verl.utils.debug.performance import simple_timer
+    from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
+
+    from verl_patches import accelerator
+    from verl_patches.reshard.binding import megatron_params, redo_mla_post_load, vllm_params
+
+    manager.timing = {}
+    actor_memory = getattr(manager, "actor_memory", None)
+    with simple_timer("reshard", manager.timing):
+        accelerator.empty_cache()
+        if actor_memory is None and manager.offload_param:
+            load_megatron_model_to_gpu(manager.actor_module)
+        model = _model(manager)
+        train = megatron_params(manager.actor_module)
+        # Planned (and checked against both models' shapes) before anything is allocated.
+        session = _session(manager, settings, train, vllm_params(model))
+        _wake(manager, "weights")
+        roll = vllm_params(model)
+        session.run(train, roll)
+        redo_mla_post_load(model, next(iter(roll.values())).dtype)
+        if actor_memory is not None:
+            actor_memory.offload_params()
+        elif manager.offload_param:
+            offload_megatron_model_to_cpu(manager.actor_module)
+        accelerator.empty_cache()
+        _wake(manager, "kv_cache")
+    _swap_rng_for_generation(manager)
+
+
+def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __enter__(self):
+        settings = _settings(self)
+        if settings is None:  # a rollout not built by the recipe's constructor: upstream throughout
+            return original(self)
+        if settings.reshard_method == "upstream":
+            from verl_patches.reshard.binding import redo_mla_post_load
+
+            out = original(self)
+            model = _model(self)
+            redo_mla_post_load(model, next(model.parameters()).dtype)
+            return out
+        return recipe_enter(self, settings)
+
+    return __enter__
+
+
+PATCHES = [
+    Patch(
+        id="verl.sharding_manager.reshard",
+        target="verl.workers.sharding_manager.megatron_vllm:MegatronVLLMShardingManager.__enter__",
+        kind="wrap",
+        phases=("worker",),
+        upstream="verl",
+        versions="==0.4.1",
+        fingerprint=Fingerprint(signature="def __enter__(self)", source_sha="e074f2d0350cc042"),
+        replacement=f"{__name__}:wrap_enter",
+        flag="actor_rollout_ref.rollout.recipe.reshard_method (direct | recipe | upstream), "
+             "actor_rollout_ref.rollout.recipe.megatron.num_layer_list",
+        why="Upstream gathers every parameter to full tensors on every rank (about the whole model per rank, "
+            "14 GB transient for one layer's experts at EP256) and lets vLLM slice; ours routes each byte once "
+            "from a training owner to the rollout rank that needs it, straight into vLLM's parameters, in the "
+            "switch schedule's order (weights allocated, reshard, training params offloaded, then the KV cache), "
+            "and redoes MLA's post-load processing, which upstream leaves stale after the weights change "
+            "(RECIPE.md item 1; ALGORITHMS.md sections 2 and 3).",
+        remove_when="verl's Megatron-to-vLLM weight sync sends each rollout rank only its shard (no full-tensor "
+                    "gathers) and re-runs vLLM's process_weights_after_loading after updating weights.",
+    ),
+]

@@ -1,0 +1,233 @@
+"""The reshard engine on live models: Megatron's actor modules in, vLLM's model parameters out.
+
+Collects each side's parameters by name, derives the training layout from what this rank
+really stores (agreed by every rank, so all build the same plan), builds the plan once, and
+on every switch writes the new weights straight into vLLM's parameters, then redoes the
+post-load processing that derives tensors from them (MLA's W_UK_T / W_UV). Framework-light:
+torch.distributed only; megatron and vLLM objects are passed in by the binding patch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from verl_patches.reshard.executor import METHODS, ExecStats, check_inputs, execute
+from verl_patches.reshard.layout import (LayoutError, ModelConfig, RolloutLayout, TrainLayout,
+                                         build_placements)
+from verl_patches.reshard.planner import Plan, build_plan
+
+_WRAPPERS = ("module.",)  # DDP and Float16Module both hold the model as .module
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# fc2 of one local expert: TEGroupedMLP (linear_fc2.weight<j>) or SequentialMLP (local_experts.<j>.linear_fc2.weight)
+_PER_EXPERT = re.compile(r"mlp\.experts\.(linear_fc2\.weight(?P<te>\d+)|local_experts\.(?P<seq>\d+)\.linear_fc2\.weight)$")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+# megatron-core's local (non-Transformer-Engine) spec keeps the layer norms that the TE spec
+# (verl's GPU models, mirrored by MindSpeed) fuses into the following linear; the plan uses
+# the TE names.
+_LOCAL_TO_TE = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+_DENSE_PRE_MLP = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+
+
+def _te_name(name: str, dense_layers: set[str]) -> str:
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    layer, rest = name[: m.end()], name[m.end():]
+    if rest in _LOCAL_TO_TE:
+        return layer + _LOCAL_TO_TE[rest]
+    if rest == _DENSE_PRE_MLP[0] and layer in dense_layers:
+        return layer + _DENSE_PRE_MLP[1]
+    return name
+
+
+def megatron_params(modules: Any) -> dict[str, torch.Tensor]:
+    """The training parameters of this rank under megatron-core's names in the Transformer-
+    Engine spec (wrappers stripped, local layer numbering of the PP stage; local-spec norm
+    names mapped to their TE names). One model chunk only: virtual pipeline stages would need
+    one train layout per chunk."""
+    chunks = list(modules) if isinstance(modules, (list, tuple, torch.nn.ModuleList)) else [modules]
+    if len(chunks) != 1:
+        raise LayoutError(f"the reshard binding takes one Megatron model chunk per rank, got {len(chunks)} "
+                          "(virtual pipeline parallel is not supported: set virtual_pipeline_model_parallel_size=null)")
+    raw: dict[str, torch.Tensor] = {}
+    # The router's expert bias (aux-loss-free balancing) is a buffer in megatron-core, a
+    # parameter (e_score_correction_bias) in vLLM.
+    tensors = list(chunks[0].named_parameters()) + [
+        (n, b) for n, b in chunks[0].named_buffers() if n.endswith("mlp.router.expert_bias")]
+    for name, p in tensors:
+        while name.startswith(_WRAPPERS):
+            name = name[len("module."):]
+        raw[name] = p.data
+    dense = {n[: _LAYER.match(n).end()] for n in raw if _LAYER.match(n) and n.endswith(".mlp.linear_fc1.weight")}
+    out = {_te_name(n, dense): t for n, t in raw.items()}
+    if len(out) != len(raw):
+        raise LayoutError("Megatron parameters collide after mapping local-spec norm names to the TE spec")
+    return out
+
+
+def vllm_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """vLLM's model parameters by name (what its load_weights would write)."""
+    return {n: p.data for n, p in model.named_parameters()}
+
+
+def _local_layers(train: Mapping[str, torch.Tensor]) -> int:
+    return len({int(m.group(1)) for n in train for m in [_LAYER.match(n)] if m})
+
+
+def _local_facts(cfg: ModelConfig, tp: int, train: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """What this rank's storage says about the layout (None where it holds no evidence)."""
+    facts: dict[str, Any] = {"mla_down_split": None, "experts_per_rank": None, "expert_storage": None}
+    kv_rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    for n, t in train.items():
+        if n.endswith("self_attention.linear_kv_down_proj.weight") and tp > 1:
+            if t.shape[0] == kv_rows:
+                facts["mla_down_split"] = False
+            elif t.shape[0] * tp == kv_rows:
+                facts["mla_down_split"] = True
+            else:
+                raise LayoutError(f"{n}: {t.shape[0]} rows, expected {kv_rows} (replicated) or {kv_rows}/{tp} "
+                                  "(split over TP)")
+    Im = cfg.moe_intermediate_size
+    for n, t in train.items():
+        if n.endswith("mlp.experts.weight2"):  # GroupedMLP: [experts * I, H]
+            facts["expert_storage"], facts["experts_per_rank"] = "grouped", t.shape[0] // Im
+            break
+        m = _PER_EXPERT.search(n)
+        if m:
+            storage = "te_grouped" if m.group("te") is not None else "sequential"
+            layer = n[: m.start()]
+            facts["expert_storage"] = storage
+            facts["experts_per_rank"] = sum(1 for x in train if x.startswith(layer) and _PER_EXPERT.search(x))
+            break
+    return facts
+
+
+def _agree(facts: dict[str, Any], group: Any = None) -> dict[str, Any]:
+    """Every rank's non-None facts must agree; ranks without evidence take the others' value."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return facts
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, facts, group=group)
+    out: dict[str, Any] = {}
+    for key in facts:
+        seen = {f[key] for f in everyone if f[key] is not None}
+        if len(seen) > 1:
+            raise LayoutError(f"ranks disagree on the training layout's {key}: {sorted(map(str, seen))}")
+        out[key] = seen.pop() if seen else None
+    return out
+
+
+def derive_train_layout(cfg: ModelConfig, *, tp: int, pp: int, pp_rank: int, layers: Iterable[int] | None,
+                        train: Mapping[str, torch.Tensor], group: Any = None) -> TrainLayout:
+    """The TrainLayout of a running Megatron model: TP/PP from megatron's parallel state, the
+    layer list from the recipe (MindSpeed num_layer_list) or an even split, and from the
+    parameters themselves (agreed over all ranks): how the MLA down-projections are stored,
+    how many experts a rank holds (tp * ep = experts / experts-per-rank, which is how
+    moe_tp_extend_ep shows in storage) and how they are stored. The vocabulary is not
+    padded: verl builds GPTModel with the HF vocab size."""
+    layers = tuple(int(x) for x in layers) if layers else ()
+    if not layers:
+        if cfg.num_layers % pp:
+            raise LayoutError(f"{cfg.num_layers} layers do not split evenly over pp={pp}: set "
+                              "actor_rollout_ref.rollout.recipe.megatron.num_layer_list")
+        layers = (cfg.num_layers // pp,) * pp
+    if len(layers) != pp or sum(layers) != cfg.num_layers:
+        raise LayoutError(f"recipe.megatron.num_layer_list {list(layers)} must have pp={pp} entries summing to "
+                          f"{cfg.num_layers} layers")
+    have = _local_layers(train)
+    if have != layers[pp_rank]:
+        raise LayoutError(f"PP stage {pp_rank} holds {have} decoder layers, recipe.megatron.num_layer_list says "
+                          f"{layers[pp_rank]}: the Megatron model was built with another layer split")
+    facts = _agree(_local_facts(cfg, tp, train), group)
+    per = facts["experts_per_rank"]
+    if per is None or per == 0:
+        raise LayoutError("no rank holds routed experts: the reshard binding expects a DeepSeek-V3 MoE model")
+    E = cfg.n_routed_experts
+    if E % per or (E // per) % tp:
+        raise LayoutError(f"{per} experts per rank of {E}: the expert group ({E // max(per, 1)} ranks) must be a "
+                          f"multiple of tp={tp} (moe_tp_extend_ep: experts over the TP x EP ranks, no expert TP)")
+    return TrainLayout(tp=tp, pp=pp, ep=E // per // tp, layers=layers, vocab_divisible_by=1,
+                       mla_down_split=True if facts["mla_down_split"] is None else facts["mla_down_split"],
+                       expert_storage=facts["expert_storage"])
+
+
+def redo_mla_post_load(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Recompute what vLLM's attention layers derive from their weights after loading (MLA:
+    W_UK_T and W_UV from kv_b_proj, in vLLM's MLACommonImpl and vLLM-Ascend's AscendMLAImpl).
+    vLLM does it once after the initial load; new weights make them stale. Returns the number
+    of layers processed."""
+    from vllm.attention import Attention
+
+    done = 0
+    for module in model.modules():
+        if isinstance(module, Attention) and hasattr(module, "process_weights_after_loading"):
+            if getattr(module, "use_mla", False):
+                module.process_weights_after_loading(dtype)
+                done += 1
+    return done
+
+
+@dataclass
+class LiveReshard:
+    """One plan for the run (layouts do not change), executed on every switch."""
+
+    plan: Plan
+    rank: int
+    method: str = "direct"
+
+    @classmethod
+    def build(cls, hf_config: Mapping[str, Any], *, rollout: RolloutLayout, tp: int, pp: int, pp_rank: int,
+              layers: Iterable[int] | None, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor],
+              rank: int, method: str = "direct", bucket_bytes: int = 256 << 20, group: Any = None) -> "LiveReshard":
+        if method not in METHODS:
+            raise ValueError(f"reshard method {method!r}: expected one of {METHODS}")
+        cfg = ModelConfig.from_hf(dict(hf_config))
+        tl = derive_train_layout(cfg, tp=tp, pp=pp, pp_rank=pp_rank, layers=layers, train=train, group=group)
+        if tl.expert_storage != "grouped" and method != "direct":
+            raise LayoutError(f"reshard method {method!r} emulates its reference on GroupedMLP storage; this model "
+                              f"stores experts as {tl.expert_storage!r}: use 'direct' (or verl's own path)")
+        dtypes = {t.dtype for t in roll.values()}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+            raise LayoutError(f"vLLM parameters must share one of {sorted(_DTYPE_NAMES.values())}, got {dtypes}")
+        dtype = _DTYPE_NAMES[next(iter(dtypes))]
+        P = build_placements(cfg, tl, rollout)
+        if P.world != (dist.get_world_size(group) if dist.is_initialized() else 1):
+            raise LayoutError(f"rollout layout {rollout} covers {P.world} ranks, the process group has "
+                              f"{dist.get_world_size(group) if dist.is_initialized() else 1}")
+        check_inputs(P, rank, dict(train), dict(roll))
+        plan = build_plan(cfg, tl, rollout, bucket_bytes=bucket_bytes, dtype=dtype, placements=P)
+        return cls(plan, rank, method)
+
+    def with_method(self, method: str) -> "LiveReshard":
+        return replace(self, method=method)
+
+    def run(self, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor], group: Any = None) -> ExecStats:
+        """Fill ``roll`` (vLLM's parameters, allocated) from ``train`` (Megatron's). Every rank calls it."""
+        return execute(self.plan, self.rank, as_rollout_dtype(train, next(iter(roll.values())).dtype), dict(roll),
+                       group=group, method=self.method)
+
+
+# Training tensors kept in another precision than the rest (megatron-core keeps the router's
+# expert bias in fp32 under a bf16 model) are cast for the reshard; vLLM's own loader casts them
+# the same way. A whole model in another dtype is a configuration error, not something to copy.
+MAX_CAST_BYTES = 256 << 20
+
+
+def as_rollout_dtype(train: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    out = dict(train)
+    other = {n: t for n, t in train.items() if t.dtype != dtype}
+    size = sum(t.numel() * t.element_size() for t in other.values())
+    if size > MAX_CAST_BYTES:
+        kinds = sorted({str(t.dtype) for t in other.values()})
+        raise LayoutError(f"{len(other)} training tensors ({size} bytes, {kinds}, e.g. {next(iter(other))}) are not "
+                          f"{dtype} like vLLM's parameters: set rollout.dtype to the actor's param dtype")
+    out.update({n: t.to(dtype) for n, t in other.items()})
+    return out

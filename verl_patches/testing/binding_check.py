@@ -1,0 +1,126 @@
+"""One rank of the sharding-manager binding test: real megatron-core actor, real vLLM model, verl's
+real MegatronVLLMShardingManager entered with our patch; for run_distributed (spawned processes).
+
+The verl rollout engine around the vLLM model is a stand-in recording wake_up / sleep calls (the
+recipe engine's routing of those calls to the offload engine is tested with vLLM's real LLM in
+tests/patches/vllm/test_llm_sleep_wake.py); the worker's ActorMemory is a recorder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class _Engine:
+    """Stand-in for vLLM's LLM as verl's manager sees it: the model runner path and wake_up / sleep."""
+
+    def __init__(self, model: Any, settings: Any, events: list[str]) -> None:
+        from verl_patches.rollout.settings import ENGINE_ATTR
+
+        runner = SimpleNamespace(model=model)
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
+            driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))))
+        self.events = events
+        if settings is not None:
+            setattr(self, ENGINE_ATTR, settings)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.events.append(f"wake_up:{','.join(tags or [])}")
+
+    def sleep(self, level: int = 1) -> None:
+        self.events.append(f"sleep:{level}")
+
+
+class _ActorMemory:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def offload_params(self) -> None:
+        self.events.append("offload_params")
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(n for n in set(a) | set(b) if n not in a or n not in b or not torch.equal(a[n], b[n]))
+
+
+def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case: grouped (GroupedMLP or SequentialMLP experts), method, dtype, recipe (extra
+    recipe keys), patched. Unpatched cases must come first: the patch stays applied after."""
+    from verl_patches.testing.live_models import megatron_cpu_stand_ins, vllm_cpu_stand_ins
+
+    vllm_cpu_stand_ins()
+    megatron_cpu_stand_ins()
+    # Stand-ins: verl's manager keeps device RNG states and logs memory through get_torch_device(),
+    # torch.cpu here, which has none of these; the CPU generator plays the device's.
+    for name, fn in (("get_rng_state", torch.get_rng_state), ("set_rng_state", torch.set_rng_state),
+                     ("manual_seed", torch.manual_seed), ("empty_cache", lambda: None),
+                     ("memory_allocated", lambda *a: 0), ("memory_reserved", lambda *a: 0),
+                     ("mem_get_info", lambda *a: (0, 0))):
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
+    from megatron.core import parallel_state as mpu
+
+    from verl_patches.core.apply import apply_all
+    from verl_patches.core.registry import get_patch
+
+    mpu.initialize_model_parallel(1, 1)
+    out, applied = [], False
+    for case in cases:
+        if case.get("patched", True) and not applied:
+            apply_all([get_patch("verl.sharding_manager.reshard")])
+            applied = True
+        elif not case.get("patched", True) and applied:
+            raise ValueError("unpatched cases must come before patched ones")
+        out.append(_case(world, Path(model_dir), **{k: v for k, v in case.items() if k != "patched"}))
+    return out
+
+
+def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
+          recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.workers.sharding_manager.megatron_vllm import MegatronVLLMShardingManager
+
+    from verl_patches.rollout.settings import RolloutSettings
+    from verl_patches.testing.live_models import (build_megatron_deepseek, build_vllm_deepseek, megatron_to_hf,
+                                                  mla_derived, randomize, vllm_post_load)
+
+    dt = _DTYPES[dtype]
+    cfg = json.loads((model_dir / "config.json").read_text())
+    actor = build_megatron_deepseek(cfg, dt, grouped)
+    randomize(actor, seed=1)
+    # Reference: vLLM's own loaders fed the actor's weights in HF names, then its post-load step.
+    ref, vcfg = build_vllm_deepseek(model_dir, dt)
+    ref.load_weights(megatron_to_hf(actor, cfg).items())
+    vllm_post_load(ref, vcfg)
+    # The rollout model as the engine built it: its own (dummy) weights, post-processed.
+    model, _ = build_vllm_deepseek(model_dir, dt)
+    randomize(model, seed=2)
+    vllm_post_load(model, vcfg)
+    params = lambda m: {n: p.data.clone() for n, p in m.named_parameters()}  # noqa: E731
+    differ_before = _same(params(model), params(ref))
+
+    events: list[str] = []
+    settings = RolloutSettings.from_config(
+        {"tensor_model_parallel_size": 1, "recipe": {"reshard_method": method, **(recipe or {})}}, world)
+    engine = _Engine(model, settings, events)
+    mesh = init_device_mesh("cpu", mesh_shape=(world, 1), mesh_dim_names=["dp", "infer_tp"])
+    manager = MegatronVLLMShardingManager(
+        actor_module=[actor], inference_engine=engine, model_config=SimpleNamespace(to_dict=lambda: dict(cfg)),
+        transformer_config=None, layer_name_mapping={}, weight_converter=None, device_mesh=mesh, offload_param=False)
+    manager.actor_memory = _ActorMemory(events)
+    error = None
+    try:
+        with manager:
+            events.append("generate")
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    return {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
+            "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "mla_layers": len(mla_derived(ref)) // 2,
+            "events": events, "error": error}
