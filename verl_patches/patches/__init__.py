@@ -18,4 +18,10 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.vllm.patch_v1_engine_core",
     "verl_patches.patches.vllm.patch_entrypoints_llm",
     "verl_patches.patches.vllm_ascend.patch_worker_model_runner_v1",
+    "verl_patches.patches.verl.patch_models_mcore_registry",
+    "verl_patches.patches.verl.patch_single_controller_base_megatron_worker",
+    "verl_patches.patches.verl.patch_utils_megatron_utils",
+    "verl_patches.patches.megatron.patch_core_transformer_transformer_block",
+    "verl_patches.patches.megatron.patch_core_transformer_transformer_layer",
+    "verl_patches.patches.mindspeed.patch_arguments",
 )

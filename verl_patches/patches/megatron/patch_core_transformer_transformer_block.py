@@ -1,0 +1,62 @@
+"""Uneven pipeline stages from recipe.megatron.num_layer_list: how many layers this stage builds.
+
+Upstream: megatron/core/transformer/transformer_block.py:get_num_layers_to_build. megatron-core
+0.12.1 can make only the first and last stages uneven (num_layers_in_first/last_pipeline_stage,
+the middle ones equal), so DeepSeek-V3's 61 layers as 7,7,8,8,8,8,8,7 over PP8 cannot be
+expressed. MindSpeed's num_layer_list lives in MindSpeed-LLM (not locked here), so on every
+platform we wrap: when the config carries the list (the worker binding in
+patch_single_controller_base_megatron_worker.py attaches it), this stage's count is its entry;
+otherwise upstream runs. The matching offset is patch_core_transformer_transformer_layer.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from verl_patches.core.fingerprint import Fingerprint
+from verl_patches.core.record import Patch
+
+# The attribute the binding sets on the TransformerConfig (TransformerConfig has no such field).
+LAYER_LIST_ATTR = "num_layer_list"
+FLAG = "actor_rollout_ref.rollout.recipe.megatron.num_layer_list (attached to the TransformerConfig by the worker binding)"
+
+
+def layer_list(config: Any) -> tuple[int, ...] | None:
+    return getattr(config, LAYER_LIST_ATTR, None)
+
+
+def wrap_get_num_layers_to_build(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_num_layers_to_build(config, *args, **kwargs):
+        lst = layer_list(config)
+        if lst is None:
+            return original(config, *args, **kwargs)
+        from megatron.core import parallel_state
+
+        from verl_patches.megatron_args import stage_span
+
+        return stage_span(lst, parallel_state.get_pipeline_model_parallel_rank())[1]
+
+    return get_num_layers_to_build
+
+
+PATCHES = [
+    Patch(
+        id="megatron.num_layer_list.layers_to_build",
+        target="megatron.core.transformer.transformer_block:get_num_layers_to_build",
+        kind="wrap",
+        phases=("worker",),
+        upstream="megatron_core",
+        versions="==0.12.1",
+        fingerprint=Fingerprint(signature="def get_num_layers_to_build(config: TransformerConfig) -> int",
+                                source_sha="e9291a37802081ec"),
+        replacement=f"{__name__}:wrap_get_num_layers_to_build",
+        flag=FLAG,
+        why="The recipe's PP8 layout is 7,7,8,8,8,8,8,7 (RECIPE.md, Hardware and layout); megatron-core 0.12.1 "
+            "only supports an uneven first / last stage and asserts that 61 - 14 layers split evenly over the "
+            "6 middle stages.",
+        remove_when="megatron-core supports an arbitrary per-stage layer list (its later "
+                    "pipeline_model_parallel_layout) and verl passes it through.",
+    ),
+]

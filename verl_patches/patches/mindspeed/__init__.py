@@ -1,0 +1,1 @@
+"""Patches of MindSpeed (Ascend only): one module per MindSpeed module patched."""
