@@ -47,7 +47,8 @@ def test_real_worker_bodies_cache_on_equals_off_and_sends_only_host_fields():
     from verl_patches.patches.verl import patch_workers_megatron_workers as workers
 
     for p in workers.PATCHES:
-        assert all("error" in r for r in mode(f"without {p.id}")), p.id
+        if p.id.startswith("verl.tensor_cache."):
+            assert all("error" in r for r in mode(f"without {p.id}")), p.id
 
 
 # -- init_workers ---------------------------------------------------------------------------------

@@ -13,6 +13,43 @@ patch_trainer_ppo_ray_trainer.py) is present, so a driver without the cache gets
   Megatron DP layout, in the driver's current order); later stages with the same rows move nothing.
   Their outputs (old_log_probs, ref_log_prob) are cached; update_actor empties the cache.
 Decorators (@register dispatch mode) survive: functools.wraps copies the function's attributes.
+
+Switch schedule, worker side (RECIPE.md item 2, ALGORITHMS.md section 3), with recipe.offload (default on).
+verl 0.4.1 offloads params *and* grads at the end of update_actor and its sharding manager loads both back
+for the reshard (load_megatron_model_to_gpu(load_grad=True)), then offloads them again: the params cross
+the link twice per step and the grads are allocated for nothing. Our order, on the offload engine
+(verl_patches/offload/megatron_memory.py, one engine per process shared with the rollout's groups):
+- init_model: verl's own param/grad/optimizer/ref offload flags are turned off (both would move the same
+  tensors; verl's ref offload also replaces param.data under our groups); ActorMemory is attached as
+  ``sharding_manager.actor_memory`` and the iteration starts where an update ends; the reference model is
+  copied to host once.
+- update_actor: onload params, grads (zeroed: Megatron zeroes them before each backward) and optimizer
+  first; at the end release the grads and offload the optimizer state (not with MindSpeed's swap optimizer,
+  recipe.megatron.swap_optimizer, which moves its own); the params stay for the reshard.
+- generate_sequences: nothing is reloaded; the sharding manager reshards from the resident params and
+  then calls ``actor_memory.offload_params()`` (patch_workers_sharding_manager_megatron_vllm.py), before
+  the KV cache is initialised. Both ends are checked here and are no-ops in that order: params missing at
+  entry are onloaded (a reshard from freed storage would be garbage), params still resident at exit are
+  offloaded.
+- compute_ref_log_prob: onload the reference params, forward, offload (a free: the host copy is exact).
+- compute_log_prob / save_checkpoint / load_checkpoint: what they read is onloaded and put back after.
+
+The reference shares the actor's process group. verl's trainer builds the Megatron reference as its own
+worker (role "ref") in the actor's process (create_colocated_worker_cls); its constructor sees
+torch.distributed initialised by the actor worker and skips initialize_model_parallel, so the model is
+built with the actor's groups and ``ref.megatron``'s layout keys are silently ignored. We check they agree
+with the process's groups and name each that differs. Role "actor_rollout_ref" does not build in 0.4.1
+(init_model's reference branch gets the actor's 5-tuple from _build_model_optimizer, and
+``_ref_is_offload_param`` is set only in an elif that role skips): we refuse it with that explanation.
+
+torch.compile for the rollout only (RECIPE.md item 7). MindSpeed (branch 2.1.0_core_r0.12.1; read at
+Ascend/MindSpeed commit 8abea92e4e88ddbf1cd7d54f41aeed214d0538b9,
+mindspeed/features_manager/megatron_basic/requirements_basic.py, RequirementsBasicFeature.te_adaptation)
+registers ``torch.compile`` and ``torch.jit.script`` -> ``dummy_compile``
+(mindspeed/core/megatron_basic/requirements_basic.py, a plain call-through wrapper), so training runs
+eagerly. vLLM compiles while the engine is built (_build_rollout) and vLLM-Ascend compiles TorchAir graphs
+lazily per batch size while generating, so both run inside verl_patches.compile_context.real_torch_compile
+(the real function saved by the prelude), which puts MindSpeed's back on exit.
 """
 
 from __future__ import annotations
@@ -22,6 +59,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.offload.groups import Location
 from verl_patches.tensor_cache.protocol import META_KEY, ROW_KEY
 
 FLAG = "actor_rollout_ref.rollout.recipe.tensor_cache (read by the driver, which marks its requests)"
@@ -105,9 +143,238 @@ wrap_compute_log_prob = _wrap_stage("compute_log_prob")
 wrap_compute_ref_log_prob = _wrap_stage("compute_ref_log_prob")
 wrap_update_actor = _wrap_stage("update_actor")
 
+
+
+# -- recipe flags --------------------------------------------------------------------------------
+
+OFFLOAD_FLAG = "actor_rollout_ref.rollout.recipe.offload"
+SWAP_OPTIMIZER_FLAG = "actor_rollout_ref.rollout.recipe.megatron.swap_optimizer"
+COMPILE_FLAG = "actor_rollout_ref.rollout.recipe.rollout_torch_compile"
+# verl's own offload switches, which the recipe's offload replaces.
+VERL_OFFLOAD_ATTRS = ("_is_offload_param", "_is_offload_grad", "_is_offload_optimizer", "_ref_is_offload_param")
+
+
+def _recipe_flag(config: Any, path: str, default: bool) -> bool:
+    """``path`` under actor_rollout_ref (the worker's config); absent keys take the recipe's default."""
+    node = config
+    for key in path.split(".")[1:]:
+        node = node.get(key, None) if node is not None and hasattr(node, "get") else None
+    if node is None:
+        return default
+    if not isinstance(node, bool):
+        raise ValueError(f"{path} must be true or false, got {node!r}")
+    return node
+
+
+def offload_on(config: Any) -> bool:
+    return _recipe_flag(config, OFFLOAD_FLAG, True)
+
+
+def rollout_compile_on(config: Any) -> bool:
+    return _recipe_flag(config, COMPILE_FLAG, True)
+
+
+# -- the reference in the actor's process ------------------------------------------------------
+
+# ref.megatron key -> megatron.core.parallel_state getter of the size the process was initialised with
+LAYOUT_KEYS = {
+    "tensor_model_parallel_size": "get_tensor_model_parallel_world_size",
+    "pipeline_model_parallel_size": "get_pipeline_model_parallel_world_size",
+    "virtual_pipeline_model_parallel_size": "get_virtual_pipeline_model_parallel_world_size",
+    "context_parallel_size": "get_context_parallel_world_size",
+    "expert_model_parallel_size": "get_expert_model_parallel_world_size",
+    "expert_tensor_parallel_size": "get_expert_tensor_parallel_world_size",
+}
+
+
+def layout_mismatches(configured: Any, actual: dict) -> list[str]:
+    """Keys of ``configured`` (ref.megatron) that differ from the process's groups. Unset (None)
+    expert TP means TP, unset VPP means none, as megatron-core reads them."""
+    out = []
+    for key, have in actual.items():
+        want = configured.get(key, None) if hasattr(configured, "get") else None
+        if want is None and key == "expert_tensor_parallel_size":
+            want = actual["tensor_model_parallel_size"]
+        if key == "virtual_pipeline_model_parallel_size" and want in (None, 1) and have in (None, 1):
+            continue
+        if want is not None and want != have:
+            out.append(f"ref.megatron.{key}={want} but the process's groups have {have}")
+    return out
+
+
+def _process_layout() -> dict:
+    from megatron.core import parallel_state as mpu
+
+    return {k: getattr(mpu, getter)() for k, getter in LAYOUT_KEYS.items()}
+
+
+def wrap_init_model_shared_groups(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_model(self):
+        if self._is_ref and self._is_actor:
+            raise ValueError(
+                f"role {self.role!r}: verl 0.4.1's Megatron ActorRolloutRefWorker cannot hold the reference in the "
+                "actor's worker (init_model's reference branch receives the actor's model and optimizer from "
+                "_build_model_optimizer, and _ref_is_offload_param is never set for this role); use the colocated "
+                "'actor_rollout' and 'ref' workers, as verl's trainer does")
+        if self._is_ref:
+            bad = layout_mismatches(self.config.ref.megatron, _process_layout())
+            if bad:
+                raise ValueError("the reference shares the actor's process group (its worker skips "
+                                 "initialize_model_parallel), so its layout must be the actor's: " + "; ".join(bad))
+        return original(self)
+
+    return init_model
+
+
+# -- switch schedule ---------------------------------------------------------------------------
+
+def _engine():
+    from verl_patches.rollout.engine_memory import shared_offload_engine
+
+    return shared_offload_engine()
+
+
+def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_model(self):
+        if not offload_on(self.config):
+            return original(self)
+        # Ours moves these tensors now: verl's own offload would move them a second time.
+        for attr in VERL_OFFLOAD_ATTRS:
+            setattr(self, attr, False)
+        out = original(self)
+        from verl_patches.offload.megatron_memory import ActorMemory, ReferenceMemory
+
+        if self._is_actor:
+            swap = _recipe_flag(self.config, SWAP_OPTIMIZER_FLAG, False)
+            self.actor_memory = ActorMemory(self.actor_module, None if swap else self.actor_optimizer,
+                                            engine=_engine())
+            sharding_manager = getattr(self, "sharding_manager", None)
+            if sharding_manager is not None:
+                sharding_manager.actor_memory = self.actor_memory
+            # Every iteration starts where an update ends (ALGORITHMS.md section 3, step 1).
+            self.actor_memory.after_update()
+        if self._is_ref:
+            self.ref_memory = ReferenceMemory(self.ref_module, engine=_engine())
+            self.ref_memory.offload()
+        _empty_cache()
+        return out
+
+    return init_model
+
+
+def _empty_cache() -> None:
+    from verl_patches import accelerator
+
+    accelerator.empty_cache()
+
+
+def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def update_actor(self, data):
+        memory = getattr(self, "actor_memory", None)
+        if memory is None:
+            return original(self, data)
+        memory.before_update()
+        out = original(self, data)
+        memory.after_update()
+        _empty_cache()
+        return out
+
+    return update_actor
+
+
+def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def generate_sequences(self, prompts):
+        memory = getattr(self, "actor_memory", None)
+        if memory is None:
+            return original(self, prompts)
+        memory.onload_params()  # a no-op after an update: the reshard reads the resident params
+        out = original(self, prompts)
+        memory.offload_params()  # a no-op when the sharding manager did it after the reshard
+        return out
+
+    return generate_sequences
+
+
+def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compute_log_prob(self, data):
+        memory = getattr(self, "actor_memory", None)
+        if memory is None:
+            return original(self, data)
+        was_off = memory.params.location is not Location.DEVICE
+        memory.onload_params()
+        out = original(self, data)
+        if was_off:
+            memory.offload_params()
+        return out
+
+    return compute_log_prob
+
+
+def wrap_compute_ref_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compute_ref_log_prob(self, data):
+        memory = getattr(self, "ref_memory", None)
+        if memory is None:
+            return original(self, data)
+        memory.onload()
+        try:
+            return original(self, data)
+        finally:
+            memory.offload()  # read-only: frees, the host copy is still exact
+
+    return compute_ref_log_prob
+
+
+def _wrap_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def checkpoint(self, *args, **kwargs):
+        memory = getattr(self, "actor_memory", None)
+        if memory is None:
+            return original(self, *args, **kwargs)
+        params_off = memory.params.location is not Location.DEVICE
+        opt_off = memory.opt is not None and memory.opt.location is not Location.DEVICE
+        memory.onload_params()
+        memory.onload_optimizer()
+        out = original(self, *args, **kwargs)
+        if opt_off:
+            memory.offload_optimizer()
+        if params_off:
+            memory.offload_params()
+        return out
+
+    return checkpoint
+
+
+wrap_save_checkpoint = _wrap_checkpoint
+wrap_load_checkpoint = _wrap_checkpoint
+
+
+# -- torch.compile for the rollout only ------------------------------------------------------------
+
+def _wrap_compiled(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compiled(self, *args, **kwargs):
+        from verl_patches.compile_context import real_torch_compile
+
+        with real_torch_compile(enabled=rollout_compile_on(self.config)):
+            return original(self, *args, **kwargs)
+
+    return compiled
+
+
+wrap_build_rollout_compile = _wrap_compiled
+wrap_generate_sequences_compile = _wrap_compiled
+
+
 _COMMON = dict(kind="wrap", phases=("worker",), upstream="verl", versions="==0.4.1", flag=FLAG,
                remove_when="verl keeps stage outputs on the workers between stages (see verl.tensor_cache.driver).")
 _W = "verl.workers.megatron_workers:ActorRolloutRefWorker."
+_COMMON_OWN = dict(kind="wrap", phases=("worker",), upstream="verl", versions="==0.4.1")
 
 PATCHES = [
     Patch(
@@ -144,5 +411,125 @@ PATCHES = [
         why="The update needs the cached model inputs and log-probs plus the advantages the host computed; only "
             "the advantages (and row ids) travel from the driver. The step's cache is freed afterwards.",
         **_COMMON,
+    ),
+    Patch(
+        id="verl.megatron_worker.ref_shares_actor_groups",
+        target=_W + "init_model",
+        fingerprint=Fingerprint(signature="def init_model(self)", source_sha="b43dfa697a54895c"),
+        replacement=f"{__name__}:wrap_init_model_shared_groups",
+        flag="always on (checks only): actor_rollout_ref.ref.megatron.{tensor,pipeline,virtual_pipeline,context,"
+             "expert,expert_tensor}_model_parallel_size",
+        why="The colocated reference worker skips initialize_model_parallel (the actor's worker did it in the same "
+            "process) and builds its model with the actor's groups, silently ignoring ref.megatron's layout; a "
+            "different layout would load a checkpoint into the wrong shards. Each differing key is named. Role "
+            "actor_rollout_ref cannot build in 0.4.1 and is refused with the reason instead of an unpack error.",
+        remove_when="verl's Megatron worker checks the reference layout against the shared groups (or derives it "
+                    "from the actor's) and builds role actor_rollout_ref.",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.offload_init",
+        target=_W + "init_model",
+        fingerprint=Fingerprint(signature="def init_model(self)", source_sha="b43dfa697a54895c"),
+        replacement=f"{__name__}:wrap_init_model_offload",
+        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG,
+        why="Builds the actor's params / grads / optimizer groups and the reference's group on the process's "
+            "offload engine, hands the actor's to the sharding manager (which offloads the params right after the "
+            "reshard), turns verl's own offload off so nothing moves twice, and starts at the end of an update.",
+        remove_when="verl's Megatron worker offloads grads only after the update and lets the sharding manager "
+                    "offload params after the reshard (ALGORITHMS.md section 3).",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.update_offload",
+        target=_W + "update_actor",
+        fingerprint=Fingerprint(signature="def update_actor(self, data: DataProto)", source_sha="f8b46c040fd851f0"),
+        replacement=f"{__name__}:wrap_update_actor_offload",
+        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG,
+        why="Upstream offloads params and grads after the update and reloads both for the reshard. We onload "
+            "params, grads and optimizer state before the update and afterwards release the grads and offload "
+            "the optimizer state only: the params stay on device because the reshard reads them next.",
+        remove_when="verl offloads grads only at the end of the update.",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.generate_offload",
+        target=_W + "generate_sequences",
+        fingerprint=Fingerprint(signature="def generate_sequences(self, prompts: DataProto)", source_sha="9f3b8f496926ac8f"),
+        replacement=f"{__name__}:wrap_generate_sequences_offload",
+        flag=OFFLOAD_FLAG,
+        why="The params come in resident (nothing is reloaded) and leave offloaded: the sharding manager offloads "
+            "them right after the reshard, before the KV cache is initialised; this checks both ends, and each "
+            "is a no-op when the order held.",
+        remove_when="verl's sharding manager offloads the training params after the reshard itself.",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.log_prob_onload",
+        target=_W + "compute_log_prob",
+        fingerprint=Fingerprint(signature="def compute_log_prob(self, data: DataProto)", source_sha="46d3720f4e27860a"),
+        replacement=f"{__name__}:wrap_compute_log_prob_offload",
+        flag=OFFLOAD_FLAG,
+        why="With recompute_old_log_prob on, the old log-prob forward runs after generation, when the params "
+            "are on host: onload them (no grads) and put them back.",
+        remove_when="verl's offload moves params only (as above).",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.ref_offload",
+        target=_W + "compute_ref_log_prob",
+        fingerprint=Fingerprint(signature="def compute_ref_log_prob(self, data: DataProto)", source_sha="410e0c571e22e384"),
+        replacement=f"{__name__}:wrap_compute_ref_log_prob_offload",
+        flag=OFFLOAD_FLAG,
+        why="Upstream copies the reference params back to host after every forward (param.data.to('cpu')). They "
+            "never change: copied once at init, each later offload only frees them.",
+        remove_when="verl offloads the reference without a copy when the host copy is current.",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.save_checkpoint_onload",
+        target=_W + "save_checkpoint",
+        fingerprint=Fingerprint(signature="def save_checkpoint(self, checkpoint_path, hdfs_path=None, global_step=0, "
+                                          "max_ckpt_to_keep=None)", source_sha="e3c3ea587fd6141e"),
+        replacement=f"{__name__}:wrap_save_checkpoint",
+        flag=OFFLOAD_FLAG,
+        why="Checkpoints are saved after an update, when the optimizer state is on host: onload what the "
+            "checkpoint reads and put it back.",
+        remove_when="verl's checkpoint paths onload what its offload moved.",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.load_checkpoint_onload",
+        target=_W + "load_checkpoint",
+        fingerprint=Fingerprint(signature="def load_checkpoint(self, checkpoint_path, hdfs_path=None, "
+                                          "del_local_after_load=True)", source_sha="34a4720a7cba80e9"),
+        replacement=f"{__name__}:wrap_load_checkpoint",
+        flag=OFFLOAD_FLAG,
+        why="Resuming writes params and optimizer state, which are on host after init_model: onload them first.",
+        remove_when="verl's checkpoint paths onload what its offload moved.",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.build_rollout_compile",
+        target=_W + "_build_rollout",
+        fingerprint=Fingerprint(signature="def _build_rollout(self, trust_remote_code=False)", source_sha="b1844e84e961641b"),
+        replacement=f"{__name__}:wrap_build_rollout_compile",
+        flag=COMPILE_FLAG,
+        why="MindSpeed replaces torch.compile with a call-through for training; vLLM compiles its model while the "
+            "engine is built. The real torch.compile (saved by the prelude) is put in for the build and "
+            "MindSpeed's put back after.",
+        remove_when="MindSpeed scopes its torch.compile replacement to training, or the rollout runs in its own process.",
+        **_COMMON_OWN,
+    ),
+    Patch(
+        id="verl.megatron_worker.generate_compile",
+        target=_W + "generate_sequences",
+        fingerprint=Fingerprint(signature="def generate_sequences(self, prompts: DataProto)", source_sha="9f3b8f496926ac8f"),
+        replacement=f"{__name__}:wrap_generate_sequences_compile",
+        flag=COMPILE_FLAG,
+        why="vLLM-Ascend compiles TorchAir graphs lazily per batch size during generation "
+            "(NPUModelRunner._get_torchair_lazy_compiled_model); generation gets the real torch.compile too.",
+        remove_when="MindSpeed scopes its torch.compile replacement to training, or the rollout runs in its own process.",
+        **_COMMON_OWN,
     ),
 ]
