@@ -50,13 +50,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return sorted(n for n in set(a) | set(b) if n not in a or n not in b or not torch.equal(a[n], b[n]))
 
 
-def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each case: grouped (GroupedMLP or SequentialMLP experts), method, dtype, recipe (extra
-    recipe keys), patched. Unpatched cases must come first: the patch stays applied after."""
-    from verl_patches.testing.live_models import megatron_cpu_stand_ins, vllm_cpu_stand_ins
-
-    vllm_cpu_stand_ins()
-    megatron_cpu_stand_ins()
+def _cpu_device_stand_ins() -> None:
     # Stand-ins: verl's manager keeps device RNG states and logs memory through get_torch_device(),
     # torch.cpu here, which has none of these; the CPU generator plays the device's.
     for name, fn in (("get_rng_state", torch.get_rng_state), ("set_rng_state", torch.set_rng_state),
@@ -65,6 +59,16 @@ def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dic
                      ("mem_get_info", lambda *a: (0, 0))):
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
+
+
+def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case: grouped (GroupedMLP or SequentialMLP experts), method, dtype, recipe (extra
+    recipe keys), patched. Unpatched cases must come first: the patch stays applied after."""
+    from verl_patches.testing.live_models import megatron_cpu_stand_ins, vllm_cpu_stand_ins
+
+    vllm_cpu_stand_ins()
+    megatron_cpu_stand_ins()
+    _cpu_device_stand_ins()
     from megatron.core import parallel_state as mpu
 
     from verl_patches.core.apply import apply_all
@@ -124,3 +128,69 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
     return {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
             "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "mla_layers": len(mla_derived(ref)) // 2,
             "events": events, "error": error}
+
+
+def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dict[str, Any], rollout_tp: int,
+                               method: str) -> dict[str, Any]:
+    """Real megatron-core model parallel (train: tp, pp, layers; experts over TP x EP) and a
+    real vLLM model with TP = EP = rollout_tp over all ranks. The actor is filled from a seeded
+    full model through the layout (its names and shapes are checked against the real modules;
+    the single-rank cases check the values' mapping independently); the reference is vLLM's
+    own load_weights of that full model on every rank."""
+    from megatron.core import parallel_state as mpu
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from verl_patches.core.apply import apply_all
+    from verl_patches.core.registry import get_patch
+    from verl_patches.reshard.binding import megatron_params
+    from verl_patches.reshard.shards import full_state, logical_state, train_shards
+    from verl_patches.rollout.settings import RolloutSettings
+    from verl_patches.testing.live_models import (build_megatron_deepseek, build_vllm_deepseek,
+                                                  megatron_cpu_stand_ins, mla_derived, randomize, vllm_cpu_stand_ins,
+                                                  vllm_post_load)
+
+    vllm_cpu_stand_ins()
+    megatron_cpu_stand_ins()
+    _cpu_device_stand_ins()
+    from verl.workers.sharding_manager.megatron_vllm import MegatronVLLMShardingManager
+
+    tp, pp, layers = train["tp"], train["pp"], tuple(train["layers"])
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=world // pp, expert_tensor_parallel_size=1)
+    dt = torch.float32
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    actor = build_megatron_deepseek(cfg, dt, grouped=True, layers=layers)
+    ref, vcfg = build_vllm_deepseek(Path(model_dir), dt, tp=rollout_tp)
+    model, _ = build_vllm_deepseek(Path(model_dir), dt, tp=rollout_tp)
+    randomize(model, seed=2)
+    vllm_post_load(model, vcfg)
+
+    apply_all([get_patch("verl.sharding_manager.reshard")])
+    events: list[str] = []
+    settings = RolloutSettings.from_config({"tensor_model_parallel_size": rollout_tp, "recipe": {
+        "reshard_method": method, "megatron": {"num_layer_list": list(layers)}}}, world)
+    mesh = init_device_mesh("cpu", mesh_shape=(world // rollout_tp, rollout_tp), mesh_dim_names=["dp", "infer_tp"])
+    manager = MegatronVLLMShardingManager(
+        actor_module=[actor], inference_engine=_Engine(model, settings, events),
+        model_config=SimpleNamespace(to_dict=lambda: dict(cfg)), transformer_config=None, layer_name_mapping={},
+        weight_converter=None, device_mesh=mesh, offload_param=False)
+    manager.actor_memory = _ActorMemory(events)
+    # The plan (built on the first switch) gives the layout; fill the actor through it, then switch again.
+    with manager:
+        pass
+    P = manager._verl_patches_reshard.plan.placements
+    full = full_state(P, seed=3, dtype="float32")
+    mine = train_shards(P, rank, logical_state(P, full))
+    live = megatron_params([actor])
+    for name, t in live.items():
+        t.copy_(mine[name])
+    ref.load_weights(full.items())
+    vllm_post_load(ref, vcfg)
+    params = lambda m: {n: p.data.clone() for n, p in m.named_parameters()}  # noqa: E731
+    differ_before = _same(params(model), params(ref))
+    with manager:
+        events.append("generate")
+    return {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
+            "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "events": events,
+            "local_layers": sorted({n.split(".")[2] for n in live if n.startswith("decoder.layers.")}),
+            "extra_names": sorted(set(live) - set(mine)), "layout": str(P.train)}

@@ -97,15 +97,30 @@ def megatron_cpu_stand_ins() -> None:
     grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None  # stand-in: no GEMM runs here
 
 
-def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bool) -> Any:
+def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bool,
+                            layers: tuple[int, ...] = ()) -> Any:
     """megatron-core 0.12.1 GPTModel with MLA and MoE, local spec: GroupedMLP (grouped=True) or
-    SequentialMLP experts. Parallel state must be initialised."""
+    SequentialMLP experts, this rank's pipeline stage. Parallel state must be initialised (its
+    TP / PP / expert sizes are used); ``layers``: per-stage layer counts, uneven first / last
+    stages only (what megatron-core 0.12.1 supports natively)."""
+    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     n = cfg["num_hidden_layers"]
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    uneven: dict[str, Any] = {}
+    if layers and pp > 1:
+        if len(set(layers[1:-1])) > 1:
+            raise ValueError(f"layers {layers}: megatron-core 0.12.1 splits the middle stages evenly")
+        uneven = dict(num_layers_in_first_pipeline_stage=layers[0])
+        if pp > 2:  # with two stages megatron-core 0.12.1 takes the first count only (no middle to split)
+            uneven["num_layers_in_last_pipeline_stage"] = layers[-1]
     tc = MLATransformerConfig(
+        tensor_model_parallel_size=mpu.get_tensor_model_parallel_world_size(), pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=mpu.get_expert_model_parallel_world_size(), expert_tensor_parallel_size=1,
+        pipeline_dtype=dtype, sequence_parallel=mpu.get_tensor_model_parallel_world_size() > 1, **uneven,
         num_layers=n, hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
         ffn_hidden_size=cfg["intermediate_size"], moe_ffn_hidden_size=cfg["moe_intermediate_size"],
         q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"], qk_head_dim=cfg["qk_nope_head_dim"],
@@ -118,6 +133,9 @@ def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bo
         normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, rope_type="rope", qk_layernorm=True, moe_grouped_gemm=grouped,
         moe_token_dispatcher_type="allgather")  # the alltoall dispatcher makes a CUDA stream; no weights either way
+    # Megatron demands sequence parallel with TP x EP, which its torch norms (local spec) refuse;
+    # it splits activations only, so it is switched off after the config check (no weights change).
+    tc.sequence_parallel = False
     spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False)
 
     class CoreAttentionStub(torch.nn.Module):  # stand-in: parameter-free
@@ -127,7 +145,8 @@ def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bo
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = CoreAttentionStub
     return GPTModel(tc, spec, vocab_size=cfg["vocab_size"], max_sequence_length=128, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=False)
+                    share_embeddings_and_output_weights=False,
+                    pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
 
 
 def randomize(module: torch.nn.Module, seed: int) -> None:

@@ -59,3 +59,20 @@ def test_a_wrong_layer_list_is_refused_before_anything_moves(results):
     assert "num_layer_list" in (r["error"] or "")
     assert len(r["mismatch"]) == r["differ_before"]
     assert r["events"] == []  # nothing allocated, nothing offloaded
+
+
+@pytest.mark.parametrize("method", ["direct", "recipe"])
+def test_four_ranks_megatron_tp2_pp2_uneven_to_vllm_tp4_ep4(tmp_path, method):
+    """Real megatron-core parallel state on 4 gloo ranks (TP2, PP2 with layers 3,1, experts over
+    the TP x EP group) into a real vLLM TP4 / EP4 model on every rank; the layout facts each rank
+    reads from its own storage (stage 1 has no dense layer) are agreed by all ranks."""
+    from verl_patches.testing.binding_check import sharding_manager_multirank
+
+    (tmp_path / "config.json").write_text(CONFIG.read_text())
+    res = run_distributed(sharding_manager_multirank, 4, str(tmp_path), {"tp": 2, "pp": 2, "layers": [3, 1]}, 4,
+                          method, timeout=400)
+    for rank, r in enumerate(res):
+        assert r["differ_before"] > 0 and r["mismatch"] == [] and r["mla_mismatch"] == [], (rank, r)
+        assert r["local_layers"] == (["0", "1", "2"] if rank < 2 else ["0"]), (rank, r["local_layers"])
+        assert r["events"][-5:] == SCHEDULE, r["events"]
+        assert "layers=(3, 1)" in r["layout"] and "ep=1" in r["layout"], r["layout"]
