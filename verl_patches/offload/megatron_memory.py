@@ -12,7 +12,7 @@ DDP's buckets, the optimizer and vLLM's reshard keep their references.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -109,13 +109,16 @@ class _Tracked:
     def locations(self) -> dict[str, Location]:
         return {k: g.location for k, g in self.groups().items()}
 
-    def _record(self, step: str, t0: float, h2d: int = 0, d2h: int = 0) -> LedgerEntry:
+    def _act(self, step: str, action: Callable[[], int], *, to_device: bool) -> int:
+        """Run one group action and record the residency after it; returns the bytes moved."""
+        t0 = time.perf_counter()
+        moved = action()
         res = self.resident()
-        entry = LedgerEntry(schedule=self.schedule, iteration=self.iteration, step=step, resident=res,
-                            total=sum(res.values()), step_peak=sum(res.values()), step_peak_resident=res,
-                            h2d_bytes=h2d, d2h_bytes=d2h, seconds=time.perf_counter() - t0)
-        self.ledger.record(entry)
-        return entry
+        self.ledger.record(LedgerEntry(
+            schedule=self.schedule, iteration=self.iteration, step=step, resident=res, total=sum(res.values()),
+            step_peak=sum(res.values()), step_peak_resident=res, h2d_bytes=moved if to_device else 0,
+            d2h_bytes=0 if to_device else moved, seconds=time.perf_counter() - t0))
+        return moved
 
 
 class ActorMemory(_Tracked):
@@ -154,32 +157,20 @@ class ActorMemory(_Tracked):
 
     # -- params ------------------------------------------------------------------------
     def offload_params(self) -> int:
-        t0 = time.perf_counter()
-        moved = self.params.offload()
-        self._record("offload_params", t0, d2h=moved)
-        return moved
+        return self._act("offload_params", self.params.offload, to_device=False)
 
     def onload_params(self) -> int:
-        t0 = time.perf_counter()
-        moved = self.params.onload()
-        self._record("onload_params", t0, h2d=moved)
-        return moved
+        return self._act("onload_params", self.params.onload, to_device=True)
 
     # -- grads -------------------------------------------------------------------------
     def offload_grads(self) -> int:
-        t0 = time.perf_counter()
-        moved = self.grads.offload() if self.keep_grads else self.grads.release()
-        self._record("offload_grads", t0, d2h=moved)
-        return moved
+        return self._act("offload_grads", self.grads.offload if self.keep_grads else self.grads.release,
+                         to_device=False)
 
     def onload_grads(self) -> int:
-        t0 = time.perf_counter()
-        if self.grads.location is Location.HOST:
-            moved = self.grads.onload()
-        else:
-            moved = self.grads.allocate(zero=True)
-        self._record("onload_grads", t0, h2d=moved)
-        return moved
+        copied = self.grads.location is Location.HOST
+        return self._act("onload_grads", self.grads.onload if copied else lambda: self.grads.allocate(zero=True),
+                         to_device=True)
 
     # -- optimizer ---------------------------------------------------------------------
     def _optimizer_group(self) -> TensorGroup | None:
@@ -199,17 +190,11 @@ class ActorMemory(_Tracked):
         return self.opt
 
     def offload_optimizer(self) -> int:
-        t0 = time.perf_counter()
         group = self._optimizer_group()
-        moved = group.offload() if group is not None else 0
-        self._record("offload_optimizer", t0, d2h=moved)
-        return moved
+        return self._act("offload_optimizer", group.offload if group is not None else lambda: 0, to_device=False)
 
     def onload_optimizer(self) -> int:
-        t0 = time.perf_counter()
-        moved = self.opt.onload() if self.opt is not None else 0
-        self._record("onload_optimizer", t0, h2d=moved)
-        return moved
+        return self._act("onload_optimizer", self.opt.onload if self.opt is not None else lambda: 0, to_device=True)
 
     # -- the schedule's two actor steps ------------------------------------------------
     def after_update(self) -> int:
@@ -249,15 +234,10 @@ class ReferenceMemory(_Tracked):
         return {"ref_params": self.params}
 
     def onload(self) -> int:
-        t0 = time.perf_counter()
-        moved = self.params.onload()
-        self._record("ref_onload", t0, h2d=moved)
-        return moved
+        return self._act("ref_onload", self.params.onload, to_device=True)
 
     def offload(self) -> int:
-        t0 = time.perf_counter()
-        moved = self.params.offload()
-        self._record("ref_offload", t0, d2h=moved)
+        moved = self._act("ref_offload", self.params.offload, to_device=False)
         self.iteration += 1
         return moved
 

@@ -382,12 +382,21 @@ def generate_without_contract() -> dict:
     return out
 
 
-def swap_optimizer() -> dict:
+def swap_optimizer(mindspeed_loaded: bool) -> dict:
+    """recipe.megatron.swap_optimizer: MindSpeed's swap optimizer (present only where MindSpeed is
+    loaded; an empty module stands for it) moves the optimizer state itself, so ours leaves it."""
+    import sys
+
     from verl.workers.megatron_workers import ActorRolloutRefWorker as W
 
     _apply(OFFLOAD_IDS)
-    w = _actor_worker(_config(**{"rollout.recipe.megatron.swap_optimizer": True}))
-    W.init_model(w)
+    if mindspeed_loaded:
+        sys.modules["mindspeed"] = types.ModuleType("mindspeed")
+    try:
+        w = _actor_worker(_config(**{"rollout.recipe.megatron.swap_optimizer": True}))
+        W.init_model(w)
+    finally:
+        sys.modules.pop("mindspeed", None)
     w.actor = w.actor_standin
     W.update_actor(w, _data())
     out = {"opt_group": w.actor_memory.opt is not None, "grads": _grad_bytes(w.modules),
@@ -490,7 +499,8 @@ SCENARIOS: dict[str, Callable[[], Any]] = {
     "actor:none": lambda: actor_cycle([]),
     **{f"actor:-{pid}": (lambda pid=pid: actor_cycle(_without(pid))) for pid in OFFLOAD_IDS},
     "generate_without_contract": generate_without_contract,
-    "swap_optimizer": swap_optimizer,
+    "swap_optimizer": lambda: swap_optimizer(True),
+    "swap_optimizer_without_mindspeed": lambda: swap_optimizer(False),
     "offload_off": offload_off,
     "ref:all": lambda: reference(OFFLOAD_IDS),
     "ref:none": lambda: reference([]),

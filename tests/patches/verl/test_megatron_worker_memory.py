@@ -110,6 +110,9 @@ def test_generate_offloads_when_the_sharding_manager_does_not(res):
 def test_swap_optimizer_leaves_the_optimizer_alone_and_offload_off_is_upstream(res):
     assert res["swap_optimizer"]["opt_group"] is False and res["swap_optimizer"]["grads"] == 0
     assert res["swap_optimizer"]["opt"] > 0
+    # Without MindSpeed the flag does nothing, so the optimizer state is ours to offload.
+    assert res["swap_optimizer_without_mindspeed"]["opt_group"] is True
+    assert res["swap_optimizer_without_mindspeed"]["opt"] == 0
     assert res["offload_off"]["memory"] is False and res["offload_off"]["grads"] > 0
 
 

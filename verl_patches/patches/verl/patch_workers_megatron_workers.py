@@ -25,7 +25,7 @@ the link twice per step and the grads are allocated for nothing. Our order, on t
   copied to host once.
 - update_actor: onload params, grads (zeroed: Megatron zeroes them before each backward) and optimizer
   first; at the end release the grads and offload the optimizer state (not with MindSpeed's swap optimizer,
-  recipe.megatron.swap_optimizer, which moves its own); the params stay for the reshard.
+  recipe.megatron.swap_optimizer with MindSpeed loaded, which moves its own); the params stay for the reshard.
 - generate_sequences: nothing is reloaded; the sharding manager reshards from the resident params and
   then calls ``actor_memory.offload_params()`` (patch_workers_sharding_manager_megatron_vllm.py), before
   the KV cache is initialised. Both ends are checked here and are no-ops in that order: params missing at
@@ -42,14 +42,17 @@ with the process's groups and name each that differs. Role "actor_rollout_ref" d
 (init_model's reference branch gets the actor's 5-tuple from _build_model_optimizer, and
 ``_ref_is_offload_param`` is set only in an elif that role skips): we refuse it with that explanation.
 
-torch.compile for the rollout only (RECIPE.md item 7). MindSpeed (branch 2.1.0_core_r0.12.1; read at
-Ascend/MindSpeed commit 8abea92e4e88ddbf1cd7d54f41aeed214d0538b9,
-mindspeed/features_manager/megatron_basic/requirements_basic.py, RequirementsBasicFeature.te_adaptation)
-registers ``torch.compile`` and ``torch.jit.script`` -> ``dummy_compile``
-(mindspeed/core/megatron_basic/requirements_basic.py, a plain call-through wrapper), so training runs
-eagerly. vLLM compiles while the engine is built (_build_rollout) and vLLM-Ascend compiles TorchAir graphs
-lazily per batch size while generating, so both run inside verl_patches.compile_context.real_torch_compile
-(the real function saved by the prelude), which puts MindSpeed's back on exit.
+torch.compile for the rollout only (RECIPE.md item 7). MindSpeed's features manager registers
+``torch.compile`` and ``torch.jit.script`` -> ``dummy_compile`` (a plain call-through,
+mindspeed/core/megatron_basic/requirements_basic.py) in RequirementsBasicFeature.te_adaptation,
+mindspeed/features_manager/megatron_basic/requirements_basic.py: read at Ascend/MindSpeed commit
+8abea92e4e88ddbf1cd7d54f41aeed214d0538b9 (the source index does not say which branch holds that commit;
+the lock's branch is 2.1.0_core_r0.12.1: check the clone). MindSpeed's patch manager also rebinds module
+aliases of the original; vLLM and vLLM-Ascend call torch.compile by attribute, so only that is swapped,
+and torch.jit.script is left as MindSpeed set it. vLLM compiles while the engine is built (_build_rollout)
+and vLLM-Ascend compiles TorchAir graphs lazily per batch size while generating, so both run inside
+verl_patches.compile_context.real_torch_compile (the real function, saved by the prelude before MindSpeed's
+adaptor is imported), which puts MindSpeed's object back on exit.
 """
 
 from __future__ import annotations
@@ -174,6 +177,16 @@ def rollout_compile_on(config: Any) -> bool:
     return _recipe_flag(config, COMPILE_FLAG, True)
 
 
+def swap_optimizer_active(config: Any) -> bool:
+    """MindSpeed's swap optimizer moves the optimizer state itself, so ours must not. It exists only
+    where MindSpeed is loaded (by the end of init_model its adaptor has patched the model build);
+    elsewhere the flag does nothing (patch_single_controller_base_megatron_worker.py reports it
+    unused) and the optimizer state is ours to offload."""
+    import sys
+
+    return _recipe_flag(config, SWAP_OPTIMIZER_FLAG, False) and "mindspeed" in sys.modules
+
+
 # -- the reference in the actor's process ------------------------------------------------------
 
 # ref.megatron key -> megatron.core.parallel_state getter of the size the process was initialised with
@@ -247,7 +260,7 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
         from verl_patches.offload.megatron_memory import ActorMemory, ReferenceMemory
 
         if self._is_actor:
-            swap = _recipe_flag(self.config, SWAP_OPTIMIZER_FLAG, False)
+            swap = swap_optimizer_active(self.config)
             self.actor_memory = ActorMemory(self.actor_module, None if swap else self.actor_optimizer,
                                             engine=_engine())
             sharding_manager = getattr(self, "sharding_manager", None)
