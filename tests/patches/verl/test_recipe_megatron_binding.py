@@ -1,0 +1,157 @@
+"""DeepSeek-V3's TransformerConfig and recipe.megatron through verl 0.4.1's real converter and worker method
+(patches verl.mcore_config.deepseek_v3 and verl.megatron_worker.recipe_megatron), on real megatron-core
+0.12.1 parallel state (gloo, one process) and its real MLATransformerConfig.
+
+The MindSpeed hand-over (Ascend only) runs against a declared stand-in MindSpeed package written here:
+MindSpeed is not installed off Ascend; the stand-in has the shape of mindspeed/arguments.py:process_args
+and mindspeed/megatron_adaptor.py:get_mindspeed_args (argparse over MindSpeed's flags, parsed once when
+the adaptor is imported), which is what decides MindSpeed's feature patches.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_patches import megatron_args as ma
+from verl_patches.patches.verl.patch_single_controller_base_megatron_worker import check_weight_loading
+from verl_patches.testing.dist import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
+from recipe_megatron_rank import convert_rank  # noqa: E402
+
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+ROPE_TYPE_ONLY = {k: v for k, v in YARN.items() if k != "type"} | {"rope_type": "yarn"}
+RIGHT_ALREADY = ["multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                 "v_head_dim", "rope_type", "rotary_scaling_factor", "max_position_embeddings",
+                 "moe_router_score_function", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+                 "moe_layer_freq", "moe_grouped_gemm", "moe_token_dispatcher_type", "moe_router_topk",
+                 "moe_router_topk_scaling_factor", "num_moe_experts"]
+GROUPS = ["moe_router_num_groups", "moe_router_group_topk"]
+FULL = {"num_layer_list": [4], "moe_tp_extend_ep": True, "swap_optimizer": True, "use_flash_attn": True,
+        "use_fused_rotary_pos_emb": True, "use_fused_swiglu": True}
+
+STAND_IN = {
+    "mindspeed/__init__.py": "",
+    "mindspeed/arguments.py": (
+        "def process_args(parser):\n"
+        "    for flag in ('--moe-tp-extend-ep', '--moe-permutation-async-comm', '--swap-optimizer',\n"
+        "                 '--use-flash-attn', '--use-fused-rotary-pos-emb', '--use-fused-swiglu'):\n"
+        "        parser.add_argument(flag, action='store_true')\n"
+        "    return parser\n"),
+    "mindspeed/megatron_adaptor.py": (
+        "import argparse\n"
+        "from mindspeed.arguments import process_args\n"
+        "_ARGS = None\n"
+        "def get_mindspeed_args():\n"
+        "    global _ARGS\n"
+        "    if _ARGS is None:\n"
+        "        _ARGS, _ = process_args(argparse.ArgumentParser(allow_abbrev=False)).parse_known_args([])\n"
+        "    return _ARGS\n"
+        "PARSED_AT_IMPORT = dict(vars(get_mindspeed_args()))  # what the features register their patches by\n"),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mindspeed_stand_in")
+    for rel, text in STAND_IN.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    yarn = {"rope_scaling": YARN}
+    cases = {
+        "upstream": dict(patched=False, model=yarn, fields=RIGHT_ALREADY + GROUPS),
+        "patched": dict(model=yarn, fields=RIGHT_ALREADY + GROUPS),
+        "user_wins": dict(model=yarn, overrides={"moe_router_group_topk": 1}, fields=GROUPS),
+        "rope_type_upstream": dict(patched=False, model={"rope_scaling": ROPE_TYPE_ONLY}, fields=["rope_type"]),
+        "rope_type_patched": dict(model={"rope_scaling": ROPE_TYPE_ONLY}, fields=["rope_type", "rotary_scaling_factor"]),
+        "recipe": dict(recipe={"num_layer_list": [4], "use_fused_swiglu": True}, fields=["bias_activation_fusion"]),
+        "recipe_upstream": dict(patched=False, recipe={"num_layer_list": [4]}),
+        "bad_sum": dict(recipe={"num_layer_list": [3]}),
+        "extend_ep_off_npu": dict(recipe={"moe_tp_extend_ep": True}),
+        "unknown_key": dict(recipe={"num_layers_list": [4]}),
+        "npu": dict(recipe=FULL, mindspeed_stand_in=str(root), fields=["bias_activation_fusion"]),
+    }
+    (out,) = run_distributed(convert_rank, 1, list(cases.values()), timeout=200)
+    return dict(zip(cases, out))
+
+
+def test_verl_gets_mla_and_moe_right_but_drops_group_limited_routing(results):
+    up = results["upstream"]
+    assert up["ok"], up
+    f = up["fields"]
+    assert f["multi_latent_attention"] and (f["q_lora_rank"], f["kv_lora_rank"]) == (48, 32)
+    assert (f["qk_head_dim"], f["qk_pos_emb_head_dim"], f["v_head_dim"]) == (16, 8, 16)
+    assert (f["rope_type"], f["rotary_scaling_factor"], f["max_position_embeddings"]) == ("yarn", 40, 4096)
+    assert f["moe_router_score_function"] == "sigmoid" and f["moe_router_enable_expert_bias"]
+    assert f["moe_shared_expert_intermediate_size"] == 32 and f["moe_layer_freq"] == [0, 1, 1, 1]
+    assert f["moe_grouped_gemm"] and f["moe_token_dispatcher_type"] == "alltoall"
+    assert (f["moe_router_topk"], f["moe_router_topk_scaling_factor"], f["num_moe_experts"]) == (4, 2.5, 16)
+    # The model routes inside topk_group=2 of n_group=4 groups; upstream lets a token reach any expert.
+    assert (f["moe_router_num_groups"], f["moe_router_group_topk"]) == (None, None)
+
+
+def test_the_patch_adds_the_groups_and_keeps_the_rest(results):
+    p = results["patched"]
+    assert p["ok"], p
+    assert (p["fields"]["moe_router_num_groups"], p["fields"]["moe_router_group_topk"]) == (4, 2)
+    same = {k: v for k, v in p["fields"].items() if k not in GROUPS}
+    assert same == {k: v for k, v in results["upstream"]["fields"].items() if k not in GROUPS}
+    assert results["user_wins"]["fields"]["moe_router_group_topk"] == 1  # override_transformer_config wins
+
+
+def test_a_rope_type_only_config_gets_yarn(results):
+    assert results["rope_type_upstream"]["fields"]["rope_type"] == "rope"  # upstream silently drops YaRN
+    assert results["rope_type_patched"]["fields"] == {"rope_type": "yarn", "rotary_scaling_factor": 40}
+
+
+def test_the_worker_binding_attaches_the_layer_list_and_the_fused_swiglu(results):
+    r = results["recipe"]
+    assert r["ok"], r
+    assert r["num_layer_list"] == [4] and r["fields"]["bias_activation_fusion"] is True
+    assert results["recipe_upstream"]["num_layer_list"] == "absent"  # verl 0.4.1 reads recipe.megatron nowhere
+
+
+@pytest.mark.parametrize("case,needles", [
+    ("bad_sum", ["RecipeMegatronError", ma.SECTION, "num_layer_list [3] sums to 3, the model has 4 layers"]),
+    ("extend_ep_off_npu", [ma.SECTION + ".moe_tp_extend_ep needs MindSpeed", "expert_model_parallel_size = TP x EP"]),
+    ("unknown_key", [ma.SECTION, "unknown key(s) ['num_layers_list']"]),
+])
+def test_bad_sections_are_refused_naming_the_key(results, case, needles):
+    r = results[case]
+    assert not r["ok"]
+    for n in needles:
+        assert n in r["error"], r["error"]
+
+
+def test_on_ascend_mindspeed_parses_the_recipe_flags_when_its_adaptor_is_imported(results):
+    r = results["npu"]
+    assert r["ok"], r
+    want = ma.mindspeed_args(ma.parse(FULL))
+    at_import = r["mindspeed_parsed_at_import"]
+    # Its own flags come out of its parser as the recipe set them (what its features register patches by) ...
+    for k in ("moe_tp_extend_ep", "moe_permutation_async_comm", "swap_optimizer", "use_flash_attn",
+              "use_fused_rotary_pos_emb", "use_fused_swiglu"):
+        assert at_import[k] is True, k
+    # ... and the arguments it does not define itself ride along as defaults.
+    assert at_import["num_layer_list"] == "4" and at_import["moe_grouped_gemm"] is True
+    assert {k: r["mindspeed_args"][k] for k in want} == want
+    assert r["num_layer_list"] == [4] and r["fields"]["bias_activation_fusion"] is True
+
+
+def _worker_cfg(load: bool, dist_ckpt: bool):
+    return OmegaConf.create({"actor": {"load_weight": load, "megatron": {"use_dist_checkpointing": dist_ckpt}},
+                             "ref": {"load_weight": load, "megatron": {"use_dist_checkpointing": dist_ckpt}}})
+
+
+def test_uneven_stages_need_the_distributed_checkpoint_to_load_weights():
+    uneven, even = ma.parse({"num_layer_list": [7, 8]}), ma.parse({"num_layer_list": [8, 8]})
+    with pytest.raises(ma.RecipeMegatronError, match="actor.megatron.use_dist_checkpointing"):
+        check_weight_loading(_worker_cfg(load=True, dist_ckpt=False), uneven)
+    check_weight_loading(_worker_cfg(load=True, dist_ckpt=True), uneven)
+    check_weight_loading(_worker_cfg(load=False, dist_ckpt=False), uneven)  # random init
+    check_weight_loading(_worker_cfg(load=True, dist_ckpt=False), even)
