@@ -30,6 +30,9 @@ from verl_patches.core.record import Patch
 logger = logging.getLogger(__name__)
 SECTION_IN_WORKER = "rollout.recipe.megatron"  # the worker's config is actor_rollout_ref
 _MINDSPEED_ONLY = ("swap_optimizer", "use_flash_attn", "use_fused_rotary_pos_emb")
+# The MindSpeed arguments this process imported MindSpeed's adaptor with (the actor and the
+# reference both pass through the binding; the second time is not a late import).
+_IMPORTED_BY_US: dict[str, Any] | None = None
 
 
 def recipe_section(worker_config: Any) -> Any:
@@ -47,15 +50,17 @@ def hand_to_mindspeed(values: dict[str, Any]) -> None:
     """Ascend: MindSpeed's arguments before its adaptor registers its features (or onto them, if it already did)."""
     from verl_patches.megatron_args import set_pending_mindspeed_args
 
+    global _IMPORTED_BY_US
     set_pending_mindspeed_args(values)
     adaptor = sys.modules.get("mindspeed.megatron_adaptor")
     if adaptor is None:
         # First import: MindSpeed parses its arguments through the patched process_args and
         # registers the feature patches these flags select.
         adaptor = importlib.import_module("mindspeed.megatron_adaptor")
-    else:
-        logger.warning("mindspeed.megatron_adaptor was imported before recipe.megatron was known: the flags are set "
-                       "on its parsed arguments, but feature patches chosen at import keep their choice")
+        _IMPORTED_BY_US = values
+    elif _IMPORTED_BY_US != values:
+        logger.warning("mindspeed.megatron_adaptor was imported before these recipe.megatron flags were known: they "
+                       "are set on its parsed arguments, but feature patches chosen at import keep their choice")
     targets = [adaptor.get_mindspeed_args()]
     gv = sys.modules.get("megatron.training.global_vars")
     if gv is not None and getattr(gv, "_GLOBAL_ARGS", None) is not None:
