@@ -91,8 +91,15 @@ def convert_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
 
     megatron_cpu_stand_ins()
     ps.initialize_model_parallel(1, 1)
+    import logging
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("verl_patches.patches.verl.patch_single_controller_base_megatron_worker").addHandler(handler)
     out = []
     for case in cases:
+        warnings.clear()
         if case.get("patched", True):
             apply_all(all_patches())
         if case.get("mindspeed_stand_in"):
@@ -103,6 +110,7 @@ def convert_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
             fields = {k: getattr(tf, k) for k in case.get("fields", [])}
             res = {"ok": True, "fields": json.loads(json.dumps(fields, default=str)),
                    "num_layer_list": _listed(getattr(tf, "num_layer_list", "absent"))}
+            res["warnings"] = list(warnings)
             if case.get("mindspeed_stand_in"):
                 import mindspeed.megatron_adaptor as adaptor
 

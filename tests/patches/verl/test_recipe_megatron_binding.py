@@ -75,6 +75,8 @@ def results(tmp_path_factory):
         "extend_ep_off_npu": dict(recipe={"moe_tp_extend_ep": True}),
         "unknown_key": dict(recipe={"num_layers_list": [4]}),
         "npu": dict(recipe=FULL, mindspeed_stand_in=str(root), fields=["bias_activation_fusion"]),
+        # The reference model passes through the binding again in the same process.
+        "npu_again": dict(recipe=FULL, mindspeed_stand_in=str(root)),
     }
     (out,) = run_distributed(convert_rank, 1, list(cases.values()), timeout=200)
     return dict(zip(cases, out))
@@ -141,6 +143,9 @@ def test_on_ascend_mindspeed_parses_the_recipe_flags_when_its_adaptor_is_importe
     assert at_import["num_layer_list"] == "4" and at_import["moe_grouped_gemm"] is True
     assert {k: r["mindspeed_args"][k] for k in want} == want
     assert r["num_layer_list"] == [4] and r["fields"]["bias_activation_fusion"] is True
+    assert r["warnings"] == []
+    again = results["npu_again"]
+    assert again["ok"] and again["warnings"] == [] and again["mindspeed_args"]["moe_tp_extend_ep"] is True
 
 
 def _worker_cfg(load: bool, dist_ckpt: bool):
@@ -155,3 +160,27 @@ def test_uneven_stages_need_the_distributed_checkpoint_to_load_weights():
     check_weight_loading(_worker_cfg(load=True, dist_ckpt=True), uneven)
     check_weight_loading(_worker_cfg(load=False, dist_ckpt=False), uneven)  # random init
     check_weight_loading(_worker_cfg(load=True, dist_ckpt=False), even)
+
+
+def test_a_mindspeed_imported_before_the_binding_still_gets_the_values_and_a_warning(monkeypatch, caplog):
+    import argparse
+    import types
+
+    from verl_patches.patches.verl import patch_single_controller_base_megatron_worker as binding
+
+    parsed, global_args = argparse.Namespace(use_fused_swiglu=False), argparse.Namespace()
+    adaptor = types.ModuleType("mindspeed.megatron_adaptor")  # stand-in: imported earlier by someone else
+    adaptor.get_mindspeed_args = lambda: parsed
+    gv = types.ModuleType("megatron.training.global_vars")  # stand-in: megatron-LM's global args
+    gv._GLOBAL_ARGS = global_args
+    monkeypatch.setitem(sys.modules, "mindspeed.megatron_adaptor", adaptor)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    monkeypatch.setattr(binding, "_IMPORTED_BY_US", None)
+    values = ma.mindspeed_args(ma.parse(FULL))
+    try:
+        with caplog.at_level("WARNING", logger=binding.__name__):
+            binding.hand_to_mindspeed(values)
+    finally:
+        ma.set_pending_mindspeed_args({})
+    assert "feature patches chosen at import keep their choice" in caplog.text
+    assert {k: getattr(parsed, k) for k in values} == values == {k: getattr(global_args, k) for k in values}
