@@ -148,18 +148,21 @@ def test_on_ascend_mindspeed_parses_the_recipe_flags_when_its_adaptor_is_importe
     assert again["ok"] and again["warnings"] == [] and again["mindspeed_args"]["moe_tp_extend_ep"] is True
 
 
-def _worker_cfg(load: bool, dist_ckpt: bool):
-    return OmegaConf.create({"actor": {"load_weight": load, "megatron": {"use_dist_checkpointing": dist_ckpt}},
+def _worker_cfg(load: bool, dist_ckpt: bool, save=("model", "optimizer", "extra")):
+    return OmegaConf.create({"actor": {"load_weight": load, "megatron": {"use_dist_checkpointing": dist_ckpt},
+                                       "checkpoint": {"save_contents": list(save)}},
                              "ref": {"load_weight": load, "megatron": {"use_dist_checkpointing": dist_ckpt}}})
 
 
-def test_uneven_stages_need_the_distributed_checkpoint_to_load_weights():
+def test_uneven_stages_need_the_distributed_checkpoint_to_load_and_save_weights():
     uneven, even = ma.parse({"num_layer_list": [7, 8]}), ma.parse({"num_layer_list": [8, 8]})
     with pytest.raises(ma.RecipeMegatronError, match="actor.megatron.use_dist_checkpointing"):
         check_weight_loading(_worker_cfg(load=True, dist_ckpt=False), uneven)
     check_weight_loading(_worker_cfg(load=True, dist_ckpt=True), uneven)
     check_weight_loading(_worker_cfg(load=False, dist_ckpt=False), uneven)  # random init
     check_weight_loading(_worker_cfg(load=True, dist_ckpt=False), even)
+    with pytest.raises(ma.RecipeMegatronError, match="actor.checkpoint.save_contents has 'hf_model'"):
+        check_weight_loading(_worker_cfg(load=False, dist_ckpt=True, save=("model", "hf_model")), uneven)
 
 
 def test_a_mindspeed_imported_before_the_binding_still_gets_the_values_and_a_warning(monkeypatch, caplog):

@@ -4,7 +4,8 @@ Upstream: verl/single_controller/base/megatron/worker.py:MegatronWorker._init_hf
 which the actor / reference build calls once, after the parallel groups exist and before any
 model or optimizer is built. We wrap it (only when the worker's config has
 rollout.recipe.megatron, i.e. ActorRolloutRefWorker):
-- before: parse the section (verl_patches.megatron_args); merge the values TransformerConfig has
+- before: parse the section (verl_patches.megatron_args); refuse uneven stages together with verl's
+  HF-weight loader or HF saver (both assume equal stages); merge the values TransformerConfig has
   a field for under the user's override_transformer_config; on Ascend hand MindSpeed its
   arguments (moe_tp_extend_ep, swap_optimizer, use_flash_attn, use_fused_rotary_pos_emb,
   use_fused_swiglu, num_layer_list) before MindSpeed's adaptor parses them and registers its
@@ -71,20 +72,26 @@ def hand_to_mindspeed(values: dict[str, Any]) -> None:
 
 
 def check_weight_loading(worker_config: Any, recipe: Any) -> None:
-    """verl's HF-weight loader (load_megatron_gptmodel_weights) assumes equal stages; the dist checkpoint does not."""
+    """verl's HF-weight loader and HF saver (models/mcore/loader.py, saver.py) assume equal stages; the
+    distributed checkpoint, keyed by megatron's own global layer numbers, does not."""
     from verl_patches.megatron_args import SECTION, RecipeMegatronError, is_uneven
 
     if not is_uneven(recipe):
         return
     for role in ("actor", "ref"):
         part = worker_config.get(role) if hasattr(worker_config, "get") else None
-        if part is None or not part.get("load_weight", False):
+        if part is None:
             continue
-        if not part.get("megatron", {}).get("use_dist_checkpointing", False):
+        if part.get("load_weight", False) and not part.get("megatron", {}).get("use_dist_checkpointing", False):
             raise RecipeMegatronError(
                 f"{SECTION}.num_layer_list is uneven and {role}.load_weight=True without "
                 f"{role}.megatron.use_dist_checkpointing: verl's HF-weight loader needs equal stages; convert the "
                 "model to a distributed checkpoint (python -m verl_patches.tools.hf_to_mcore) and load that")
+        if "hf_model" in list((part.get("checkpoint") or {}).get("save_contents") or []):
+            raise RecipeMegatronError(
+                f"{SECTION}.num_layer_list is uneven and {role}.checkpoint.save_contents has 'hf_model': verl's HF "
+                "saver needs equal stages; save the distributed checkpoint and convert it "
+                "(python -m verl_patches.tools.mcore_to_hf)")
 
 
 def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[..., Any]:
