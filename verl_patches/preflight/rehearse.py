@@ -113,6 +113,9 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
 
         def reshard(_train_group, _rollout_group) -> None:
             s = step_box["step"]
+            # Every rank arrives first: the previous phases' host work differs per rank, and a
+            # collective started early would count the others' lateness as its own time.
+            dist.barrier()
             accelerator.synchronize()
             t0 = time.perf_counter()
             st = execute(plan, rank, params, rollout, method=method)
@@ -121,26 +124,35 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
             res.steps.append({"step": s, "recv_bytes": st.recv_bytes, "sent_bytes": st.sent_bytes,
                               "local_bytes": st.local_bytes, "collectives": st.collectives,
                               "peak_extra_bytes": st.peak_extra_bytes, "seconds": seconds})
+
+        def check() -> None:
+            # Runs as the (simulated) generation, while the rollout weights are resident, so the
+            # reshard phase's time is the reshard's own.
+            s = step_box["step"]
             if opts.corrupt and opts.corrupt[0] == rank and opts.corrupt[2] == method:
                 # Fault injection (tests): one element of one received parameter changes.
                 flat = rollout[opts.corrupt[1]].view(-1)
                 flat[0] = flat[0] + 1
             want = expected_rollout_by_param(P, rank, seed=opts.seed, step=s, dtype=dtype, device=device)
             res.mismatches.extend(_compare(rank, method, s, rollout, want))
-            if opts.gather_shards and s == opts.steps - 1 and method == opts.methods[0]:
-                # Both sides of the last switch of the first method (every method's shards were
-                # just checked equal to the same ground truth), for the logit check and the dump.
+            if gather(s):
+                # The last switch of the first method (every method's shards were just checked
+                # equal to the same ground truth), for the logit check and the dump.
                 out.setdefault("shards", {})[method] = {
-                    "step": s,
-                    "rollout": {n: v.detach().to("cpu", copy=True) for n, v in rollout.items()},
-                    "train": {n: v.detach().to("cpu", copy=True) for n, v in params.items()}}
+                    "step": s, "rollout": {n: v.detach().to("cpu", copy=True) for n, v in rollout.items()}}
+
+        def gather(s: int) -> bool:
+            return bool(opts.gather_shards) and s == opts.steps - 1 and method == opts.methods[0]
 
         def train() -> None:
+            if gather(step_box["step"]):
+                # The training side of that switch: the params are resident again and not yet updated.
+                out["shards"][method]["train"] = {n: v.detach().to("cpu", copy=True) for n, v in params.items()}
             # The simulated update: new parameter values, so the next reshard must move them.
             step_box["step"] += 1
             update_in_place(P, rank, params, seed=opts.seed, step=step_box["step"])
 
-        hooks = {"reshard": reshard, "generate": lambda: None, "ref_forward": lambda: None, "train": train}
+        hooks = {"reshard": reshard, "generate": check, "ref_forward": lambda: None, "train": train}
         for it in range(opts.steps):
             for _ in sched.steps:
                 e = sched.advance(**hooks)
