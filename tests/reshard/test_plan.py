@@ -50,6 +50,14 @@ def test_reference_layouts(rollout, b_ratio, a_ratio):
     direct, upstream, recipe = plan_summaries(plan)
     assert direct["max_recv_bytes"] * b_ratio <= recipe["max_recv_bytes"]
     assert direct["max_recv_bytes"] * a_ratio <= upstream["max_recv_bytes"]
+    # No correct method can receive less than what a rank needs and does not hold: ours meets
+    # that bound on every rank. With two instances the bound itself is above B / 3 and A / 50
+    # (each die hosts two experts per layer, while A's and B's volumes stay the same), so the
+    # issue's 3x / 50x cannot be met by any routing there; the asserted ratios are what it is.
+    floor = max(s.shard_bytes - s.local_bytes for s in plan.ranks)
+    assert direct["max_recv_bytes"] == floor
+    if rollout == "tp=2,dp=64,instances=2":
+        assert floor * 3 > recipe["max_recv_bytes"] and floor * 50 > upstream["max_recv_bytes"]
     # the spec's anchors: 5.1 GB of routed experts per die at EP256 and ~1.3 TB per die for A
     if rollout == "tp=2,dp=128":
         E = ModelConfig.load(DSV3)
