@@ -136,6 +136,24 @@ class _Peak:
 # --------------------------------------------------------------------------------------
 
 
+def _stage_shard(P: Placements, G: Any, u: Any, my_stage: int, train: dict[str, torch.Tensor],
+                 ref: torch.Tensor, peak: "_Peak", st: Any) -> torch.Tensor:
+    """Unit u's shard as its owner stage holds it, on every stage (one PP broadcast); a stage
+    other than the owner's counts the buffer in the peak until the caller releases it."""
+    owner = G.pp_ranks[u.stage]
+    if my_stage == u.stage:
+        buf = train[u.name]
+    else:
+        buf = torch.empty(P.train_storage[owner][u.name], dtype=ref.dtype, device=ref.device)
+        peak.add(u.shard_numel * ref.element_size())
+    if P.train.pp > 1:
+        dist.broadcast(buf, src=owner, group=G.pp)
+        st.collectives += 1
+        if my_stage != u.stage:
+            st.recv_bytes += u.shard_numel * ref.element_size()
+    return buf
+
+
 def execute_upstream(plan: Plan, rank: int, train: dict[str, torch.Tensor],
                      roll: dict[str, torch.Tensor]) -> Any:
     from verl_patches.reshard.executor import ExecStats, zero_padding
@@ -151,18 +169,7 @@ def execute_upstream(plan: Plan, rank: int, train: dict[str, torch.Tensor],
     my_stage = tc.pp_rank[rank]
     zero_padding(P, rank, roll)
     for u in units(P):
-        owner = G.pp_ranks[u.stage]
-        shape = P.train_storage[owner][u.name]
-        if my_stage == u.stage:
-            buf = train[u.name]
-        else:
-            buf = torch.empty(shape, dtype=ref.dtype, device=ref.device)
-            peak.add(u.shard_numel * es)
-        if P.train.pp > 1:
-            dist.broadcast(buf, src=owner, group=G.pp)
-            st.collectives += 1
-            if my_stage != u.stage:
-                st.recv_bytes += u.shard_numel * es
+        buf = _stage_shard(P, G, u, my_stage, train, ref, peak, st)
         g = len(G.tp_ranks) if u.kind == "tp" else len(G.ep_ranks) if u.kind == "ep" else 1
         if g > 1:
             shards = [torch.empty_like(buf) for _ in range(g)]
@@ -260,17 +267,7 @@ def execute_recipe(plan: Plan, rank: int, train: dict[str, torch.Tensor],
     # Experts: PP broadcast of the expert-group shard, then AlltoAllV in the expert group.
     me = G.ep_ranks.index(rank)
     for u in (u for u in us if u.kind == "ep"):
-        owner = G.pp_ranks[u.stage]
-        if my_stage == u.stage:
-            buf = train[u.name]
-        else:
-            buf = torch.empty(P.train_storage[owner][u.name], dtype=dt, device=dev)
-            peak.add(u.shard_numel * es)
-        if p > 1:
-            dist.broadcast(buf, src=owner, group=G.pp)
-            st.collectives += 1
-            if my_stage != u.stage:
-                st.recv_bytes += u.shard_numel * es
+        buf = _stage_shard(P, G, u, my_stage, train, ref, peak, st)
         sends = _expert_exchange(P, u, G, me)
         recvs = [_expert_exchange(P, u, G, k)[me] for k in range(len(G.ep_ranks))]
         ssplit = [sum(box_numel(b) for _, b in s) if k != me else 0 for k, s in enumerate(sends)]
