@@ -30,13 +30,19 @@ class Finding:
     installed: str | None
     expected: str | None
     required: bool  # False: absent or different, but not needed on this platform
+    # A patch whose upstream package is not installed at all: nothing to check it against. The
+    # lock finding for that package reports (and under --strict fails) the absence, and on a
+    # platform that needs it the prelude refuses to start without it.
+    upstream_absent: bool = False
 
     @property
     def failed(self) -> bool:
-        return self.status != "ok" and self.required
+        return self.status != "ok" and self.required and not self.upstream_absent
 
     def line(self) -> str:
         note = "" if self.required or self.status == "ok" else " (not required here)"
+        if self.upstream_absent and self.required:
+            note = " (its package is absent: see the lock line)"
         return f"{self.status:<16} {self.id:<34} {self.target}: {self.detail}{note}"
 
 
@@ -102,7 +108,7 @@ def check_patch(patch: Patch, lock: dict[str, Component], platform: str, root: P
     loc = locate(comp.import_name or patch.module.split(".")[0], comp.package, root)
     if loc.path is None:
         return Finding(patch.id, patch.target, "missing", f"{comp.import_name} is not installed",
-                       None, patch.versions, required)
+                       None, patch.versions, required, upstream_absent=True)
     path = module_file(patch.module, root)
     if path is None:
         return Finding(patch.id, patch.target, "missing", f"module {patch.module} not found in {loc.path}",

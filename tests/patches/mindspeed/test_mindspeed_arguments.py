@@ -20,7 +20,7 @@ import pytest
 
 from verl_patches import megatron_args as ma
 from verl_patches.core.apply import PatchError, apply_all
-from verl_patches.core.doctor import check_patch
+from verl_patches.core.doctor import check_patch, run_doctor
 from verl_patches.core.lock import load_lock
 from verl_patches.patches.mindspeed.patch_arguments import PATCHES, SOURCE_COMMIT, wrap_process_args
 
@@ -55,13 +55,19 @@ def test_the_record_is_ascend_only_and_names_its_source():
     assert p.fingerprint.signature == "def process_args(parser)"
 
 
-def test_the_doctor_requires_it_only_on_ascend():
+def test_the_doctor_requires_it_only_on_ascend_and_leaves_an_absent_mindspeed_to_the_lock():
     (p,) = PATCHES
     lock = load_lock()
     off = check_patch(p, lock, "cpu", None)
     on = check_patch(p, lock, "npu", None)
-    assert off.status == on.status == "missing"
-    assert not off.failed and on.failed  # on Ascend a missing MindSpeed fails doctor --strict
+    assert off.status == on.status == "missing" and on.upstream_absent
+    assert not off.required and on.required
+    # Without MindSpeed there is nothing to compare the fingerprint with: the lock's mindspeed line
+    # carries the failure, so --strict on Ascend fails and the patches-only check does not.
+    findings, strict_code = run_doctor([p], "npu", strict=True)
+    failed = [f.id for f in findings if f.failed]
+    assert strict_code == 1 and "lock:mindspeed" in failed and p.id not in failed
+    assert run_doctor([p], "npu", strict=False)[1] == 0
 
 
 def test_applying_without_mindspeed_fails_loudly():
