@@ -2,8 +2,8 @@
 
 Collects each side's parameters by name, derives the training layout from what this rank
 really stores (agreed by every rank, so all build the same plan), builds the plan once, and
-on every switch writes the new weights straight into vLLM's parameters, then redoes the
-post-load processing that derives tensors from them (MLA's W_UK_T / W_UV). Framework-light:
+on every switch writes the new weights straight into vLLM's parameters (the sharding-manager
+patch then redoes MLA's post-load step, verl_patches.rollout.mla). Framework-light:
 torch.distributed only; megatron and vLLM objects are passed in by the binding patch.
 """
 
@@ -157,22 +157,6 @@ def derive_train_layout(cfg: ModelConfig, *, tp: int, pp: int, pp_rank: int, lay
     return TrainLayout(tp=tp, pp=pp, ep=E // per // tp, layers=layers, vocab_divisible_by=1,
                        mla_down_split=True if facts["mla_down_split"] is None else facts["mla_down_split"],
                        expert_storage=facts["expert_storage"])
-
-
-def redo_mla_post_load(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Recompute what vLLM's attention layers derive from their weights after loading (MLA:
-    W_UK_T and W_UV from kv_b_proj, in vLLM's MLACommonImpl and vLLM-Ascend's AscendMLAImpl).
-    vLLM does it once after the initial load; new weights make them stale. Returns the number
-    of layers processed."""
-    from vllm.attention import Attention
-
-    done = 0
-    for module in model.modules():
-        if isinstance(module, Attention) and hasattr(module, "process_weights_after_loading"):
-            if getattr(module, "use_mla", False):
-                module.process_weights_after_loading(dtype)
-                done += 1
-    return done
 
 
 @dataclass

@@ -67,6 +67,7 @@ class VllmEngineMemory:
         # (rotary caches and the like) are computed once at build time and nothing rewrites
         # them, so freeing them without a copy would bring back garbage; they are small.
         params = list(model.parameters())
+        self._model = model
         self.weights = rollout_weights_group(self.engine, params, name=f"{name}_weights")
         self._closed = False
         # Graphs captured at build time (CUDA graphs; TorchAir with vLLM-Ascend's
@@ -119,7 +120,11 @@ class VllmEngineMemory:
     def offload_model_weights(self) -> int:
         if self.keep_weights_on_host:
             return self.weights.offload()
-        return self.weights.release()
+        # MLA's derived tensors go with the weights; the sharding manager recomputes them after
+        # the next reshard (patch verl.sharding_manager.reshard).
+        from verl_patches.rollout.mla import release_mla_derived
+
+        return self.weights.release() + release_mla_derived(self._model)
 
     def init_cache_engine(self) -> int:
         return self.kv.allocate()

@@ -119,15 +119,26 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
         actor_module=[actor], inference_engine=engine, model_config=SimpleNamespace(to_dict=lambda: dict(cfg)),
         transformer_config=None, layer_name_mapping={}, weight_converter=None, device_mesh=mesh, offload_param=False)
     manager.actor_memory = _ActorMemory(events)
-    error = None
+    error, again = None, None
     try:
         with manager:
             events.append("generate")
     except Exception as exc:  # noqa: BLE001 - reported to the test
         error = f"{type(exc).__name__}: {exc}"
-    return {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
-            "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "mla_layers": len(mla_derived(ref)) // 2,
-            "events": events, "error": error}
+    result = {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
+              "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "mla_layers": len(mla_derived(ref)) // 2,
+              "events": list(events), "error": error}
+    if error is None and method != "upstream":
+        # What the recipe engine's offload does with the weights (VllmEngineMemory), then the next switch.
+        from verl_patches.rollout.mla import release_mla_derived
+
+        result["mla_freed_bytes"] = release_mla_derived(model)
+        result["mla_emptied"] = all(t.numel() == 0 for t in mla_derived(model).values())
+        with manager:
+            pass
+        again = _same(mla_derived(model), mla_derived(ref))
+    result["mla_mismatch_after_release"] = again
+    return result
 
 
 def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dict[str, Any], rollout_tp: int,

@@ -41,6 +41,9 @@ def test_reshard_into_vllm_equals_vllms_own_load(results, case):
     assert r["mismatch"] == []
     assert r["mla_layers"] == json.loads(CONFIG.read_text())["num_hidden_layers"]
     assert r["mla_mismatch"] == []  # W_UK_T / W_UV recomputed from the new kv_b_proj
+    # freed with the weights (what the recipe engine's offload does), back after the next switch
+    assert r["mla_freed_bytes"] > 0 and r["mla_emptied"]
+    assert r["mla_mismatch_after_release"] == []
 
 
 def test_switch_schedule_order(results):

@@ -92,7 +92,8 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
 
     from verl_patches import accelerator
-    from verl_patches.reshard.binding import megatron_params, redo_mla_post_load, vllm_params
+    from verl_patches.reshard.binding import megatron_params, vllm_params
+    from verl_patches.rollout.mla import redo_mla_post_load
 
     manager.timing = {}
     actor_memory = getattr(manager, "actor_memory", None)
@@ -124,7 +125,7 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
         if settings is None:  # a rollout not built by the recipe's constructor: upstream throughout
             return original(self)
         if settings.reshard_method == "upstream":
-            from verl_patches.reshard.binding import redo_mla_post_load
+            from verl_patches.rollout.mla import redo_mla_post_load
 
             out = original(self)
             model = _model(self)
