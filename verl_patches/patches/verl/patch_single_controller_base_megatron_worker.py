@@ -112,9 +112,9 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
         tp, ep = mpu.get_tensor_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
         etp = mpu.get_expert_tensor_parallel_world_size()
         pp, vpp = mpu.get_pipeline_model_parallel_world_size(), mpu.get_virtual_pipeline_model_parallel_world_size()
-        # Parallel-layout checks first: nothing is built or handed to MindSpeed for a wrong layout.
-        ma.check_layout(ma.RecipeMegatron(moe_tp_extend_ep=recipe.moe_tp_extend_ep), num_layers=0, pp=pp,
-                        tp=tp, ep=ep, etp=etp)
+        # Parallel-layout checks first (the layer count is known only after the conversion): nothing is
+        # built or handed to MindSpeed for a wrong layout.
+        ma.check_layout(recipe, num_layers=sum(recipe.num_layer_list or ()), pp=pp, vpp=vpp, tp=tp, ep=ep, etp=etp)
         check_weight_loading(self.config, recipe)
         if accelerator.device_type() == "npu":
             hand_to_mindspeed(ma.mindspeed_args(recipe))
