@@ -7,19 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from verl_patches import accelerator
 from verl_patches.offload import HostBufferPool, Location, OffloadEngine
 from verl_patches.offload.megatron_memory import ActorMemory, ReferenceMemory, inner_optimizers
 
 
 def _engine() -> OffloadEngine:
-    return OffloadEngine(pool=HostBufferPool(pin=False, reserve_bytes=0))
+    return OffloadEngine(pool=HostBufferPool(reserve_bytes=0))
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)).to(accelerator.current_device())
     # Megatron-style: one flat grad buffer, each param's main_grad a view of it.
-    flat = torch.zeros(sum(p.numel() for p in m.parameters()))
+    flat = torch.zeros(sum(p.numel() for p in m.parameters()), device=accelerator.current_device())
     off = 0
     for p in m.parameters():
         p.main_grad = flat[off:off + p.numel()].view_as(p)
@@ -30,7 +31,7 @@ def _model(seed: int = 0) -> torch.nn.Module:
 
 def _snap(tensors) -> list[bytes]:
     # A clone: .numpy() on the tensor itself would pin its storage (non-resizable).
-    return [t.detach().clone().view(torch.uint8).numpy().tobytes() for t in tensors]
+    return [t.detach().clone().view(torch.uint8).cpu().numpy().tobytes() for t in tensors]
 
 
 def _step(m, opt):
@@ -117,7 +118,7 @@ def test_bad_input_is_named():
     with pytest.raises(TypeError, match="OffloadEngine"):
         ActorMemory([_model()], engine=object())
     with pytest.raises(ValueError, match="no gradient buffer"):
-        ActorMemory([torch.nn.Linear(2, 2)], engine=eng)
+        ActorMemory([torch.nn.Linear(2, 2).to(accelerator.current_device())], engine=eng)
     with pytest.raises(TypeError, match="holds no torch optimizer"):
         inner_optimizers(object())
     with pytest.raises(TypeError, match="holds no torch optimizer"):

@@ -155,6 +155,13 @@ class ActorMemory(_Tracked):
             out["optimizer"] = self.opt
         return out
 
+    def resident(self) -> dict[str, int]:
+        # The optimizer column exists from the first entry on, before Adam's state does.
+        res = super().resident()
+        if self.optimizer is not None:
+            res.setdefault("optimizer", 0)
+        return res
+
     # -- params ------------------------------------------------------------------------
     def offload_params(self) -> int:
         return self._act("offload_params", self.params.offload, to_device=False)

@@ -541,10 +541,10 @@ def run_all(rank: int, world: int) -> dict:
 # -- on a GPU: megatron-core's own optimizer -------------------------------------------------------
 
 def real_optimizer_continuation(rank: int, world: int, steps: int = 3) -> dict:
-    """Two identical actors trained with megatron-core's real DistributedOptimizer (bf16, fp32 masters,
-    Adam); one goes through the switch schedule's offloads between steps (grads released, optimizer
-    state and params copied out and back over pinned buffers on a side stream). Training must continue
-    bit-exactly, and the offloads must free device memory for real."""
+    """An actor trained with megatron-core's real DistributedOptimizer (bf16 params, fp32 masters, Adam),
+    going through the switch schedule's offloads between steps (grads, optimizer state and params
+    copied out and back over pinned buffers on a side stream). Every byte the next step reads must come
+    back exactly, the offloads must free device memory for real, and training must go on."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel as DDP
@@ -552,45 +552,56 @@ def real_optimizer_continuation(rank: int, world: int, steps: int = 3) -> dict:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from verl_patches import accelerator
     from verl_patches.offload import OffloadEngine
-    from verl_patches.offload.megatron_memory import ActorMemory, inner_optimizers, megatron_buffers
+    from verl_patches.offload.megatron_memory import ActorMemory, inner_optimizers
 
+    import megatron.core.optimizer.distrib_optimizer as dopt
+
+    # megatron-core 0.12.1's DistributedOptimizer calls Transformer Engine's FP8 cast on every step and
+    # raises without TE; with no FP8 params there is nothing to cast, so a no-op stands for it.
+    dopt.quantize_param_shard = lambda *a, **k: None
     mpu.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     tc = TransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, params_dtype=torch.bfloat16,
                            bf16=True, add_bias_linear=False)
-
-    def build():
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        torch.manual_seed(1234)
-        model = GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=512, max_sequence_length=64).cuda()
-        ddp = DDP(config=tc, module=model, ddp_config=DistributedDataParallelConfig(
-            overlap_grad_reduce=False, use_distributed_optimizer=True, grad_reduce_in_fp32=True))
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
-                                                     use_distributed_optimizer=True, clip_grad=1.0), [ddp])
-        return ddp, opt
-
+    # As verl.utils.megatron_utils.get_model wraps it: bf16 module (Float16Module), then DDP.
+    model = Float16Module(tc, GPTModel(tc, get_gpt_layer_local_spec(), vocab_size=512, max_sequence_length=64).cuda())
+    ddp = DDP(config=tc, module=model, ddp_config=DistributedDataParallelConfig(
+        overlap_grad_reduce=False, use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                                                 use_distributed_optimizer=True, clip_grad=1.0), [ddp])
     tokens = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0)).cuda()
     pos = torch.arange(64, device="cuda").unsqueeze(0).expand(2, -1)
 
-    def train(ddp, opt):
+    def train() -> float:
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        logits = ddp(tokens, pos, None)
-        logits.float().mean().backward()
+        loss = ddp(tokens, pos, None).float().mean()
+        loss.backward()
         ddp.finish_grad_sync()
         ok, _, _ = opt.step()
-        return ok
+        assert ok
+        return float(loss.detach())
 
-    (a, opt_a), (b, opt_b) = build(), build()
-    memory = ActorMemory([b], opt_b, engine=OffloadEngine())
-    out: dict[str, Any] = {"optimizer": type(opt_b).__name__,
-                           "inner": [type(o).__name__ for o in inner_optimizers(opt_b)], "freed": []}
+    def state() -> list[torch.Tensor]:
+        inner = inner_optimizers(opt)
+        return ([p.detach().clone() for p in ddp.parameters()]
+                + [p.main_grad.detach().clone() for p in ddp.parameters()]
+                + [t.detach().clone() for o in inner for g in o.param_groups for t in g["params"]]
+                + [v.detach().clone() for o in inner for st in o.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor)])
+
+    memory = ActorMemory([ddp], opt, engine=OffloadEngine(), keep_grads=True)
+    out: dict[str, Any] = {"optimizer": type(opt).__name__, "inner": [type(o).__name__ for o in inner_optimizers(opt)],
+                           "freed": [], "round_trip_exact": [], "losses": []}
     for _ in range(steps):
-        assert train(a, opt_a) and train(b, opt_b)
+        out["losses"].append(train())
         accelerator.synchronize()
+        held = state()
         before = torch.cuda.memory_allocated()
         memory.after_update()
         memory.offload_params()
@@ -599,25 +610,8 @@ def real_optimizer_continuation(rank: int, world: int, steps: int = 3) -> dict:
                              "groups_bytes": sum(g.nbytes for g in memory.groups().values()),
                              "resident_after": memory.resident()})
         memory.before_update()
-    out["params_equal"] = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    sa, sb = opt_a.state_dict(), opt_b.state_dict()
-    flat = lambda sd: [t for t in _tensors_of(sd)]  # noqa: E731
-    out["optimizer_state_equal"] = all(torch.equal(x, y) for x, y in zip(flat(sa), flat(sb)))
-    out["masters_equal"] = all(
-        torch.equal(x, y) for oa, ob in zip(inner_optimizers(opt_a), inner_optimizers(opt_b))
-        for ga, gb in zip(oa.param_groups, ob.param_groups) for x, y in zip(ga["params"], gb["params"]))
-    out["grad_buffers"] = len([x for x in megatron_buffers(b)])
+        out["round_trip_exact"].append(len(held) > 0 and all(torch.equal(x, y) for x, y in zip(held, state())))
+    out["losses"].append(train())
     out["ledger"] = memory.ledger.format_table()
     memory.close()
     return out
-
-
-def _tensors_of(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            yield from _tensors_of(obj[k])
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors_of(v)

@@ -139,11 +139,14 @@ def test_real_torch_compile_for_building_and_generating_only(res):
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="megatron-core's optimizers create CUDA tensors")
-def test_real_megatron_optimizer_training_continues_bit_exactly_through_the_offloads():
+def test_real_megatron_optimizer_state_round_trips_exactly_and_memory_is_freed():
+    import math
+
     r = run_distributed(mwr.real_optimizer_continuation, 1, backend="nccl", timeout=300)[0]
-    print(r["optimizer"], r["inner"], r["freed"], r["ledger"], sep="\n")
-    assert r["params_equal"] and r["masters_equal"] and r["optimizer_state_equal"]
+    print(r["optimizer"], r["inner"], r["freed"], r["round_trip_exact"], r["losses"], r["ledger"], sep="\n")
+    # Params, main_grads, fp32 masters and Adam state: every byte the next step reads came back.
+    assert r["round_trip_exact"] == [True] * len(r["freed"])
     for f in r["freed"]:
         assert set(f["resident_after"].values()) == {0}
-        # The allocator really gave the memory back (its rounding aside).
-        assert f["allocator_bytes"] >= 0.9 * f["groups_bytes"] - (1 << 20)
+        assert f["allocator_bytes"] >= f["groups_bytes"] - (1 << 20)  # the allocator really gave it back
+    assert all(math.isfinite(x) for x in r["losses"])
