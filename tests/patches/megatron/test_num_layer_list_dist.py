@@ -2,7 +2,7 @@
 real megatron-core 0.12.1 parallel state and GPTModel (MLA + MoE, first layer dense) built from the
 TransformerConfig that verl 0.4.1's real worker method and converter make (patches
 megatron.num_layer_list.layers_to_build, megatron.num_layer_list.layer_offset,
-verl.num_layer_list.layer_offset, verl.megatron_worker.recipe_megatron, verl.mcore_config.deepseek_v3).
+verl.num_layer_list.layer_offset, verl.recipe_megatron.binding, verl.mcore_config.deepseek_v3).
 Stand-ins: see recipe_megatron_rank.py.
 """
 

@@ -1,5 +1,5 @@
 """DeepSeek-V3's TransformerConfig and recipe.megatron through verl 0.4.1's real converter and worker method
-(patches verl.mcore_config.deepseek_v3 and verl.megatron_worker.recipe_megatron), on real megatron-core
+(patches verl.mcore_config.deepseek_v3 and verl.recipe_megatron.binding), on real megatron-core
 0.12.1 parallel state (gloo, one process) and its real MLATransformerConfig.
 
 The MindSpeed hand-over (Ascend only) runs against a declared stand-in MindSpeed package written here:

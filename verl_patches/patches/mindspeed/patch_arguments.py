@@ -47,7 +47,7 @@ PATCHES = [
         versions=">=0",
         fingerprint=Fingerprint(signature="def process_args(parser)", source_sha="f9100d4330cec208"),
         replacement=f"{__name__}:wrap_process_args",
-        flag="actor_rollout_ref.rollout.recipe.megatron (recorded by verl.megatron_worker.recipe_megatron)",
+        flag="actor_rollout_ref.rollout.recipe.megatron (recorded by verl.recipe_megatron.binding)",
         why="MindSpeed takes its feature switches only from its parsed arguments (normally the training "
             "script's command line); a verl Ray worker has no such command line, so the recipe's "
             "moe_tp_extend_ep, swap optimizer, flash attention, fused RoPE / SwiGLU and layer list would "

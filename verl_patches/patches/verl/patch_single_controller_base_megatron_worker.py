@@ -140,7 +140,7 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
 
 PATCHES = [
     Patch(
-        id="verl.megatron_worker.recipe_megatron",
+        id="verl.recipe_megatron.binding",
         target="verl.single_controller.base.megatron.worker:MegatronWorker._init_hf_config_and_tf_config",
         kind="wrap",
         phases=("worker",),
