@@ -105,7 +105,8 @@ def convert_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
         if case.get("mindspeed_stand_in"):
             _install_mindspeed_stand_in(case["mindspeed_stand_in"])
         try:
-            model = model_config(case.get("layers", 4), case.get("model"))
+            model = (json.loads(Path(case["model_file"]).read_text()) if "model_file" in case
+                     else model_config(case.get("layers", 4), case.get("model")))
             tf, _ = init_worker_config(rank, model, case.get("recipe"), case.get("overrides", {}), case.get("actor"))
             fields = {k: getattr(tf, k) for k in case.get("fields", [])}
             res = {"ok": True, "fields": json.loads(json.dumps(fields, default=str)),

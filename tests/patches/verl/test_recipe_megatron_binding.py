@@ -23,6 +23,7 @@ from verl_patches.testing.dist import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from recipe_megatron_rank import convert_rank  # noqa: E402
 
+REAL_V3 = Path(__file__).resolve().parents[3] / "configs" / "model" / "deepseek_v3.json"
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
 ROPE_TYPE_ONLY = {k: v for k, v in YARN.items() if k != "type"} | {"rope_type": "yarn"}
@@ -75,6 +76,10 @@ def results(tmp_path_factory):
         "extend_ep_off_npu": dict(recipe={"moe_tp_extend_ep": True}),
         "unknown_key": dict(recipe={"num_layers_list": [4]}),
         "npu": dict(recipe=FULL, mindspeed_stand_in=str(root), fields=["bias_activation_fusion"]),
+        # The real DeepSeek-V3 config with the recipe's layer list (config only: PP1 here, so one stage of 61).
+        "deepseek_v3": dict(model_file=str(REAL_V3), recipe={"num_layer_list": [61], "use_fused_swiglu": True},
+                            fields=RIGHT_ALREADY + GROUPS + ["num_layers", "hidden_size", "ffn_hidden_size",
+                                                             "moe_ffn_hidden_size", "rotary_base"]),
         # The reference model passes through the binding again in the same process.
         "npu_again": dict(recipe=FULL, mindspeed_stand_in=str(root)),
     }
@@ -104,6 +109,21 @@ def test_the_patch_adds_the_groups_and_keeps_the_rest(results):
     same = {k: v for k, v in p["fields"].items() if k not in GROUPS}
     assert same == {k: v for k, v in results["upstream"]["fields"].items() if k not in GROUPS}
     assert results["user_wins"]["fields"]["moe_router_group_topk"] == 1  # override_transformer_config wins
+
+
+def test_the_real_deepseek_v3_config(results):
+    r = results["deepseek_v3"]
+    assert r["ok"], r
+    f = r["fields"]
+    assert (f["num_layers"], f["hidden_size"], f["ffn_hidden_size"], f["moe_ffn_hidden_size"]) == (61, 7168, 18432, 2048)
+    assert (f["q_lora_rank"], f["kv_lora_rank"], f["qk_head_dim"], f["qk_pos_emb_head_dim"], f["v_head_dim"]) == \
+        (1536, 512, 128, 64, 128)
+    assert (f["rope_type"], f["rotary_scaling_factor"], f["max_position_embeddings"], f["rotary_base"]) == \
+        ("yarn", 40, 4096, 10000)
+    assert f["moe_layer_freq"] == [0] * 3 + [1] * 58 and f["moe_shared_expert_intermediate_size"] == 2048
+    assert (f["num_moe_experts"], f["moe_router_topk"], f["moe_router_topk_scaling_factor"]) == (256, 8, 2.5)
+    assert (f["moe_router_num_groups"], f["moe_router_group_topk"]) == (8, 4)
+    assert r["num_layer_list"] == [61]
 
 
 def test_a_rope_type_only_config_gets_yarn(results):
