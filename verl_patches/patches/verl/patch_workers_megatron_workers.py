@@ -41,6 +41,9 @@ built with the actor's groups and ``ref.megatron``'s layout keys are silently ig
 with the process's groups and name each that differs. Role "actor_rollout_ref" does not build in 0.4.1
 (init_model's reference branch gets the actor's 5-tuple from _build_model_optimizer, and
 ``_ref_is_offload_param`` is set only in an elif that role skips): we refuse it with that explanation.
+Left as upstream has it: with random init (load_weight=False) the reference is not a copy of the actor.
+Both constructors seed the same RNGs, then the trainer builds the reference first, so the actor's init
+draws from a later RNG state (the KL starts above zero; throughput is unaffected).
 
 torch.compile for the rollout only (RECIPE.md item 7). MindSpeed's features manager registers
 ``torch.compile`` and ``torch.jit.script`` -> ``dummy_compile`` (a plain call-through,
