@@ -104,11 +104,11 @@ def validate(cfg, model: dict) -> Report:
     dp = world // (tp * pp * cp)
     rep.check(world % (tp * pp * cp) == 0, f"world size {world} is not divisible by TP{tp} x PP{pp} x CP{cp}")
     extend = bool(recipe.megatron.moe_tp_extend_ep)
-    if extend:
-        rep.check(etp == 1, f"moe_tp_extend_ep splits experts over TP x EP with no expert TP: expert_tensor_parallel_size must be 1, got {etp}")
-        expert_group = tp * ep
-    else:
-        expert_group = etp * ep
+    # Whole experts per rank (the reshard plan and vLLM's EP both move whole experts).
+    rep.check(etp == 1, f"the recipe keeps whole experts per rank (no expert TP): expert_tensor_parallel_size "
+                        f"must be 1, got {etp}")
+    # MindSpeed's moe_tp_extend_ep folds TP into the expert group; megatron-core's EP alone is the group.
+    expert_group = tp * ep if extend else ep
     rep.check(experts % expert_group == 0, f"{experts} routed experts do not divide over the expert group of {expert_group} ranks")
     rep.check((world // pp) % expert_group == 0,
               f"expert group of {expert_group} ranks does not divide the {world // pp} ranks of one pipeline stage")

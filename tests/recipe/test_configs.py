@@ -75,7 +75,7 @@ def test_layout_arithmetic(name, dp, inst, ep, model, random_init, true_weight):
     lay = rep.layout
     assert lay["world"] == 256 == cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     t = lay["train"]
-    assert (t["tp"], t["pp"], t["ep"], t["etp"]) == (4, 8, 8, 1)
+    assert (t["tp"], t["pp"], t["ep"], t["etp"]) == (4, 8, 32, 1)
     assert t["tp"] * t["pp"] * t["dp"] == 256 and t["dp"] == 8
     assert sum(t["num_layer_list"]) == model["num_hidden_layers"] == 61
     assert model["n_routed_experts"] % t["expert_group"] == 0 and t["experts_per_rank"] == 8
