@@ -14,33 +14,10 @@ import torch
 
 
 def build_model(cfg: dict):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    # The binding tests' builder: megatron-core's own modules, local spec, SequentialMLP experts.
+    from verl_patches.testing.live_models import build_megatron_deepseek
 
-    n = cfg["num_hidden_layers"]
-    tc = MLATransformerConfig(
-        num_layers=n, hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
-        ffn_hidden_size=cfg["intermediate_size"], moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-        q_lora_rank=cfg["q_lora_rank"], kv_lora_rank=cfg["kv_lora_rank"], qk_head_dim=cfg["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
-        num_moe_experts=cfg["n_routed_experts"],
-        moe_layer_freq=[0 if i < cfg["first_k_dense_replace"] else 1 for i in range(n)],
-        moe_shared_expert_intermediate_size=cfg["moe_intermediate_size"] * cfg["n_shared_experts"],
-        moe_router_topk=cfg["num_experts_per_tok"], moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid",
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
-        use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True, rope_type="rope", qk_layernorm=True,
-        moe_grouped_gemm=False, moe_token_dispatcher_type="allgather")
-    spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False)
-
-    class CoreAttentionStub(torch.nn.Module):
-        def __init__(self, *args, **kwargs):
-            super().__init__()
-
-    for layer_spec in spec.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = CoreAttentionStub
-    return GPTModel(tc, spec, vocab_size=cfg["vocab_size"], max_sequence_length=64, position_embedding_type="rope",
-                    share_embeddings_and_output_weights=cfg.get("tie_word_embeddings", False))
+    return build_megatron_deepseek(cfg, torch.bfloat16, grouped=False)
 
 
 def main(ckpt: str, hf: str) -> None:
