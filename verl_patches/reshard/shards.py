@@ -70,30 +70,29 @@ def allocate(shapes: dict[str, tuple[int, ...]], dtype: Any, device: Any = "cpu"
     return {n: torch.full(s, fill, dtype=dt, device=device) for n, s in shapes.items()}
 
 
+def _fill(placements: Placements, rank: int, logical: dict[str, torch.Tensor], device: Any, side: str
+          ) -> dict[str, torch.Tensor]:
+    storage = placements.train_storage if side == "train" else placements.rollout_storage
+    out = allocate(storage[rank], next(iter(logical.values())).dtype, device, fill=0.0)
+    for t in placements.tensors:
+        for part in (t.train if side == "train" else t.rollout):
+            if rank in part.ranks:
+                part.slot.view(out[part.slot.name]).copy_(logical[t.name][_sl(part.box)])
+    return out
+
+
 def train_shards(placements: Placements, rank: int, logical: dict[str, torch.Tensor],
                  device: Any = "cpu") -> dict[str, torch.Tensor]:
     """The Megatron parameters of ``rank`` (names and storage layout of megatron-core 0.12.1,
     local layer numbering of its PP stage). Vocab padding rows are zero."""
-    dtype = next(iter(logical.values())).dtype
-    out = allocate(placements.train_storage[rank], dtype, device, fill=0.0)
-    for t in placements.tensors:
-        for part in t.train:
-            if rank in part.ranks:
-                part.slot.view(out[part.slot.name]).copy_(logical[t.name][_sl(part.box)])
-    return out
+    return _fill(placements, rank, logical, device, "train")
 
 
 def rollout_shards(placements: Placements, rank: int, logical: dict[str, torch.Tensor],
                    device: Any = "cpu") -> dict[str, torch.Tensor]:
     """The vLLM parameters ``rank`` must hold after the reshard (vLLM 0.9.1 names and layout;
     vocab padding rows zero, as vLLM's weight loader leaves them)."""
-    dtype = next(iter(logical.values())).dtype
-    out = allocate(placements.rollout_storage[rank], dtype, device, fill=0.0)
-    for t in placements.tensors:
-        for part in t.rollout:
-            if rank in part.ranks:
-                part.slot.view(out[part.slot.name]).copy_(logical[t.name][_sl(part.box)])
-    return out
+    return _fill(placements, rank, logical, device, "rollout")
 
 
 def random_train_shards(placements: Placements, rank: int, dtype: Any, device: Any = "cpu",
