@@ -86,8 +86,16 @@ def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dic
     return out
 
 
+def _ddp(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """megatron-core's DDP with the distributed optimizer's layout: params are views of param_data."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    return DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        overlap_grad_reduce=False, use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+
+
 def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
-          recipe: dict[str, Any] | None = None) -> dict[str, Any]:
+          recipe: dict[str, Any] | None = None, ddp: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from verl.workers.sharding_manager.megatron_vllm import MegatronVLLMShardingManager
 
@@ -97,11 +105,12 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
 
     dt = _DTYPES[dtype]
     cfg = json.loads((model_dir / "config.json").read_text())
-    actor = build_megatron_deepseek(cfg, dt, grouped)
-    randomize(actor, seed=1)
+    gpt = build_megatron_deepseek(cfg, dt, grouped)
+    randomize(gpt, seed=1)
     # Reference: vLLM's own loaders fed the actor's weights in HF names, then its post-load step.
     ref, vcfg = build_vllm_deepseek(model_dir, dt)
-    ref.load_weights(megatron_to_hf(actor, cfg).items())
+    ref.load_weights(megatron_to_hf(gpt, cfg).items())
+    actor = _ddp(gpt, dt) if ddp else gpt
     vllm_post_load(ref, vcfg)
     # The rollout model as the engine built it: its own (dummy) weights, post-processed.
     model, _ = build_vllm_deepseek(model_dir, dt)
@@ -118,7 +127,15 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
     manager = MegatronVLLMShardingManager(
         actor_module=[actor], inference_engine=engine, model_config=SimpleNamespace(to_dict=lambda: dict(cfg)),
         transformer_config=None, layer_name_mapping={}, weight_converter=None, device_mesh=mesh, offload_param=False)
-    manager.actor_memory = _ActorMemory(events)
+    if ddp:
+        # The worker's real ActorMemory (patch verl.megatron_worker.offload_init attaches it).
+        from verl_patches.offload import OffloadEngine
+        from verl_patches.offload.megatron_memory import ActorMemory
+
+        manager.actor_memory = ActorMemory([actor], engine=OffloadEngine())
+        before = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    else:
+        manager.actor_memory = _ActorMemory(events)
     error, again = None, None
     try:
         with manager:
@@ -128,6 +145,12 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
     result = {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
               "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "mla_layers": len(mla_derived(ref)) // 2,
               "events": list(events), "error": error}
+    if ddp and error is None:
+        # After the switch the training params are on host; back on device they are the same bytes.
+        params_now = [p for _, p in actor.named_parameters()]
+        result["train_params_offloaded"] = all(p.untyped_storage().nbytes() == 0 for p in params_now)
+        manager.actor_memory.onload_params()
+        result["train_params_back_exact"] = all(torch.equal(p, before[n]) for n, p in actor.named_parameters())
     if error is None and method != "upstream":
         # What the recipe engine's offload does with the weights (VllmEngineMemory), then the next switch.
         from verl_patches.rollout.mla import release_mla_derived

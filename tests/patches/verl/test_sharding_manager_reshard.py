@@ -23,6 +23,7 @@ CASES = [
     dict(grouped=True, method="direct", dtype="bfloat16"),                 # GroupedMLP (MindSpeed), fp32 expert bias
     dict(grouped=True, method="recipe", dtype="float32"),                  # method B in the same binding
     dict(grouped=True, method="direct", dtype="float32", recipe={"megatron": {"num_layer_list": [3, 1]}}),
+    dict(grouped=True, method="direct", dtype="bfloat16", ddp=True),      # megatron DDP + the real ActorMemory
 ]
 
 
@@ -33,7 +34,8 @@ def results(tmp_path_factory):
     return run_distributed(sharding_manager_rank, 1, str(d), CASES, timeout=400)[0]
 
 
-@pytest.mark.parametrize("case", [1, 2, 3], ids=["sequential-direct-fp32", "grouped-direct-bf16", "grouped-recipe-fp32"])
+@pytest.mark.parametrize("case", [1, 2, 3, 5], ids=["sequential-direct-fp32", "grouped-direct-bf16",
+                                                  "grouped-recipe-fp32", "ddp-actor-memory-bf16"])
 def test_reshard_into_vllm_equals_vllms_own_load(results, case):
     r = results[case]
     assert r["error"] is None
@@ -79,3 +81,11 @@ def test_four_ranks_megatron_tp2_pp2_uneven_to_vllm_tp4_ep4(tmp_path, method):
         assert r["local_layers"] == (["0", "1", "2"] if rank < 2 else ["0"]), (rank, r["local_layers"])
         assert r["events"][-5:] == SCHEDULE, r["events"]
         assert "layers=(3, 1)" in r["layout"] and "ep=1" in r["layout"], r["layout"]
+
+
+def test_with_the_workers_actor_memory_the_training_params_leave_after_the_reshard(results):
+    """The contract with patch verl.megatron_worker.offload_init: the manager reshards from the
+    resident params of megatron's DDP buffers, then the real ActorMemory moves them to host."""
+    r = results[5]
+    assert r["error"] is None and r["mismatch"] == []
+    assert r["train_params_offloaded"] and r["train_params_back_exact"]
