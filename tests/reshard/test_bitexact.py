@@ -24,6 +24,7 @@ CASES = [
     ("tp=4,pp=1,ep=2,mla_down=replicated", "tp=2,dp=4", "float32", 8192),  # MindSpeed-style replicated MLA down-projections
     ("tp=2,pp=2,ep=2,layers=1,3,experts=te_grouped", "tp=2,dp=4", "bfloat16", 4096),  # TEGroupedMLP: one weight per expert
     ("tp=2,pp=1,ep=2,experts=sequential", "tp=1,dp=4,instances=2", "float32", 4096),  # SequentialMLP, 2 instances
+    ("tp=2,pp=2,ep=2,layers=2,2", "tp=4,dp=2,shared=replicated", "bfloat16", 4096),  # vLLM-Ascend multistream MoE
 ]
 GROUPED = [i for i, (t, *_rest) in enumerate(CASES) if "experts=" not in t]
 

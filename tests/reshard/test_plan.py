@@ -135,3 +135,20 @@ def test_cli_json_and_table(capsys):
     assert "direct" in text and "upstream" in text and "recipe" in text
     assert plan_main(["--model", TINY, "--train", "tp=1,pp=1,ep=1", "--rollout", "tp=3,dp=1"]) == 2
     assert "embed_tokens" in capsys.readouterr().err
+
+
+def test_live_binding_reads_the_shared_expert_layout_from_the_engine():
+    """vLLM-Ascend's multistream MoE keeps the shared experts whole on every rollout rank."""
+    import torch
+
+    from verl_patches.reshard.binding import derive_rollout_layout
+    from verl_patches.reshard.layout import LayoutError, RolloutLayout
+
+    cfg = ModelConfig.load(TINY)
+    rows = 2 * cfg.moe_intermediate_size * cfg.n_shared_experts
+    name = "model.layers.1.mlp.shared_experts.gate_up_proj.weight"
+    base = RolloutLayout(tp=2, dp=4)
+    assert derive_rollout_layout(cfg, base, {name: torch.empty(rows, cfg.hidden_size)}).shared_replicated
+    assert not derive_rollout_layout(cfg, base, {name: torch.empty(rows // 2, cfg.hidden_size)}).shared_replicated
+    with pytest.raises(LayoutError, match="shared_experts.gate_up_proj.*rows"):
+        derive_rollout_layout(cfg, base, {name: torch.empty(rows // 4, cfg.hidden_size)})

@@ -159,6 +159,21 @@ def derive_train_layout(cfg: ModelConfig, *, tp: int, pp: int, pp_rank: int, lay
                        expert_storage=facts["expert_storage"])
 
 
+def derive_rollout_layout(cfg: ModelConfig, rollout: RolloutLayout, roll: Mapping[str, torch.Tensor]) -> RolloutLayout:
+    """What the engine's own model says beyond the DP / TP sizes: vLLM-Ascend replicates the
+    shared experts over TP under multistream MoE (every rank holds both halves of gate_up)."""
+    rows = 2 * cfg.moe_intermediate_size * cfg.n_shared_experts
+    for n, t in roll.items():
+        if n.endswith("mlp.shared_experts.gate_up_proj.weight") and rollout.tp > 1:
+            if t.shape[0] == rows:
+                return replace(rollout, shared_replicated=True)
+            if t.shape[0] * rollout.tp != rows:
+                raise LayoutError(f"{n}: {t.shape[0]} rows, expected {rows} (replicated) or {rows}/{rollout.tp} "
+                                  "(split over the rollout TP)")
+            break
+    return rollout
+
+
 @dataclass
 class LiveReshard:
     """One plan for the run (layouts do not change), executed on every switch."""
@@ -180,8 +195,14 @@ class LiveReshard:
                               f"stores experts as {tl.expert_storage!r}: use 'direct' (or verl's own path)")
         dtypes = {t.dtype for t in roll.values()}
         if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
-            raise LayoutError(f"vLLM parameters must share one of {sorted(_DTYPE_NAMES.values())}, got {dtypes}")
+            counts = {d: sum(1 for t in roll.values() if t.dtype == d) for d in dtypes}
+            rare = min(counts, key=counts.get)
+            odd = [n for n, t in roll.items() if t.dtype == rare][:3]
+            raise LayoutError(f"vLLM parameters must share one dtype of {sorted(_DTYPE_NAMES.values())}, got "
+                              f"{ {str(d): c for d, c in counts.items()} } (e.g. {odd} are {rare}; vLLM-Ascend's "
+                              "enable_super_kernel keeps the router in fp32)")
         dtype = _DTYPE_NAMES[next(iter(dtypes))]
+        rollout = derive_rollout_layout(cfg, rollout, roll)
         P = build_placements(cfg, tl, rollout)
         if P.world != (dist.get_world_size(group) if dist.is_initialized() else 1):
             raise LayoutError(f"rollout layout {rollout} covers {P.world} ranks, the process group has "

@@ -164,6 +164,9 @@ class RolloutLayout:
     tp: int
     dp: int
     instances: int = 1
+    # vLLM-Ascend replicates the shared experts over TP (no split) when multistream MoE or its
+    # prefill optimizations are on (CustomDeepseekV2MLP(force_replicate=True)); vLLM splits them.
+    shared_replicated: bool = False
 
     @property
     def world(self) -> int:
@@ -172,11 +175,15 @@ class RolloutLayout:
     @classmethod
     def parse(cls, text: str) -> "RolloutLayout":
         kv = _parse_kv(text, "rollout")
-        unknown = set(kv) - {"tp", "dp", "instances"}
+        unknown = set(kv) - {"tp", "dp", "instances", "shared"}
         if unknown:
             raise LayoutError(f"rollout layout: unknown keys {sorted(unknown)}")
+        shared = kv.get("shared", "split")
+        if shared not in ("split", "replicated"):
+            raise LayoutError(f"rollout layout: shared must be split or replicated, not {shared!r}")
         try:
-            return cls(int(kv.get("tp", 1)), int(kv.get("dp", 1)), int(kv.get("instances", 1)))
+            return cls(int(kv.get("tp", 1)), int(kv.get("dp", 1)), int(kv.get("instances", 1)),
+                       shared == "replicated")
         except ValueError as exc:
             raise LayoutError(f"rollout layout {text!r}: {exc}") from None
 
@@ -438,9 +445,13 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
             add_train(lt, boxes, stage_tp[s], slots, sshape)
         # rollout
         if rdim is None:
-            lt.rollout.append(Part(full_box(shape), all_ranks, Slot(rname)))
+            # Replicated; a fused storage (gate_up) stacks its n parts on the training split dim.
+            fd = tdim if tdim is not None else 0
+            rshape = tuple(x * n if dd == fd else x for dd, x in enumerate(shape))
+            lt.rollout.append(Part(full_box(shape), all_ranks,
+                                   Slot(rname, narrows=((fd, k * shape[fd], shape[fd]),) if n > 1 else ())))
             for r in all_ranks:
-                rstore[r][rname] = shape
+                rstore[r][rname] = rshape
         else:
             boxes = _split(shape, rdim, tr, name, f"rollout tp={tr}")
             per = shape[rdim] // tr
@@ -564,11 +575,12 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
         if model.n_shared_experts:
             Is = Im * model.n_shared_experts
             sh, rs = tp_ + "mlp.shared_experts.", hp + "mlp.shared_experts."
+            r0, r1 = (None, None) if rollout.shared_replicated else (0, 1)
             dense(rs + "gate_proj.weight", (Is, H), s, sh + "linear_fc1.weight", rs + "gate_up_proj.weight",
-                  0, 0, fused=(0, 2))
+                  0, r0, fused=(0, 2))
             dense(rs + "up_proj.weight", (Is, H), s, sh + "linear_fc1.weight", rs + "gate_up_proj.weight",
-                  0, 0, fused=(1, 2))
-            dense(rs + "down_proj.weight", (H, Is), s, sh + "linear_fc2.weight", rs + "down_proj.weight", 1, 1)
+                  0, r0, fused=(1, 2))
+            dense(rs + "down_proj.weight", (H, Is), s, sh + "linear_fc2.weight", rs + "down_proj.weight", 1, r1)
         el = E // (te) if E % te == 0 else 0
         w1, w2 = tp_ + "mlp.experts.weight1", tp_ + "mlp.experts.weight2"
         r13, r2 = hp + "mlp.experts.w13_weight", hp + "mlp.experts.w2_weight"
