@@ -174,6 +174,36 @@ def derive_rollout_layout(cfg: ModelConfig, rollout: RolloutLayout, roll: Mappin
     return rollout
 
 
+def check_expert_placement(model: torch.nn.Module, P: Any, rank: int) -> int:
+    """vLLM's experts must sit where the plan puts them: contiguous blocks per EP rank (vLLM's
+    determine_expert_map). vLLM-Ascend's expert_map_path / dynamic EPLB move them elsewhere;
+    refused here, by layer, instead of resharding into the wrong experts. Returns layers checked."""
+    want: dict[str, tuple[int, int]] = {}
+    for lt in P.tensors:
+        for part in lt.rollout:
+            if rank in part.ranks and part.slot.name.endswith(".mlp.experts.w13_weight"):
+                want[part.slot.name[: -len(".w13_weight")]] = part.box[0]
+    checked = 0
+    for name, module in model.named_modules():
+        if name not in want or not hasattr(module, "w13_weight"):
+            continue
+        a, b = want[name]
+        em = getattr(module, "expert_map", None)
+        if em is None:
+            local = list(range(module.w13_weight.shape[0]))
+            ok = (a, b) == (0, len(local))
+        else:
+            em = em.tolist()
+            ok = [i for i, x in enumerate(em) if x >= 0] == list(range(a, b)) and \
+                all(em[i] == i - a for i in range(a, b))
+        if not ok:
+            raise LayoutError(f"{name}: this rank's vLLM experts are not the contiguous block [{a}, {b}) the "
+                              "reshard plan writes (expert_map_path / dynamic EPLB in vLLM-Ascend's "
+                              "additional_config?); the reshard needs vLLM's default expert placement")
+        checked += 1
+    return checked
+
+
 @dataclass
 class LiveReshard:
     """One plan for the run (layouts do not change), executed on every switch."""

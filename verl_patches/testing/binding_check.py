@@ -213,6 +213,9 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     with manager:
         pass
     P = manager._verl_patches_reshard.plan.placements
+    from verl_patches.reshard.binding import check_expert_placement
+
+    experts_checked = check_expert_placement(model, P, rank)
     full = full_state(P, seed=3, dtype="float32")
     mine = train_shards(P, rank, logical_state(P, full))
     live = megatron_params([actor])
@@ -227,4 +230,4 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     return {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
             "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "events": events,
             "local_layers": sorted({n.split(".")[2] for n in live if n.startswith("decoder.layers.")}),
-            "extra_names": sorted(set(live) - set(mine)), "layout": str(P.train)}
+            "extra_names": sorted(set(live) - set(mine)), "layout": str(P.train), "experts_checked": experts_checked}

@@ -81,6 +81,7 @@ def test_four_ranks_megatron_tp2_pp2_uneven_to_vllm_tp4_ep4(tmp_path, method):
         assert r["local_layers"] == (["0", "1", "2"] if rank < 2 else ["0"]), (rank, r["local_layers"])
         assert r["events"][-5:] == SCHEDULE, r["events"]
         assert "layers=(3, 1)" in r["layout"] and "ep=1" in r["layout"], r["layout"]
+        assert r["experts_checked"] == 3  # vLLM's expert_map on each MoE layer matches the plan
 
 
 def test_with_the_workers_actor_memory_the_training_params_leave_after_the_reshard(results):
@@ -89,3 +90,29 @@ def test_with_the_workers_actor_memory_the_training_params_leave_after_the_resha
     r = results[5]
     assert r["error"] is None and r["mismatch"] == []
     assert r["train_params_offloaded"] and r["train_params_back_exact"]
+
+
+def test_experts_placed_elsewhere_by_vllm_are_refused():
+    """An expert map that is not vLLM's contiguous default (vLLM-Ascend's expert_map_path or
+    dynamic EPLB) is refused by layer before anything is resharded."""
+    import torch
+
+    from verl_patches.reshard.binding import check_expert_placement
+    from verl_patches.reshard.layout import LayoutError, ModelConfig, RolloutLayout, TrainLayout, build_placements
+
+    P = build_placements(ModelConfig.load(str(CONFIG)), TrainLayout.parse("tp=1,pp=1,ep=1"),
+                         RolloutLayout(tp=1, dp=4))
+    moe = torch.nn.Module()
+    moe.w13_weight = torch.nn.Parameter(torch.empty(4, 1, 1))
+    E = json.loads(CONFIG.read_text())["n_routed_experts"]
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+    model.layers[1].mlp = torch.nn.Module()
+    model.layers[1].mlp.experts = moe
+    wrapper = torch.nn.Module()
+    wrapper.model = model
+    moe.expert_map = torch.tensor([-1] * 4 + [0, 1, 2, 3] + [-1] * (E - 8))  # rank 1: experts 4..7
+    assert check_expert_placement(wrapper, P, 1) == 1
+    moe.expert_map = torch.tensor([0, 1, 2, 3] + [-1] * (E - 4))  # rank 1 given experts 0..3
+    with pytest.raises(LayoutError, match=r"model.layers.1.mlp.experts.*\[4, 8\)"):
+        check_expert_placement(wrapper, P, 1)

@@ -52,7 +52,7 @@ def _session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from verl_patches.reshard.binding import LiveReshard
+    from verl_patches.reshard.binding import LiveReshard, check_expert_placement
     from verl_patches.reshard.layout import RolloutLayout
 
     hf = manager.model_config.to_dict() if hasattr(manager.model_config, "to_dict") else dict(manager.model_config)
@@ -62,6 +62,7 @@ def _session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
         tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(), layers=settings.num_layer_list, train=train, roll=roll,
         rank=dist.get_rank(), method=settings.reshard_method)
+    check_expert_placement(_model(manager), session.plan.placements, session.rank)
     setattr(manager, SESSION_ATTR, session)
     s = session.plan.ranks[session.rank]
     logger.info("reshard plan (%s): receive %d B, local %d B, %d collectives, peak extra %d B",
