@@ -361,16 +361,24 @@ def optimizer_state_group(engine: OffloadEngine, optimizer, name: str = "optimiz
     the optimizer's own parameters: for Megatron's (distributed) optimizer the inner torch
     optimizer's params are the fp32 master shards, which move with the state. ``optimizer``
     may be a list (the inner optimizers of a Megatron ChainedOptimizer): one group for all."""
-    dev = accelerator.device_type()
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-    tensors = []
+    return TensorGroup(engine, name, optimizer_tensors(optimizers, include_params=include_params))
+
+
+def optimizer_tensors(optimizers: Sequence[torch.optim.Optimizer], *, include_params: bool,
+                      exclude: frozenset[int] | set[int] = frozenset()) -> list[torch.Tensor]:
+    """The resident device tensors of torch optimizers' state (and, with ``include_params``, their
+    params), leaving out storages in ``exclude`` (_storage_key). 0-dim tensors (Adam's step
+    counters) stay: bytes not worth a copy, read every step."""
+    dev = accelerator.device_type()
+    out = []
     for opt in optimizers:
-        # 0-dim tensors (Adam's step counters) stay: bytes not worth a copy, read every step.
-        tensors += [v for st in opt.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor) and v.device.type == dev and v.dim() > 0 and v.numel() > 0]
+        cand = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         if include_params:
-            tensors += [p for grp in opt.param_groups for p in grp["params"] if p.device.type == dev]
-    return TensorGroup(engine, name, tensors)
+            cand += [p for grp in opt.param_groups for p in grp["params"]]
+        out += [t for t in cand if t.device.type == dev and t.untyped_storage().nbytes() > 0
+                and _storage_key(t) not in exclude]
+    return out
 
 
 def reference_group(engine: OffloadEngine, params, name: str = "ref_params") -> TensorGroup:

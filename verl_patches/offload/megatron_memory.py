@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.offload import groups
 from verl_patches.offload.groups import Location, TensorGroup, _storage_key
 from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
 from verl_patches.offload.pool import OffloadEngine
@@ -77,17 +77,10 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def optimizer_tensors(optimizer: Any, exclude: set[int]) -> list[torch.Tensor]:
-    """Optimizer state tensors and the inner optimizers' params (the fp32 master copies) that do
-    not share storage with ``exclude`` (fp32 training params are their own masters)."""
-    dev = accelerator.device_type()
-    out = []
-    for opt in inner_optimizers(optimizer):
-        cand = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        cand += [p for g in opt.param_groups for p in g["params"]]
-        # Tensors elsewhere (a swap optimizer's host copies) are not ours to move.
-        out += [t for t in cand if t.device.type == dev and t.untyped_storage().nbytes() > 0
-                and _storage_key(t) not in exclude]
-    return out
+    """A Megatron optimizer's state and fp32 master copies, not sharing storage with ``exclude``
+    (fp32 training params are their own masters). Tensors elsewhere (a swap optimizer's host
+    copies) are not ours to move."""
+    return groups.optimizer_tensors(inner_optimizers(optimizer), include_params=True, exclude=exclude)
 
 
 class _Tracked:

@@ -16,12 +16,13 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from verl_patches.megatron_args import RecipeMegatron, check_layout
 from verl_patches.reshard.executor import METHODS, ExecStats, check_inputs, execute
 from verl_patches.reshard.layout import (LayoutError, ModelConfig, RolloutLayout, TrainLayout,
                                          build_placements)
 from verl_patches.reshard.planner import Plan, build_plan
 
-_WRAPPERS = ("module.",)  # DDP and Float16Module both hold the model as .module
+_WRAPPER = "module."  # DDP and Float16Module both hold the model as .module
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # fc2 of one local expert: TEGroupedMLP (linear_fc2.weight<j>) or SequentialMLP (local_experts.<j>.linear_fc2.weight)
 _PER_EXPERT = re.compile(r"mlp\.experts\.(linear_fc2\.weight(?P<te>\d+)|local_experts\.(?P<seq>\d+)\.linear_fc2\.weight)$")
@@ -63,8 +64,8 @@ def megatron_params(modules: Any) -> dict[str, torch.Tensor]:
     tensors = list(chunks[0].named_parameters()) + [
         (n, b) for n, b in chunks[0].named_buffers() if n.endswith("mlp.router.expert_bias")]
     for name, p in tensors:
-        while name.startswith(_WRAPPERS):
-            name = name[len("module."):]
+        while name.startswith(_WRAPPER):
+            name = name[len(_WRAPPER):]
         raw[name] = p.data
     dense = {n[: _LAYER.match(n).end()] for n in raw if _LAYER.match(n) and n.endswith(".mlp.linear_fc1.weight")}
     out = {_te_name(n, dense): t for n, t in raw.items()}
@@ -139,9 +140,7 @@ def derive_train_layout(cfg: ModelConfig, *, tp: int, pp: int, pp_rank: int, lay
             raise LayoutError(f"{cfg.num_layers} layers do not split evenly over pp={pp}: set "
                               "actor_rollout_ref.rollout.recipe.megatron.num_layer_list")
         layers = (cfg.num_layers // pp,) * pp
-    if len(layers) != pp or sum(layers) != cfg.num_layers:
-        raise LayoutError(f"recipe.megatron.num_layer_list {list(layers)} must have pp={pp} entries summing to "
-                          f"{cfg.num_layers} layers")
+    check_layout(RecipeMegatron(num_layer_list=layers), num_layers=cfg.num_layers, pp=pp)
     have = _local_layers(train)
     if have != layers[pp_rank]:
         raise LayoutError(f"PP stage {pp_rank} holds {have} decoder layers, recipe.megatron.num_layer_list says "
@@ -189,9 +188,8 @@ def check_expert_placement(model: torch.nn.Module, P: Any, rank: int) -> int:
             continue
         a, b = want[name]
         em = getattr(module, "expert_map", None)
-        if em is None:
-            local = list(range(module.w13_weight.shape[0]))
-            ok = (a, b) == (0, len(local))
+        if em is None:  # no expert parallel: the rank holds every expert
+            ok = (a, b) == (0, module.w13_weight.shape[0])
         else:
             em = em.tolist()
             ok = [i for i, x in enumerate(em) if x >= 0] == list(range(a, b)) and \
@@ -234,15 +232,12 @@ class LiveReshard:
         dtype = _DTYPE_NAMES[next(iter(dtypes))]
         rollout = derive_rollout_layout(cfg, rollout, roll)
         P = build_placements(cfg, tl, rollout)
-        if P.world != (dist.get_world_size(group) if dist.is_initialized() else 1):
-            raise LayoutError(f"rollout layout {rollout} covers {P.world} ranks, the process group has "
-                              f"{dist.get_world_size(group) if dist.is_initialized() else 1}")
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        if P.world != world:
+            raise LayoutError(f"rollout layout {rollout} covers {P.world} ranks, the process group has {world}")
         check_inputs(P, rank, dict(train), dict(roll))
         plan = build_plan(cfg, tl, rollout, bucket_bytes=bucket_bytes, dtype=dtype, placements=P)
         return cls(plan, rank, method)
-
-    def with_method(self, method: str) -> "LiveReshard":
-        return replace(self, method=method)
 
     def run(self, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor], group: Any = None) -> ExecStats:
         """Fill ``roll`` (vLLM's parameters, allocated) from ``train`` (Megatron's). Every rank calls it."""

@@ -66,12 +66,10 @@ class RolloutSettings:
         method = str(_get(recipe, "reshard_method", "direct"))
         if method not in RESHARD_METHODS:
             raise ValueError(f"rollout.{RECIPE_KEY}.reshard_method must be one of {RESHARD_METHODS}, got {method!r}")
-        raw_layers = _get(_get(recipe, "megatron", {}), "num_layer_list", None)
-        try:
-            layers = tuple(int(x) for x in raw_layers) if raw_layers else ()
-        except (TypeError, ValueError):
-            raise ValueError(f"rollout.{RECIPE_KEY}.megatron.num_layer_list must be a list of integers, "
-                             f"got {raw_layers!r}") from None
+        from verl_patches.megatron_args import parse as parse_megatron
+
+        section = _get(recipe, "megatron", None)
+        layers = parse_megatron(dict(section) if section is not None else None).num_layer_list or ()
         return cls(offload=_bool(_get(recipe, "offload", True), "offload"),
                    reshard_method=method, num_layer_list=layers,
                    dp_sync_on_device=_bool(_get(recipe, "dp_sync_on_device", True), "dp_sync_on_device"),

@@ -44,11 +44,8 @@ def _model(manager: Any) -> Any:
     return manager.model_runner.model
 
 
-def _session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
+def _build_session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
     """The run's plan, built on the first switch (every rank together: it agrees the layout)."""
-    session = getattr(manager, SESSION_ATTR, None)
-    if session is not None:
-        return session
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -104,8 +101,9 @@ def recipe_enter(manager: Any, settings: Any) -> None:
             load_megatron_model_to_gpu(manager.actor_module)
         model = _model(manager)
         train = megatron_params(manager.actor_module)
-        # Planned (and checked against both models' shapes) before anything is allocated.
-        session = _session(manager, settings, train, vllm_params(model))
+        # Planned once (and checked against both models' shapes) before anything is allocated.
+        session = getattr(manager, SESSION_ATTR, None) or _build_session(manager, settings, train,
+                                                                         vllm_params(model))
         _wake(manager, "weights")
         roll = vllm_params(model)
         session.run(train, roll)
