@@ -5,8 +5,11 @@ device backend), and collect each rank's return value. Used by tests and by
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
+import random
+import signal
 import socket
 import time
 import traceback
@@ -15,15 +18,63 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Where the kernel takes ports for connect() and bind(port 0) when it cannot read its setting.
+_EPHEMERAL_DEFAULT = (32768, 60999)
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_block(count: int = 1, tries: int = 200) -> int:
+    """First of ``count`` consecutive TCP ports that are free now, all below the kernel's
+    ephemeral range.
+
+    Ports the kernel hands out on its own (every gloo pair connection, every client socket)
+    come from the ephemeral range, so a port taken from there and bound later by a rendezvous
+    can meanwhile be in use by one of the job's own connections; below that range only an
+    explicit bind takes a port. The start is random so runs side by side rarely pick the same
+    block, and every port of the block is checked.
+    """
+    if count < 1:
+        raise ValueError(f"free_port_block: count must be >= 1, got {count}")
+    low = _ephemeral_range()[0]
+    top = low - count
+    if top < _LOWEST_PORT:
+        raise RuntimeError(f"free_port_block: no room for {count} ports between {_LOWEST_PORT} and the "
+                           f"ephemeral range starting at {low}")
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(tries):
+        base = rng.randint(_LOWEST_PORT, top)
+        if all(_bindable(base + k) for k in range(count)):
+            return base
+    raise RuntimeError(f"free_port_block: no {count} consecutive free ports found in {tries} tries "
+                       f"between {_LOWEST_PORT} and {low}")
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """One free TCP port (outside the ephemeral range; see free_port_block)."""
+    return free_port_block(1)
 
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any],
             args: tuple, env: dict[str, str], queue: Any) -> None:
+    # The parent sends SIGUSR1 to a rank that hangs, so its Python stack reaches stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -45,16 +96,30 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., An
 
 
 class DistributedFailure(RuntimeError):
-    """One or more ranks raised; the message holds each failing rank's traceback."""
+    """One or more ranks raised or hung; the message holds each failing rank's traceback."""
+
+
+def _dump_stacks(procs: list[Any], ranks: list[int]) -> None:
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    time.sleep(2.0)  # let faulthandler write before the kill
 
 
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
-                    env: dict[str, str] | None = None, timeout: float = 300.0) -> list[Any]:
+                    env: dict[str, str] | None = None, timeout: float = 300.0,
+                    grace: float = 30.0) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` spawned processes; return results by rank.
 
     ``fn`` must be importable (module level) because processes are spawned, not forked:
-    forking a process that has imported torch with threads is unsafe. Raises
-    DistributedFailure naming every rank that failed, or TimeoutError.
+    forking a process that has imported torch with threads is unsafe. Once a rank fails, the
+    others get ``grace`` seconds to finish (they usually wait in a collective for the failed
+    one); ranks still running then, or at ``timeout``, have their Python stacks written to
+    stderr and are killed. Raises DistributedFailure naming every rank that failed and every
+    rank that hung after a failure, or TimeoutError naming the ranks that did not finish.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
@@ -68,32 +133,44 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
         p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    failed_at: float | None = None
+    hung: list[int] = []
     try:
         while len(results) + len(failures) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run_distributed: {world - len(results) - len(failures)} rank(s) "
-                                   f"did not finish in {timeout:.0f}s")
+            now = time.monotonic()
+            if now > start + timeout or (failed_at is not None and now > failed_at + grace):
+                hung = [r for r in range(world) if r not in results and r not in failures]
+                _dump_stacks(procs, hung)
+                break
             if queue.empty():
-                if any(p.exitcode not in (None, 0) for p in procs) and queue.empty():
-                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                    # A rank that died without reporting (killed, segfault) cannot answer.
-                    for i in dead:
-                        if i not in results and i not in failures:
-                            failures[i] = f"process exited with code {procs[i].exitcode} without a result"
-                    if len(results) + len(failures) >= world:
-                        break
+                # A rank that died without reporting (killed, segfault) cannot answer; its
+                # result would already be in the queue had it put one before exiting.
+                for i, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and i not in results and i not in failures and queue.empty():
+                        failures[i] = f"process exited with code {p.exitcode} without a result"
+                        failed_at = failed_at if failed_at is not None else time.monotonic()
                 time.sleep(0.02)
                 continue
             rank, ok, payload = queue.get()
-            (results if ok else failures)[rank] = pickle.loads(payload) if ok else payload
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+                failed_at = failed_at if failed_at is not None else time.monotonic()
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=0 if hung else 30)
             if p.is_alive():
                 p.kill()
                 p.join()
     if failures:
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+        if hung:
+            msg += (f"\n--- ranks {hung} were still running {grace:.0f}s after the first failure (most likely "
+                    f"waiting in a collective for a failed rank); their stacks are on stderr ---")
         raise DistributedFailure(f"{len(failures)} of {world} rank(s) failed:\n{msg}")
+    if hung:
+        raise TimeoutError(f"run_distributed: rank(s) {hung} of {world} did not finish in {timeout:.0f}s; "
+                           f"their stacks are on stderr")
     return [results[r] for r in range(world)]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches.testing.dist import free_port, run_distributed
+from verl_patches.testing.dist import free_port_block, run_distributed
 
 # The per-rank body must be importable by name in the spawned processes, which inherit sys.path;
 # site-packages holds an unrelated `tests` package, so it cannot be reached as tests.patches.vllm.
@@ -20,12 +20,11 @@ INSTANCES, DP, TP = 2, 2, 2  # the real-weight run's shape in small: 2 instances
 
 
 def _spec() -> dict:
-    # A free port as the base, so parallel test runs on this machine do not collide.
-    for _ in range(20):
-        base = free_port()
-        if base + INSTANCES * TP * 4 <= 65535:
-            return dict(tp_size=TP, dp_size=DP, instances=INSTANCES, master_port_base=base, port_stride=4)
-    raise RuntimeError("no free port range")
+    # Every port the DP groups may use is free now and below the ephemeral range, so none of the
+    # job's own gloo connections can be holding it when a group's rendezvous binds it.
+    stride = 4
+    base = free_port_block(INSTANCES * TP * stride)
+    return dict(tp_size=TP, dp_size=DP, instances=INSTANCES, master_port_base=base, port_stride=stride)
 
 
 @pytest.fixture(scope="module")

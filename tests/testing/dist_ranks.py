@@ -1,0 +1,29 @@
+"""Per-rank bodies for test_dist.py (next to it): spawned processes import them by name."""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+
+def one_rank_raises(rank: int, world: int, others_wait: str) -> int:
+    """Rank 1 raises; the others meet in a barrier (gloo then fails them too, once rank 1's
+    connections close) or wait without end (as a rank in an NCCL collective does)."""
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+    if others_wait == "barrier":
+        dist.barrier()
+    else:
+        time.sleep(3600)
+    return rank
+
+
+def one_rank_sleeps(rank: int, world: int, seconds: float) -> int:
+    if rank == world - 1:
+        time.sleep(seconds)
+    return rank
+
+
+def echo(rank: int, world: int, value: object) -> tuple[int, int, object]:
+    return rank, dist.get_world_size(), value
