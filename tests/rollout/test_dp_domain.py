@@ -4,6 +4,9 @@ is tests/patches/vllm/test_dp_domain_dist.py)."""
 from __future__ import annotations
 
 import itertools
+import socket
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,10 @@ import torch
 from verl_patches.rollout.dp_domain import (DOMAIN_ENV, DPDomainError, DPSpec, check_vllm_config, check_vllm_groups,
                                             derive_dp_domain, master_addr_of)
 from verl_patches.rollout.dp_sync import FLAG_ENV, dp_sync_on_device
+from verl_patches.testing.dist import free_port_block, run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
+from dp_domain_ranks import setup_rank  # noqa: E402
 
 
 def _vllm_layout(world: int, dp: int, tp: int):
@@ -91,3 +98,37 @@ def test_flag_parsing(monkeypatch):
     monkeypatch.setenv(FLAG_ENV, "maybe")
     with pytest.raises(ValueError, match=FLAG_ENV):
         dp_sync_on_device()
+
+
+def test_setup_publishes_the_masters_address_or_names_a_taken_port_on_every_rank():
+    """Two gloo processes, DP2: rank 0 hosts the group's rendezvous. With its ports free both ranks
+    publish rank 0's address; with one taken, both refuse naming it (instead of rank 1 waiting in
+    vLLM's rendezvous until the store times out) and nothing is published."""
+    base = free_port_block(4)
+    spec = dict(tp_size=1, dp_size=2, master_port_base=base, port_stride=4)
+    ok = run_distributed(setup_rank, 2, spec, timeout=180)
+    assert [r["env"]["VLLM_DP_MASTER_IP"] for r in ok] == ["10.0.0.0"] * 2
+    assert [r["env"]["VLLM_DP_RANK"] for r in ok] == ["0", "1"] and {r["port"] for r in ok} == {base}
+    with socket.socket() as s:
+        s.bind(("", base + 2))
+        s.listen()
+        refused = run_distributed(setup_rank, 2, spec, timeout=180)
+    for r in refused:
+        assert f"DP group 0 (master: global rank 0 on 10.0.0.0) needs ports {base}-{base + 3}, but [{base + 2}] is " \
+               "in use there" in r["error"], r["error"]
+        assert r["published"] == []
+
+
+def test_a_master_port_block_in_the_ephemeral_range_is_warned_about(monkeypatch, caplog):
+    import verl_patches.ports as ports
+    from verl_patches.rollout.dp_domain import check_master_ports
+
+    base = free_port_block(4)
+    spec = DPSpec(tp_size=1, dp_size=2, master_port_base=base, port_stride=4)
+    master, member = derive_dp_domain(0, 2, spec), derive_dp_domain(1, 2, spec)
+    with caplog.at_level("WARNING", logger="verl_patches.rollout.dp_domain"):
+        assert check_master_ports(master, "h0") == "" and not caplog.records
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (base + 3, 60999))  # the block's last port
+        assert check_master_ports(master, "h0") == ""
+        assert check_master_ports(member, "h0") == ""  # only the master checks (and warns)
+    assert len(caplog.records) == 1 and f"ports {base}-{base + 3} lie in this host's ephemeral" in caplog.text

@@ -7,9 +7,14 @@ vLLM 0.9.1's initialize_model_parallel lays out ranks (ExternalDP x DP x PP x TP
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
+
+from verl_patches.ports import overlaps_ephemeral, taken_ports
+
+logger = logging.getLogger(__name__)
 
 # How many consecutive ports one DP group may consume. vLLM 0.9.1 takes the next port from
 # ParallelConfig.get_next_dp_init_port twice per engine (init_distributed_environment, then
@@ -179,18 +184,46 @@ def check_vllm_groups(domain: DPDomain, dp_ranks: Sequence[int], ep_ranks: Seque
                             "DP domain: " + "; ".join(problems))
 
 
+def check_master_ports(domain: DPDomain, host: str) -> str:
+    """On a DP group's master: why its port block cannot host the group's rendezvous ('' if it can).
+
+    A taken port makes the master's rendezvous fail while the group's other members wait in it
+    (until vLLM's store timeout), so it is found before vLLM starts. A block inside the kernel's
+    ephemeral range is allowed but warned about: outgoing connections may take one of its ports
+    at any moment.
+    """
+    if domain.global_rank != domain.master_rank:
+        return ""
+    base, count = domain.master_port, domain.spec.port_stride
+    if overlaps_ephemeral(base, count):
+        logger.warning("vLLM DP domain: DP group %d's ports %d-%d lie in this host's ephemeral port range; "
+                       "an outgoing connection may take one before the rendezvous binds it (choose "
+                       "recipe.vllm_dp.master_port_base below it)", domain.group_index, base, base + count - 1)
+    taken = taken_ports(base, count)
+    if not taken:
+        return ""
+    return (f"DP group {domain.group_index} (master: global rank {domain.global_rank} on {host}) needs ports "
+            f"{base}-{base + count - 1}, but {taken} {'is' if len(taken) == 1 else 'are'} in use there")
+
+
 def setup_dp_domain(spec: DPSpec, local_addr: str, environ: dict | None = None, group=None) -> DPDomain:
     """Derive this rank's domain, learn its DP master's address, and publish the VLLM_DP_* variables.
 
     Collective over ``group`` (default: the job's world group, which verl has initialised):
     every rank contributes its address once, so each DP group's members name the same host,
-    the one of their DP rank 0, whose process hosts the rendezvous on the group's port.
+    the one of their DP rank 0, whose process hosts the rendezvous on the group's port. Each
+    master also reports whether its ports are free, so that a taken port is an error on every
+    rank at once rather than a hang in vLLM's rendezvous.
     """
     import torch.distributed as dist
 
     domain = derive_dp_domain(dist.get_rank(group), dist.get_world_size(group), spec)
-    addresses: list = [None] * spec.world_size
-    dist.all_gather_object(addresses, str(local_addr), group=group)
-    env = domain.env(master_addr_of(domain, addresses))
+    reports: list = [None] * spec.world_size
+    dist.all_gather_object(reports, (str(local_addr), check_master_ports(domain, str(local_addr))), group=group)
+    problems = [problem for _, problem in reports if problem]
+    if problems:
+        raise DPDomainError("vLLM DP domain: " + "; ".join(problems) + " (change recipe.vllm_dp.master_port_base "
+                            "or free the ports)")
+    env = domain.env(master_addr_of(domain, [addr for addr, _ in reports]))
     (os.environ if environ is None else environ).update(env)
     return domain

@@ -10,7 +10,6 @@ import os
 import pickle
 import random
 import signal
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -18,26 +17,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# Where the kernel takes ports for connect() and bind(port 0) when it cannot read its setting.
-_EPHEMERAL_DEFAULT = (32768, 60999)
+from verl_patches.ports import bindable, ephemeral_range
+
 _LOWEST_PORT = 10000
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return _EPHEMERAL_DEFAULT
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 def free_port_block(count: int = 1, tries: int = 200) -> int:
@@ -52,7 +34,7 @@ def free_port_block(count: int = 1, tries: int = 200) -> int:
     """
     if count < 1:
         raise ValueError(f"free_port_block: count must be >= 1, got {count}")
-    low = _ephemeral_range()[0]
+    low = ephemeral_range()[0]
     top = low - count
     if top < _LOWEST_PORT:
         raise RuntimeError(f"free_port_block: no room for {count} ports between {_LOWEST_PORT} and the "
@@ -60,7 +42,7 @@ def free_port_block(count: int = 1, tries: int = 200) -> int:
     rng = random.Random(os.getpid() ^ time.time_ns())
     for _ in range(tries):
         base = rng.randint(_LOWEST_PORT, top)
-        if all(_bindable(base + k) for k in range(count)):
+        if all(bindable(base + k) for k in range(count)):
             return base
     raise RuntimeError(f"free_port_block: no {count} consecutive free ports found in {tries} tries "
                        f"between {_LOWEST_PORT} and {low}")
