@@ -55,6 +55,7 @@ class _CpuDeviceModule(SimpleNamespace):
 
     Memory statistics are zero: CPU tensors live in host memory, which the offload
     engine's ledger accounts for itself. Streams are absent (None): work is synchronous.
+    The device's generator is the host's default generator: on CPU every op draws from it.
     """
 
     @staticmethod
@@ -96,6 +97,26 @@ class _CpuDeviceModule(SimpleNamespace):
     @staticmethod
     def device_count() -> int:
         return 1
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @staticmethod
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        return host_mem_info()
 
 
 _CPU = _CpuDeviceModule()

@@ -42,8 +42,10 @@ class MemoryLedger:
     peak_resident: dict[str, int] = field(default_factory=dict)
     measured_peak_bytes: int | None = None
     measured_peak_step: str | None = None
+    moved_bytes: int = 0  # host-link bytes of every entry ever recorded (survives trimming)
 
     def record(self, entry: LedgerEntry) -> None:
+        self.moved_bytes += entry.h2d_bytes + entry.d2h_bytes
         self.entries.append(entry)
         while len(self.entries) > self.max_entries:
             self.entries.popleft()

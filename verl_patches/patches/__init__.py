@@ -5,7 +5,21 @@ order, which is also the order the prelude applies them in.
 """
 
 PATCH_MODULES: tuple[str, ...] = (
+    # CPU platform stand-ins first (platforms=("cpu",)): what has no host implementation upstream.
+    "verl_patches.patches.torch.patch_cuda",
+    "verl_patches.patches.torch.patch_cuda_random",
+    "verl_patches.patches.verl.patch_utils_device",
+    "verl_patches.patches.verl.patch_utils_debug_performance",
+    "verl_patches.patches.verl.patch_models_mcore_model_initializer",
+    "verl_patches.patches.megatron.patch_core_tensor_parallel_random",
+    "verl_patches.patches.megatron.patch_core_fp8_utils",
+    "verl_patches.patches.megatron.patch_core_transformer_moe_moe_utils",
+    "verl_patches.patches.megatron.patch_core_transformer_moe_token_dispatcher",
+    "verl_patches.patches.megatron.patch_core_transformer_moe_shared_experts",
+    "verl_patches.patches.megatron.patch_core_pipeline_parallel_schedules",
+    "verl_patches.patches.megatron.patch_core_optimizer",
     "verl_patches.patches.verl.patch_utils_reward_score",
+    "verl_patches.patches.verl.patch_utils_tracking",
     "verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd",
     "verl_patches.patches.verl.patch_trainer_ppo_core_algos",
     "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer",

@@ -85,6 +85,24 @@ def _wake(manager: Any, tag: str) -> None:
         manager.inference_engine.wake_up()
 
 
+def switch_figures(stats: Any, actor_memory: Any) -> dict[str, float]:
+    """The switch's own numbers for the run's report (verl_patches/report.py), sent to the driver in
+    the timing dict verl returns with every generation (averaged over ranks): what this rank received
+    and sent in the reshard, and the actor's host-link bytes and resident peak from its ledger."""
+    from verl_patches.report import SWITCH_PREFIX
+
+    out = {f"{SWITCH_PREFIX}reshard_recv_bytes": float(stats.recv_bytes),
+           f"{SWITCH_PREFIX}reshard_sent_bytes": float(stats.sent_bytes)}
+    ledger = getattr(actor_memory, "ledger", None)
+    if ledger is not None:
+        # Since the previous switch: the update's onloads and this switch's offloads.
+        last = getattr(actor_memory, "_verl_patches_moved_reported", 0)
+        out[f"{SWITCH_PREFIX}link_bytes"] = float(ledger.moved_bytes - last)
+        out[f"{SWITCH_PREFIX}ledger_peak_bytes"] = float(ledger.peak_bytes)
+        setattr(actor_memory, "_verl_patches_moved_reported", ledger.moved_bytes)
+    return out
+
+
 def recipe_enter(manager: Any, settings: Any) -> None:
     from verl.utils.debug.performance import simple_timer
     from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
@@ -106,7 +124,7 @@ def recipe_enter(manager: Any, settings: Any) -> None:
                                                                          vllm_params(model))
         _wake(manager, "weights")
         roll = vllm_params(model)
-        session.run(train, roll)
+        stats = session.run(train, roll)
         redo_mla_post_load(model, next(iter(roll.values())).dtype)
         if actor_memory is not None:
             actor_memory.offload_params()
@@ -114,6 +132,7 @@ def recipe_enter(manager: Any, settings: Any) -> None:
             offload_megatron_model_to_cpu(manager.actor_module)
         accelerator.empty_cache()
         _wake(manager, "kv_cache")
+    manager.timing.update(switch_figures(stats, actor_memory))
     _swap_rng_for_generation(manager)
 
 

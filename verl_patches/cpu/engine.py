@@ -1,0 +1,278 @@
+"""vllm.LLM on the CPU platform: vLLM's real model receives the reshard, transformers generates from it.
+
+vLLM 0.9.1 built for no device has no attention, MoE or sampling kernels, so its engine cannot run
+a forward pass here. Everything around the forward stays vLLM's: its engine arguments and configs
+(the recipe's data-parallel domain included), its distributed groups on the training ranks' gloo
+world, its DeepseekV3ForCausalLM with expert parallelism built by its own model loader (so the
+parameters the reshard writes have vLLM's names, shards and expert placement), its MLA post-load
+step, and a KV cache per attention layer bound by vLLM's ``bind_kv_cache`` and freed / re-created by
+the recipe's offload engine. ``generate`` then gathers the rollout shards of every rank, assembles
+them into the full model with the reshard plan's own placements, loads transformers' DeepseekV3
+with exactly those tensors, and samples; it returns vLLM's RequestOutput objects.
+
+Sampling draws from torch's default generator, which verl's sharding manager has set to the
+generation state of the rank's data-parallel group (so the tensor-parallel ranks of a group agree,
+as vLLM's do). Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture
+(``enforce_eager`` must be True), the KV cache is allocated and bound but transformers uses its
+own cache for the forward.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from types import SimpleNamespace
+from typing import Any, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STAND_IN = "transformers DeepseekV3ForCausalLM over the vLLM parameters written by the reshard (CPU platform)"
+BLOCK_SIZE = 16
+
+
+class CpuEngineError(RuntimeError):
+    """The CPU engine cannot serve this configuration; the message names the setting."""
+
+
+class _Worker:
+    """What the recipe's engine memory and verl's sharding manager reach on vLLM's worker: the model
+    runner (model, kv_caches), the config, and ``initialize_from_config`` for the KV cache."""
+
+    def __init__(self, vllm_config: Any, model: torch.nn.Module) -> None:
+        self.vllm_config = vllm_config
+        self.model_runner = SimpleNamespace(model=model, kv_caches=[])
+
+    def kv_cache_shapes(self, num_blocks: int) -> dict[str, tuple[int, ...]]:
+        """One latent cache per MLA layer: [blocks, block size, kv_lora_rank + rope dim] (vLLM's MLA layout)."""
+        from vllm.attention import Attention
+
+        hf = self.vllm_config.model_config.hf_config
+        width = hf.kv_lora_rank + hf.qk_rope_head_dim
+        # The forward context also holds vLLM's FusedMoE layers; only attention layers have a cache.
+        return {name: (num_blocks, BLOCK_SIZE, width)
+                for name, layer in self.vllm_config.compilation_config.static_forward_context.items()
+                if isinstance(layer, Attention)}
+
+    def initialize_from_config(self, kv_cache_configs: Any) -> None:
+        cfg = kv_cache_configs[0] if isinstance(kv_cache_configs, (list, tuple)) else kv_cache_configs
+        from vllm.v1.utils import bind_kv_cache
+
+        dtype = self.vllm_config.model_config.dtype
+        caches = {name: torch.zeros(shape, dtype=dtype) for name, shape in cfg["shapes"].items()}
+        bind_kv_cache(caches, self.vllm_config.compilation_config.static_forward_context,
+                      self.model_runner.kv_caches)
+
+
+class _EngineCore:
+    """The in-process engine core as the recipe's KV-cache functions see it (one worker)."""
+
+    def __init__(self, worker: _Worker, kv_cache_config: dict) -> None:
+        from verl_patches.rollout.kv_cache import KEPT_ATTR
+
+        self.vllm_config = worker.vllm_config
+        self.model_executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker),
+                                              collective_rpc=self._collective_rpc)
+        self.scheduler = SimpleNamespace(reset_prefix_cache=lambda: True)  # no request outlives generate()
+        self._worker = worker
+        setattr(self, KEPT_ATTR, [kv_cache_config])
+
+    def _collective_rpc(self, method: Any, timeout: Optional[float] = None, args: tuple = (),
+                        kwargs: Optional[dict] = None) -> list:
+        fn = getattr(self._worker, method) if isinstance(method, str) else (lambda *a, **k: method(self._worker, *a, **k))
+        return [fn(*args, **(kwargs or {}))]
+
+
+def llm_init(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "auto", seed: Optional[int] = None,
+             enforce_eager: bool = False, max_model_len: Optional[int] = None, trust_remote_code: bool = False,
+             **kwargs: Any) -> None:
+    """Stand-in for vllm.LLM.__init__ (CPU platform): vLLM's engine config and model, no scheduler."""
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    if not enforce_eager:
+        raise CpuEngineError("the CPU engine has no graph capture: set actor_rollout_ref.rollout.enforce_eager=True "
+                             "on the CPU platform")
+    if not dist.is_initialized():
+        raise CpuEngineError("the CPU engine joins the training ranks' process group (vLLM's external launcher): "
+                             "torch.distributed must be initialised first")
+    for unsupported in ("enable_sleep_mode", "enable_lora"):
+        if kwargs.get(unsupported):
+            raise CpuEngineError(f"the CPU engine does not implement {unsupported}")
+    known = {f for f in EngineArgs.__dataclass_fields__}
+    engine_kwargs = {k: v for k, v in kwargs.items() if k in known}
+    ignored = sorted(set(kwargs) - known - {"additional_config"})
+    if ignored:
+        logger.info("CPU engine: vLLM engine arguments without meaning here: %s", ignored)
+    args = EngineArgs(model=model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+                      enforce_eager=True, max_model_len=max_model_len, trust_remote_code=trust_remote_code,
+                      **engine_kwargs)
+    vllm_config = args.create_engine_config()
+    with set_current_vllm_config(vllm_config):
+        # What vLLM's worker does under the external launcher: its groups over the existing world.
+        init_worker_distributed_environment(vllm_config, dist.get_rank(), "env://", -1, backend="gloo")
+        vllm_model = get_model(vllm_config=vllm_config)
+    self.llm_engine = None  # set below; vLLM's own attribute name, read by verl
+    worker = _Worker(vllm_config, vllm_model)
+    seqs = vllm_config.scheduler_config.max_num_seqs
+    blocks = seqs * math.ceil(vllm_config.model_config.max_model_len / BLOCK_SIZE)
+    kv_cache_config = {"num_blocks": blocks, "shapes": worker.kv_cache_shapes(blocks)}
+    core = _EngineCore(worker, kv_cache_config)
+    worker.initialize_from_config([kv_cache_config])  # vLLM allocates its cache while building the engine
+    self.llm_engine = SimpleNamespace(model_executor=core.model_executor,
+                                      engine_core=SimpleNamespace(engine_core=core))
+    self._cpu_generator = _Generator(vllm_config, vllm_model)
+    logger.info("vLLM engine on the CPU platform: generation by %s", STAND_IN)
+
+
+def llm_generate(self, prompts: Any = None, sampling_params: Any = None, prompt_token_ids: Any = None,
+                 use_tqdm: Any = True, lora_request: Any = None, prompt_adapter_request: Any = None,
+                 guided_options_request: Any = None, priority: Any = None) -> list:
+    """Stand-in for vllm.LLM.generate (CPU platform): token-id prompts in, vLLM RequestOutputs out."""
+    if lora_request is not None and any(lora_request if isinstance(lora_request, list) else [lora_request]):
+        raise CpuEngineError("the CPU engine does not implement LoRA")
+    if prompt_token_ids is not None:
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+    if not isinstance(prompts, (list, tuple)):
+        prompts = [prompts]
+    token_ids = []
+    for p in prompts:
+        if not isinstance(p, dict) or "prompt_token_ids" not in p:
+            raise CpuEngineError("the CPU engine takes token-id prompts ({'prompt_token_ids': [...]}), as verl sends")
+        token_ids.append([int(t) for t in p["prompt_token_ids"]])
+    params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(token_ids)
+    return self._cpu_generator.generate(token_ids, params)
+
+
+class _Generator:
+    def __init__(self, vllm_config: Any, vllm_model: torch.nn.Module) -> None:
+        self.vllm_config, self.vllm_model = vllm_config, vllm_model
+        self._hf: Optional[torch.nn.Module] = None
+        self._placements = None
+
+    def _placements_for_rollout(self) -> Any:
+        if self._placements is None:
+            import torch.distributed as dist
+
+            from verl_patches.reshard.binding import derive_rollout_layout, vllm_params
+            from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+
+            cfg = ModelConfig.from_hf(self.vllm_config.model_config.hf_config.to_dict())
+            par = self.vllm_config.parallel_config
+            tp, dp = par.tensor_parallel_size, par.data_parallel_size
+            rollout = derive_rollout_layout(cfg, RolloutLayout(tp, dp, dist.get_world_size() // (tp * dp)),
+                                            vllm_params(self.vllm_model))
+            # Only the rollout side is read here; any valid training layout will do.
+            self._placements = build_placements(cfg, TrainLayout(1, 1, 1, ()), rollout)
+        return self._placements
+
+    def _load_hf(self) -> torch.nn.Module:
+        """transformers' DeepseekV3 holding exactly the rollout shards of every rank (gathered)."""
+        import torch.distributed as dist
+
+        from verl_patches.preflight.hf_check import assemble, to_hf
+        from verl_patches.reshard.binding import vllm_params
+
+        local = {n: t.detach().clone() for n, t in vllm_params(self.vllm_model).items()}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+        placements = self._placements_for_rollout()
+        dtype = self.vllm_config.model_config.dtype
+        state = to_hf(placements, assemble(placements, "rollout", dict(enumerate(everyone)), dtype))
+        if self._hf is None:
+            from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+            cfg = {k: v for k, v in self.vllm_config.model_config.hf_config.to_dict().items()
+                   if k not in ("architectures", "transformers_version", "torch_dtype")}
+            config = DeepseekV3Config(**cfg)
+            config._attn_implementation = "eager"
+            self._hf = DeepseekV3ForCausalLM(config).to(dtype).eval()
+        missing = sorted(set(dict(self._hf.named_parameters())) - set(state))
+        if missing:
+            raise CpuEngineError(f"the rollout shards do not cover transformers' parameters {missing[:4]}")
+        self._hf.load_state_dict(state, strict=False)
+        return self._hf
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: Sequence[Any]) -> list:
+        from vllm.outputs import CompletionOutput, RequestOutput
+
+        model = self._load_hf()
+        hf_cfg = self.vllm_config.model_config.hf_config
+        eos = getattr(hf_cfg, "eos_token_id", None)
+        rows = [(i, s) for i, p in enumerate(params) for s in range(int(p.n))]
+        sequences = _sample(model, [prompts[i] for i, _ in rows], [params[i] for i, _ in rows], eos,
+                            pad=int(getattr(hf_cfg, "pad_token_id", None) or 0))
+        outputs = []
+        for i, ids in enumerate(prompts):
+            samples = [CompletionOutput(index=s, text="", token_ids=seq, cumulative_logprob=None, logprobs=None,
+                                        finish_reason=reason)
+                       for (j, s), (seq, reason) in zip(rows, sequences) if j == i]
+            outputs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
+                                         outputs=samples, finished=True))
+        return outputs
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        drop = probs.cumsum(-1) - probs > top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    return logits
+
+
+def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any], eos: Optional[int],
+            pad: int) -> list[tuple[list[int], str]]:
+    """Batched sampling with a KV cache: left-padded prompts, per-row temperature / top-k / top-p /
+    max_tokens / ignore_eos; temperature 0 is greedy."""
+    if not prompts:
+        return []
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p):] = 1
+    max_new = max(int(p.max_tokens) for p in params)
+    out: list[list[int]] = [[] for _ in range(n)]
+    done = [False] * n
+    past = None
+    step_ids, step_mask = ids, mask
+    for _ in range(max_new):
+        positions = (step_mask.cumsum(-1) - 1).clamp(min=0)
+        positions = positions[:, -step_ids.shape[1]:]
+        res = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, past_key_values=past,
+                    use_cache=True)
+        past = res.past_key_values
+        logits = res.logits[:, -1].float()
+        nxt = torch.empty(n, dtype=torch.long)
+        for r, p in enumerate(params):
+            if p.temperature <= 0:
+                nxt[r] = int(torch.argmax(logits[r]))
+                continue
+            filtered = _filter(logits[r] / p.temperature, int(p.top_k), float(p.top_p))
+            nxt[r] = int(torch.multinomial(torch.softmax(filtered, -1), 1))
+        for r, p in enumerate(params):
+            if done[r]:
+                continue
+            tok = int(nxt[r])
+            out[r].append(tok)
+            if (eos is not None and tok == eos and not p.ignore_eos) or len(out[r]) >= int(p.max_tokens):
+                done[r] = True
+        if all(done):
+            break
+        step_ids = nxt.unsqueeze(1)
+        step_mask = torch.cat([step_mask, torch.ones((n, 1), dtype=step_mask.dtype)], dim=1)
+    reasons = ["stop" if (eos is not None and seq and seq[-1] == eos and not p.ignore_eos) else "length"
+               for seq, p in zip(out, params)]
+    return list(zip(out, reasons))

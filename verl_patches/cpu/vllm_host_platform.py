@@ -1,0 +1,27 @@
+"""vLLM's own CPU platform, declared out-of-tree (as vLLM-Ascend's NPU platform is), for the CPU platform.
+
+vLLM built for no device ('empty') finds no platform; its CpuPlatform assumes its compiled CPU
+kernels (torch.ops._C). Marked out-of-tree, vLLM's custom ops take their native torch paths
+instead. vllm.attention.ops.triton_flash_attention probes the CUDA device when imported (by the MLA
+backends); on the host it is an empty module. Imported only by vLLM, when the plugin in
+verl_patches/cpu/vllm_platform.py names this class.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.interface import PlatformEnum
+
+_TRITON_FA = "vllm.attention.ops.triton_flash_attention"
+if _TRITON_FA not in sys.modules:
+    _stub = types.ModuleType(_TRITON_FA)
+    _stub.__doc__ = "stand-in (CPU platform): the GPU kernel module has no host implementation"
+    _stub.triton_attention = None
+    sys.modules[_TRITON_FA] = _stub
+
+
+class HostPlatform(CpuPlatform):
+    _enum = PlatformEnum.OOT
