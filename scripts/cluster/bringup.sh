@@ -7,9 +7,12 @@
 # Every value can be overridden from the environment; these are the 256-die defaults.
 bringup_defaults() {
   RECIPE_ROOT="${RECIPE_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
+  # Upstream packages copied next to each other (verl/, vllm/, megatron/, ...) take precedence over
+  # the installed ones when set (README: "clone them at those tags and copy their packages").
+  UPSTREAM_ROOT="${UPSTREAM_ROOT:-}"
   NNODES="${NNODES:-16}"
   DEVICES_PER_NODE="${DEVICES_PER_NODE:-16}"
-  DEVICE="${DEVICE:-npu}"                      # npu | cuda
+  DEVICE="${DEVICE:-npu}"                      # npu | cuda | cpu (the host: no accelerator)
   PYTHON="${PYTHON:-python3}"
   RAY_BIN="${RAY_BIN:-ray}"
   RAY_PORT="${RAY_PORT:-6379}"
@@ -76,14 +79,21 @@ bringup_check_ints() {
     fi
   done
   case "$DEVICE" in
-    npu|cuda) ;;
-    *) echo "error: DEVICE must be npu or cuda, got '$DEVICE'" >&2; return 2 ;;
+    npu|cuda|cpu) ;;
+    *) echo "error: DEVICE must be npu, cuda or cpu, got '$DEVICE'" >&2; return 2 ;;
   esac
 }
 
-# Ray's name for the accelerator: verl asks Ray for "NPU" on Ascend and "GPU" on CUDA.
+# Ray's name for the accelerator: verl asks Ray for "NPU" on Ascend and "GPU" otherwise. On the
+# host (DEVICE=cpu) Ray is told the node has DEVICES_PER_NODE "GPU" slots: verl places one worker
+# per slot, and each worker runs on the CPU (the CPU platform's patches, verl_patches/cpu/).
 bringup_resource_name() {
   if [[ "$DEVICE" == npu ]]; then echo NPU; else echo GPU; fi
+}
+
+# The trainer.device verl gets: the Ray resource family its worker groups ask for.
+bringup_trainer_device() {
+  if [[ "$DEVICE" == cpu ]]; then echo cuda; else echo "$DEVICE"; fi
 }
 
 bringup_device_args() {
@@ -94,6 +104,10 @@ bringup_device_args() {
   fi
   if [[ -n "$RAY_NUM_CPUS" ]]; then
     printf '%s\n' --num-cpus "$RAY_NUM_CPUS"
+  elif [[ "$DEVICE" == cpu ]]; then
+    # Each worker's placement bundle asks for one CPU, the trainer's task runner for one more;
+    # Ray would otherwise offer only the cores it counts.
+    printf '%s\n' --num-cpus "$((DEVICES_PER_NODE + 2))"
   fi
   local extra
   read -r -a extra <<< "$RAY_EXTRA_ARGS"
@@ -117,13 +131,17 @@ bringup_ray_worker_cmd() {
 # (the overlay), RAY_ADDRESS (verl's ray.init joins this cluster), the socket interface
 # for gloo and HCCL/NCCL, and HCCL's connect timeout.
 bringup_export_env() {
-  export PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+  export PYTHONPATH="${RECIPE_ROOT}${UPSTREAM_ROOT:+:${UPSTREAM_ROOT}}${PYTHONPATH:+:${PYTHONPATH}}"
   export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
   export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME"
   if [[ "$DEVICE" == npu ]]; then
     export HCCL_SOCKET_IFNAME="$SOCKET_IFNAME" HCCL_CONNECT_TIMEOUT
-  else
+  elif [[ "$DEVICE" == cuda ]]; then
     export NCCL_SOCKET_IFNAME="$SOCKET_IFNAME"
+  else
+    # No kernel compiler targets the host here: torch.compile would spend about a minute per
+    # process compiling megatron-core's fused elementwise functions and gain nothing.
+    export TORCHDYNAMO_DISABLE=1
   fi
 }
 
@@ -146,7 +164,7 @@ bringup_source_cann() {
 
 bringup_print_env() {
   local name
-  for name in RECIPE_ROOT DEVICE NNODES DEVICES_PER_NODE MASTER_ADDR RAY_PORT RAY_TEMP_DIR RAY_NUM_CPUS RAY_EXTRA_ARGS \
+  for name in RECIPE_ROOT UPSTREAM_ROOT DEVICE NNODES DEVICES_PER_NODE MASTER_ADDR RAY_PORT RAY_TEMP_DIR RAY_NUM_CPUS RAY_EXTRA_ARGS \
               SOCKET_IFNAME CANN_ENV_SCRIPT NNAL_ENV_SCRIPT WAIT_TIMEOUT_S LOG_DIR PYTHON RAY_BIN \
               HCCL_CONNECT_TIMEOUT "$@"; do
     printf '  %s=%q\n' "$name" "${!name-}"
@@ -186,8 +204,27 @@ bringup_start_worker() {
   bringup_spawn "${LOG_DIR}/ray_worker_$(hostname 2>/dev/null || echo node).log" "${RAY_CMD[@]}"
 }
 
+# Head only: the head's port accepts connections, or the head's process is gone (its log's tail is
+# shown) or the wait times out; Ray's own client would retry a dead head for minutes.
+bringup_wait_head() {
+  local pid="${BRINGUP_PIDS[-1]}" deadline=$((SECONDS + WAIT_TIMEOUT_S))
+  until (exec 3<>"/dev/tcp/${MASTER_ADDR}/${RAY_PORT}") 2>/dev/null; do
+    if ! bringup_alive "$pid"; then
+      echo "error: the Ray head exited before it listened on ${MASTER_ADDR}:${RAY_PORT}; ${LOG_DIR}/ray_head.log ends with:" >&2
+      tail -n 5 "${LOG_DIR}/ray_head.log" >&2 || true
+      return 3
+    fi
+    if ((SECONDS > deadline)); then
+      echo "error: the Ray head did not listen on ${MASTER_ADDR}:${RAY_PORT} within ${WAIT_TIMEOUT_S} s (${LOG_DIR}/ray_head.log)" >&2
+      return 3
+    fi
+    sleep 1
+  done
+}
+
 # Head only: all NNODES x DEVICES_PER_NODE devices registered, or a clear timeout.
 bringup_wait_devices() {
+  bringup_wait_head || return $?
   local expected=$((NNODES * DEVICES_PER_NODE))
   echo "waiting up to ${WAIT_TIMEOUT_S} s for ${NNODES} node(s) x ${DEVICES_PER_NODE} $(bringup_resource_name) = ${expected}"
   "$PYTHON" "${RECIPE_ROOT}/scripts/cluster/wait_for_devices.py" --address "${MASTER_ADDR}:${RAY_PORT}" \

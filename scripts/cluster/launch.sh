@@ -15,7 +15,7 @@ usage: $(basename "$0") [--dry-run] [HYDRA_OVERRIDE ...]
 Run the same command on every node. Environment (defaults in parentheses):
   ROLE (from NODE_RANK, else head if MASTER_ADDR is a local address), NODE_RANK,
   MASTER_ADDR (first local address), RAY_PORT (6379), NNODES (16), DEVICES_PER_NODE (16),
-  DEVICE (npu | cuda), SOCKET_IFNAME (the interface routing to MASTER_ADDR),
+  DEVICE (npu | cuda | cpu), UPSTREAM_ROOT (copied upstream packages, first on PYTHONPATH), SOCKET_IFNAME (the interface routing to MASTER_ADDR),
   CANN_ENV_SCRIPT, NNAL_ENV_SCRIPT, MODEL_PATH, TRAIN_FILES, VAL_FILES, CKPT_SAVE_DIR,
   LOG_DIR, RAY_TEMP_DIR, RAY_NUM_CPUS, WAIT_TIMEOUT_S (900), PYTHON (python3), RAY_BIN (ray)
   ${LAUNCH_EXTRA_USAGE:-}
@@ -38,7 +38,7 @@ launch_build_trainer_cmd() {
     "data.val_files=${VAL_FILES}"
     "trainer.nnodes=${NNODES}"
     "trainer.n_gpus_per_node=${DEVICES_PER_NODE}"
-    "trainer.device=${DEVICE}"
+    "trainer.device=$(bringup_trainer_device)"
     "trainer.default_local_dir=${CKPT_SAVE_DIR}"
     "${LAUNCH_RUN_OVERRIDES[@]}"
     "${USER_OVERRIDES[@]}"
@@ -57,7 +57,7 @@ launch_print_cmd() {
 launch_validate() {
   local rc=0
   # The overlay from this checkout, whether or not it is pip-installed.
-  local -x PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+  local -x PYTHONPATH="${RECIPE_ROOT}${UPSTREAM_ROOT:+:${UPSTREAM_ROOT}}${PYTHONPATH:+:${PYTHONPATH}}"
   echo "== python environment ($PYTHON)"
   local missing
   missing="$("$PYTHON" - <<'PY' 2>&1
@@ -73,6 +73,7 @@ PY
   echo "  torch, hydra-core, verl, ray importable"
   echo "== doctor"
   if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
+    # UPSTREAM_ROOT is first on PYTHONPATH, so the doctor finds the copied packages there.
     "$PYTHON" -m verl_patches doctor --platform "$DEVICE" || { echo "error: doctor failed (see above)" >&2; rc=1; }
   else
     echo "error: doctor unavailable: 'import verl_patches.cli' fails with $PYTHON (is the overlay on PYTHONPATH?)" >&2

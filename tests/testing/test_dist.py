@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from verl_patches import ports
 from verl_patches.testing import dist as rd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the bodies by name
@@ -48,7 +49,7 @@ def test_a_hang_is_a_timeout_naming_the_rank(capfd):
 
 
 def test_port_blocks_are_free_and_below_the_ephemeral_range():
-    low, _ = rd.ephemeral_range()
+    low, _ = ports.ephemeral_range()
     for count in (1, 16):
         base = rd.free_port_block(count)
         assert 10000 <= base and base + count <= low
@@ -63,7 +64,7 @@ def test_a_taken_port_is_skipped(monkeypatch):
         s.listen()
         taken = s.getsockname()[1]
         # Only the taken port is offered as a start: every try fails and the error says so.
-        monkeypatch.setattr(rd, "ephemeral_range", lambda: (taken + 1, 60999))
-        monkeypatch.setattr(rd, "_LOWEST_PORT", taken)
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (taken + 1, 60999))
+        monkeypatch.setattr(ports, "_LOWEST_PORT", taken)
         with pytest.raises(RuntimeError, match="no 1 consecutive free ports found in 5 tries"):
             rd.free_port_block(1, tries=5)

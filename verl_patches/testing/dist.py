@@ -8,7 +8,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
-import random
 import signal
 import time
 import traceback
@@ -17,35 +16,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_patches.ports import bindable, ephemeral_range
-
-_LOWEST_PORT = 10000
-
-
-def free_port_block(count: int = 1, tries: int = 200) -> int:
-    """First of ``count`` consecutive TCP ports that are free now, all below the kernel's
-    ephemeral range.
-
-    Ports the kernel hands out on its own (every gloo pair connection, every client socket)
-    come from the ephemeral range, so a port taken from there and bound later by a rendezvous
-    can meanwhile be in use by one of the job's own connections; below that range only an
-    explicit bind takes a port. The start is random so runs side by side rarely pick the same
-    block, and every port of the block is checked.
-    """
-    if count < 1:
-        raise ValueError(f"free_port_block: count must be >= 1, got {count}")
-    low = ephemeral_range()[0]
-    top = low - count
-    if top < _LOWEST_PORT:
-        raise RuntimeError(f"free_port_block: no room for {count} ports between {_LOWEST_PORT} and the "
-                           f"ephemeral range starting at {low}")
-    rng = random.Random(os.getpid() ^ time.time_ns())
-    for _ in range(tries):
-        base = rng.randint(_LOWEST_PORT, top)
-        if all(bindable(base + k) for k in range(count)):
-            return base
-    raise RuntimeError(f"free_port_block: no {count} consecutive free ports found in {tries} tries "
-                       f"between {_LOWEST_PORT} and {low}")
+from verl_patches.ports import free_port_block
 
 
 def free_port() -> int:

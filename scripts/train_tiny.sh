@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The recipe on one machine: real GRPO steps through verl's trainer (verl.trainer.main_ppo) with
+# every patch of the overlay, on a 4-layer DeepSeek-V3 with 4 workers (configs/tiny_deepseek_v3.yaml),
+# brought up by the same code as the 256-die launchers (scripts/cluster/): a single-node Ray head
+# started and stopped by this script, then the trainer.
+#
+#   bash scripts/train_tiny.sh                       # 12 steps on the CPU
+#   bash scripts/train_tiny.sh trainer.total_training_steps=4 trainer.save_freq=2
+#   bash scripts/train_tiny.sh --dry-run             # print and validate, start nothing
+#
+# DEVICE=cpu (default) runs on the host with the CPU platform's stand-ins (verl_patches/cpu/: vLLM's
+# model receives the reshard and transformers generates from it); DEVICE=cuda needs 4 GPUs and an
+# environment with vLLM's CUDA build (VENV=...). Outputs under TINY_OUT (default out/tiny): the
+# generated model and data, checkpoints, logs, metrics.jsonl and the run summary.
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/.." && pwd)"
+export VENV="${VENV:-$ROOT/.venv}"
+
+bash "$ROOT/scripts/setup_test_env.sh"
+PY="$VENV/bin/python"
+TINY_OUT="${TINY_OUT:-$ROOT/out/tiny}"
+mkdir -p "$TINY_OUT"
+TINY_OUT="$(cd "$TINY_OUT" && pwd)"
+
+# The model directory and data: generated, deterministic, offline.
+"$PY" -m verl_patches.tiny.assets "$TINY_OUT/assets" >/dev/null
+
+# The one line, as on the cluster: verl's worker module imports the overlay's prelude. The venv's
+# verl is left as installed; a copy of it with the hook line goes first on PYTHONPATH
+# (README, "copy their packages next to verl_patches").
+UPSTREAM_ROOT="$TINY_OUT/upstream"
+"$PY" -m verl_patches.tiny.upstream "$UPSTREAM_ROOT"
+
+export RECIPE_ROOT="$ROOT" UPSTREAM_ROOT PYTHON="$PY" RAY_BIN="$VENV/bin/ray"
+export DEVICE="${DEVICE:-cpu}" NNODES=1 DEVICES_PER_NODE="${DEVICES_PER_NODE:-4}" MASTER_ADDR=127.0.0.1
+export MODEL_PATH="$TINY_OUT/assets/model" TRAIN_FILES="$TINY_OUT/assets/data/train.parquet"
+export VAL_FILES="$TINY_OUT/assets/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-$TINY_OUT/checkpoints}"
+export LOG_DIR="${LOG_DIR:-$TINY_OUT/logs}" WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}"
+# A Ray of its own: a free port between Ray's own worker ports (10002-19999) and the kernel's
+# ephemeral range, a short private temp dir (Ray's socket paths are limited to 107 characters).
+RAY_PORT="${RAY_PORT:-$("$PY" -c 'from verl_patches.ports import free_port_block; print(free_port_block(1, low=20000))')}"
+RAY_TEMP_DIR="${RAY_TEMP_DIR:-$(mktemp -d /tmp/ray_tiny.XXXXXX)}"
+VLLM_DP_PORT="$("$PY" -c 'from verl_patches.ports import free_port_block; print(free_port_block(8, low=20000))')"
+export RAY_PORT RAY_TEMP_DIR VLLM_PLUGINS="${VLLM_PLUGINS:-verl_patches}" RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+
+# shellcheck source=scripts/cluster/bringup.sh
+source "$HERE/cluster/bringup.sh"
+# shellcheck source=scripts/cluster/launch.sh
+source "$HERE/cluster/launch.sh"
+
+# shellcheck disable=SC2034  # read by launch_main in cluster/launch.sh
+LAUNCH_EXTRA_VARS=(UPSTREAM_ROOT)
+launch_run_hook() {
+  # shellcheck disable=SC2034  # appended to the trainer command by launch_build_trainer_cmd
+  LAUNCH_RUN_OVERRIDES=(
+    "custom_reward_function.path=${ROOT}/verl_patches/tiny/reward.py"
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path=${TINY_OUT}/assets/dist_ckpt"
+    "actor_rollout_ref.rollout.recipe.vllm_dp.master_port_base=${VLLM_DP_PORT}"
+    "actor_rollout_ref.rollout.recipe.metrics_file=${TINY_OUT}/metrics.jsonl"
+  )
+}
+
+launch_main tiny_deepseek_v3 "$@"

@@ -1,0 +1,179 @@
+"""Write what the tiny run needs, deterministically and offline: a model directory and two parquet files.
+
+- ``model/``: ``configs/model/tiny_deepseek_v3.json`` (a 4-layer DeepSeek-V3: MLA, 1 dense + 3 MoE
+  layers of 16 routed experts in 4 groups, sigmoid router with expert bias), seeded random BF16
+  weights written by transformers' DeepseekV3 (safetensors), and a character-level tokenizer of
+  exactly the model's vocabulary (special tokens, printable characters, the digit pairs 00-99,
+  then letter pairs and triples as fillers) with a plain chat template.
+- ``dist_ckpt/``: those weights converted by the recipe's own converter
+  (python -m verl_patches.tools.hf_to_mcore) to a Megatron distributed checkpoint in the tiny
+  run's training layout; actor and reference load it, as the real-weight run loads DIST_CKPT_PATH.
+- ``data/train.parquet``: the toy task (``TOY_SOURCE``): "write digits" prompts, scored by the share of
+  digits in the answer (verl_patches/tiny/reward.py). A random tiny model writes ~10% digits; GRPO
+  raises it within a few steps.
+- ``data/val.parquet``: the shipped deepscaler sample (data/sample), prepared as the recipe prepares
+  deepscaler, scored by the recipe's rule reward through verl's reward manager.
+
+``python -m verl_patches.tiny.assets OUT_DIR`` (prints the paths as shell assignments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import string
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL_CONFIG = REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json"
+TOY_SOURCE = "tiny_digits"
+SPECIAL = ("<bos>", "<eos>", "<pad>", "<unk>")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
+TOY_PROMPTS = 64
+TINY_CONFIG = REPO_ROOT / "configs" / "tiny_deepseek_v3.yaml"
+WEIGHT_SEED = 1234
+
+
+def vocabulary(size: int) -> list[str]:
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    pairs = [f"{i:02d}" for i in range(100)]
+    letters = string.ascii_lowercase
+    fillers = ("".join(t) for n in (2, 3) for t in itertools.product(letters, repeat=n))
+    vocab = list(SPECIAL) + chars + pairs
+    for tok in fillers:
+        if len(vocab) >= size:
+            break
+        if tok not in vocab:
+            vocab.append(tok)
+    if len(vocab) != size:
+        raise ValueError(f"cannot build a vocabulary of {size} tokens")
+    return vocab
+
+
+def write_model(out: Path) -> Path:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    cfg = json.loads(MODEL_CONFIG.read_text())
+    vocab = {tok: i for i, tok in enumerate(vocabulary(cfg["vocab_size"]))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    out.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out)
+    cfg.update(bos_token_id=vocab["<bos>"], eos_token_id=vocab["<eos>"], pad_token_id=vocab["<pad>"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": vocab["<bos>"], "eos_token_id": vocab["<eos>"], "pad_token_id": vocab["<pad>"]}) + "\n")
+    return out
+
+
+def write_weights(model_dir: Path, seed: int = WEIGHT_SEED) -> Path:
+    """Seeded random BF16 weights in HF's DeepseekV3 layout (what a released checkpoint holds)."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    config = DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(model_dir, safe_serialization=True)
+    # save_pretrained rewrites config.json in transformers' own form; keep ours (it is what vLLM reads).
+    (model_dir / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
+    return model_dir
+
+
+def training_layout() -> dict:
+    """The tiny run's training layout, from its YAML (the converter chunks the checkpoint by it;
+    megatron's loader reshards to any layout)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(TINY_CONFIG)
+    meg = cfg.actor_rollout_ref.actor.megatron
+    return {"tp": meg.tensor_model_parallel_size, "pp": meg.pipeline_model_parallel_size,
+            "ep": meg.expert_model_parallel_size,
+            "layers": list(cfg.actor_rollout_ref.rollout.recipe.megatron.num_layer_list)}
+
+
+def write_checkpoint(model_dir: Path, out: Path) -> Path:
+    from verl_patches.tools import hf_to_mcore
+
+    lay = training_layout()
+    argv = ["--hf", str(model_dir), "--out", str(out), "--tp", str(lay["tp"]), "--pp", str(lay["pp"]),
+            "--ep", str(lay["ep"]), "--num-layer-list", ",".join(map(str, lay["layers"])), "--spec", "te",
+            "--no-progress"]
+    import contextlib
+    import io
+
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        rc = hf_to_mcore.main(argv)
+    if rc != 0:
+        raise RuntimeError(f"hf_to_mcore {' '.join(argv)} failed:\n{log.getvalue()}")
+    return out
+
+
+def toy_records(n: int = TOY_PROMPTS, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    words = ["digits", "numbers", "figures"]
+    rows = []
+    for i in range(n):
+        example = " ".join(str(rng.randrange(10)) for _ in range(3))
+        rows.append({
+            "data_source": TOY_SOURCE,
+            "prompt": [{"role": "user", "content": f"Write {words[i % 3]}, like {example}."}],
+            "ability": "toy",
+            "reward_model": {"style": "rule", "ground_truth": "digits"},
+            "extra_info": {"split": "train", "index": i},
+        })
+    return rows
+
+
+def write_data(out: Path) -> tuple[Path, Path]:
+    from verl_patches.data.prepare import SAMPLES, load_examples, to_record, write_parquet
+
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = out / "train.parquet", out / "val.parquet"
+    write_parquet(toy_records(), train)
+    examples, _ = load_examples("deepscaler", SAMPLES["deepscaler"])
+    write_parquet([to_record(ex, "test", i, "deepscaler") for i, ex in enumerate(examples)], val)
+    return train, val
+
+
+def build(out_dir: Path) -> dict[str, Path]:
+    """Everything, rebuilt only when missing (the run and the tests reuse one build)."""
+    out_dir = Path(out_dir)
+    model, ckpt, data = out_dir / "model", out_dir / "dist_ckpt", out_dir / "data"
+    done = out_dir / ".complete"
+    if not done.is_file():
+        import shutil
+
+        for d in (model, ckpt, data):
+            shutil.rmtree(d, ignore_errors=True)
+        write_model(model)
+        write_weights(model)
+        write_checkpoint(model, ckpt)
+        write_data(data)
+        done.write_text("model, dist_ckpt and data written\n")
+    return {"MODEL_PATH": model, "DIST_CKPT_PATH": ckpt, "TRAIN_FILES": data / "train.parquet",
+            "VAL_FILES": data / "val.parquet"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.assets", description=__doc__.split("\n")[0])
+    p.add_argument("out_dir", type=Path)
+    args = p.parse_args(argv)
+    for key, path in build(args.out_dir).items():
+        print(f"{key}={path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
