@@ -26,6 +26,7 @@ import vmm_standins  # noqa: E402
 
 @pytest.fixture
 def camem(monkeypatch):
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")  # the stand-in's memory is host memory
     vmm, mod = vmm_standins.install(monkeypatch)
     backend, why = _select("npu", "auto")
     assert isinstance(backend, VmmAllocatorBackend) and backend.name == "vllm_ascend_camem", why
@@ -113,6 +114,7 @@ def test_a_storage_outside_the_region_is_refused_at_build(camem):
 
 
 def test_selection_on_cpu_and_by_environment(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
     backend, why = select("cpu")
     assert backend is None and "no address-stable allocator on 'cpu'" in why
     assert _select("cuda", "none") == (None, f"{ENV}=none")

@@ -95,6 +95,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def backend(monkeypatch):
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")  # the stand-in's memory is host memory
     vmm, _ = vmm_standins.install(monkeypatch)
     Runner.vmm, Runner.stray = vmm, []
     b, why = _select("npu", "auto")
