@@ -94,26 +94,28 @@ class TorchMemorySaverBackend(StableBackend):
             tms.hook_mode = "torch"
         self._tms = tms
         self._pools: dict[str, set[tuple[int, int]]] = {}
+        self._segments: dict[str, set[int]] = {}
 
     @contextlib.contextmanager
     def region(self, tag: str) -> Iterator[None]:
         before = {s["address"] for s in torch.cuda.memory_snapshot()}
         with self._tms.region(tag):
             yield
-        # The library keeps no address list of its own that it exposes; its MemPool's segments
-        # carry the pool's id in the allocator snapshot, which is public.
-        pools = self._pools.setdefault(tag, set())
+        # The library exposes no address list; its MemPool's segments are in the allocator's
+        # public snapshot, named by the pool's id (and, failing that, by being new).
+        pools, segments = self._pools.setdefault(tag, set()), self._segments.setdefault(tag, set())
         for s in torch.cuda.memory_snapshot():
-            pool = tuple(s.get("segment_pool_id", (0, 0)))
-            if s["address"] not in before and pool != (0, 0):
-                pools.add(pool)
+            if s["address"] not in before:
+                segments.add(int(s["address"]))
+                pool = tuple(s.get("segment_pool_id") or (0, 0))
+                if pool != (0, 0):
+                    pools.add(pool)
 
     def ranges(self, tag: str) -> list[tuple[int, int]]:
-        pools = self._pools.get(tag)
-        if not pools:
-            return []
+        pools, segments = self._pools.get(tag, set()), self._segments.get(tag, set())
         return [(int(s["address"]), int(s["total_size"])) for s in torch.cuda.memory_snapshot()
-                if tuple(s.get("segment_pool_id", (0, 0))) in pools]
+                if tuple(s.get("segment_pool_id") or (0, 0)) in pools
+                or (not pools and int(s["address"]) in segments)]
 
     def _unmap(self, tag: str) -> None:
         self._tms.pause(tag)
