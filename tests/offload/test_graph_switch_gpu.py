@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _run(tmp_path, mode: str, cycles: int) -> dict:
     out = tmp_path / f"{mode}.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO), NCCL_NVLS_ENABLE="0", VERL_PATCHES_DEVICE="cuda")
+    path = os.pathsep.join([str(REPO), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+    env = dict(os.environ, PYTHONPATH=path, NCCL_NVLS_ENABLE="0", VERL_PATCHES_DEVICE="cuda")
     proc = subprocess.run([sys.executable, "-m", "verl_patches.testing.graph_switch", "--mode", mode,
                            "--cycles", str(cycles), "--json", str(out)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)

@@ -174,9 +174,9 @@ class StableBuild:
             raise GraphModeError(f"{len(outside)} rollout weight(s) were not allocated in the weights region "
                                  f"(first: {outside[0]}); releasing it would not free them, and graphs would read them "
                                  "at addresses nobody keeps")
-        # Blocks freed inside the region (load-time temporaries, the moved-out originals) go back
-        # while mapped, so no allocator call frees a segment of a released region later.
-        accelerator.empty_cache()
+        # Blocks freed inside the region (load-time temporaries, the moved-out originals) stay in
+        # its pool while the pool lives (empty_cache leaves a live pool's segments alone, seen on
+        # CUDA); released with the region, they cost no memory during training.
         if self.moved_out:
             logger.info("graph-safe rollout memory: moved %d tensor(s) out of the weights region: %s",
                         len(self.moved_out), ", ".join(self.moved_out[:8]))
@@ -198,7 +198,6 @@ class StableBuild:
                                  f"{len(self.kv_tensors)} tensors outside it)")
         # vLLM's own sleep mode discards everything initialize_from_config allocates (its "kv_cache"
         # tag) and replays its graphs after wake_up: the attention builders' scratch is rebuilt per step.
-        accelerator.empty_cache()
         return out
 
     def kv_watch(self, kv_caches_of: Callable[[], Any], forward_context: Callable[[], dict]) -> Callable[[], dict]:
