@@ -58,5 +58,6 @@ def test_the_resize_path_fails_the_same_check(tmp_path):
     r = _run(tmp_path, "resize", 6)
     failed = r.get("crashed") or r["error"] or r["failed_count"] > 0
     assert failed, f"the resize path passed the graph check, so the check proves nothing: {r}"
-    if not r.get("crashed") and not r["error"]:
-        assert r["moved_cycles"] > 0  # the cause: storages came back at other addresses
+    if not r.get("crashed"):
+        # The cause: storages came back at other addresses (counted before the replay that failed).
+        assert r["moved_cycles"] > 0 or r["moved_before_last_replay"], r

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 from typing import Any, Callable, ContextManager, Iterable, Iterator
 
@@ -26,6 +27,7 @@ from verl_patches import accelerator
 ENV = "VERL_PATCHES_STABLE_MEMORY"
 CHOICES = ("auto", "torch_memory_saver", "vllm_cumem", "vllm_ascend_camem", "none")
 TMS_PIN = "torch_memory_saver==0.0.10"  # configs/upstream.lock.toml, component torch_memory_saver
+logger = logging.getLogger(__name__)
 
 
 class StableMemoryError(RuntimeError):
@@ -43,6 +45,7 @@ class StableBackend:
 
     def __init__(self) -> None:
         self._released: set[str] = set()
+        self.last_freed: dict[str, int] = {}  # device bytes the last release gave back, per tag
 
     def region(self, tag: str) -> ContextManager[None]:
         """Allocations made inside the block land in ``tag``'s region."""
@@ -70,8 +73,18 @@ class StableBackend:
             return
         # Unmapping memory that queued kernels still read is undefined behaviour on both runtimes.
         accelerator.synchronize()
+        measure = accelerator.device_type() != "cpu"
+        before = accelerator.mem_get_info()[0] if measure else 0
         self._unmap(tag)
         self._released.add(tag)
+        if measure:
+            # The device's own count, not ours: the evidence that the memory really came back
+            # (the recipe turned vLLM's sleep mode off because on multi-node NPU it did not).
+            first = tag not in self.last_freed
+            self.last_freed[tag] = accelerator.mem_get_info()[0] - before
+            if first:
+                logger.info("address-stable region %r (%s): release gave back %d of its %d bytes", tag, self.name,
+                            self.last_freed[tag], self.region_bytes(tag))
 
     def allocate(self, tag: str) -> None:
         """Map fresh physical memory at ``tag``'s addresses; the contents are undefined."""

@@ -104,6 +104,7 @@ class VllmEngineMemory:
         """Give the weights' host buffer and storage claims back to the offload engine (engine rebuilt)."""
         if not self._closed:
             self.weights.close()
+            self.kv.close()  # a TensorGroup in graph mode (its name and storages are claimed too)
             self._closed = True
 
     def groups(self) -> dict:

@@ -195,6 +195,9 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
 
     def generate() -> None:
         s = state["step"]
+        if check.graph is not None:  # counted before the replay, which may not survive a moved address
+            state["moved_before_replay"] = sum(int(t.data_ptr()) != check.addresses.get(n)
+                                               for n, t in {**weights_watch(), "kv": kv}.items())
         res = check.check()
         eager = res.pop("eager")
         wrong = sum(int((roll[n] != w).sum()) for n, w in
@@ -239,6 +242,7 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
         "ok_cycles": sum(r["ok"] for r in records), "failed_cycles": [r for r in records if not r["ok"]][:5],
         "failed_count": sum(not r["ok"] for r in records), "moved_cycles": sum(bool(r["moved_count"]) for r in records),
         "unequal_cycles": sum(not r["equal"] for r in records), "error": error,
+        "moved_before_last_replay": state.get("moved_before_replay"), "watched": len(weights_watch()) + 1,
         "kv_bytes": kv.numel() * kv.element_size(), "region_bytes": region_bytes,
         "freed_bytes_min": min(freed) if freed else None, "freed_bytes_max": max(freed) if freed else None,
         "train_phase_bytes": state.get("train_bytes", 0), "device": accelerator.describe(),
