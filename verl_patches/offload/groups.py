@@ -94,7 +94,6 @@ def _u8(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
 
 
-
 Watch = Callable[[], Mapping[str, torch.Tensor]]
 
 

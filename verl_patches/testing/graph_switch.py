@@ -64,7 +64,7 @@ class TinyDecoder:
 
     def __call__(self) -> torch.Tensor:
         c, r = self.cfg, self.roll
-        H, nh = c["hidden_size"], c["num_attention_heads"]
+        nh = c["num_attention_heads"]
         nope, rope, vd, lora = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
         x = r["model.embed_tokens.weight"][self.tokens]
         for i in range(c["num_hidden_layers"]):
