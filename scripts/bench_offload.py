@@ -10,8 +10,13 @@ Methods, same tensors, side by side after warm-up (medians of --reps):
               offload of Megatron DDP buffers: a pageable copy and a fresh pin every step)
   pinned    : ceiling: one copy_ between one device buffer and one pinned buffer of the same bytes
 Then ours vs baseline schedule on a die-ratio model: ledger peak and allocator peak.
+Then graph mode's cost: release + allocate per GiB in an address-stable region (the backend of
+verl_patches.accelerator.stable_memory()) against today's storage resize, and the same switch
+schedule with the rollout weights and KV cache in regions vs resized: the share of one switch
+their release + allocate take, and the switch's peak device memory as the driver sees it.
 
-Run: python scripts/bench_offload.py [--layers 2] [--reps 5] [--json PATH]   (CPU: add --shrink 32)
+Run: python scripts/bench_offload.py [--layers 2] [--reps 5] [--stable-mib 4096] [--json PATH]
+     (CPU: add --shrink 32; the stable parts are skipped there, no backend exists on CPU)
 """
 
 from __future__ import annotations
@@ -29,9 +34,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from verl_patches import accelerator  # noqa: E402
-from verl_patches.offload import (HostBufferPool, MemoryLedger, OffloadEngine, TensorGroup, baseline,  # noqa: E402
-                                  ours)
-from verl_patches.offload.pool import _host_empty_cache  # noqa: E402
+from verl_patches.offload import (HostBufferPool, MemoryLedger, OffloadEngine, Region, TensorGroup,  # noqa: E402
+                                  baseline, ours)
 
 GiB = 1 << 30
 
@@ -107,7 +111,7 @@ def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
 
     def run(name, offload, onload, check=True, measure_host=True):
         d2h, h2d = [], []
-        _host_empty_cache()  # no pinned block cached by an earlier method may serve this one
+        accelerator.host_empty_cache()  # no pinned block cached by an earlier method may serve this one
         rss0 = rss()
         held = 0
         for i in range(reps + 1):  # rep 0 is warm-up (first pinning, allocator growth)
@@ -243,7 +247,118 @@ def bench_schedules(unit_bytes: int, iterations: int = 2) -> dict:
     return out
 
 
-def main() -> None:
+def bench_release_allocate(nbytes: int, reps: int, pieces: int = 16) -> dict:
+    """Release + allocate of ``nbytes`` in ``pieces`` storages: storage resize (the caching
+    allocator's cached blocks, and after empty_cache, as the switch empties it) vs an
+    address-stable region (allocate alone, and allocate + zero as the KV cache does)."""
+    dev = accelerator.current_device()
+    backend, why = accelerator.stable_memory()
+    sizes = [nbytes // pieces] * pieces
+    out: dict = {"bytes": nbytes, "backend": backend.name if backend else None, "backend_reason": why}
+
+    def measure(label, g, between=None, zero=False):
+        r_ms, a_ms = [], []
+        for i in range(reps + 1):  # round 0 is warm-up (first mapping, allocator growth)
+            r = timed(g.release)
+            if between:
+                between()
+            a = timed(lambda: g.allocate(zero))
+            if i:
+                r_ms.append(r * 1e3)
+                a_ms.append(a * 1e3)
+        pair = statistics.median(x + y for x, y in zip(r_ms, a_ms))
+        out[label] = {"release_ms": statistics.median(r_ms), "allocate_ms": statistics.median(a_ms),
+                      "pair_ms": pair, "pair_ms_per_gib": pair / (nbytes / GiB)}
+
+    eng = OffloadEngine()
+    ts = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+    g = TensorGroup(eng, "bench_resize", ts)
+    measure("resize_cached", g)
+    measure("resize_after_empty_cache", g, between=accelerator.empty_cache)
+    g.close()
+    del g, ts
+    accelerator.empty_cache()
+    if backend is not None:
+        region = Region(backend, "bench_release_allocate")
+        with region.region():
+            ts = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+        g = TensorGroup(eng, "bench_stable", ts, region=region)
+        measure("stable", g)
+        measure("stable_zeroed", g, zero=True)
+        # A pool keeps freed blocks until the process ends, so give the memory back by releasing
+        # the region (it is never touched again; main leaves without freeing it).
+        g.release()
+        g.close()
+    return out
+
+
+def bench_switch_regions(unit_bytes: int, iterations: int = 3) -> dict:
+    """Our schedule on the die-ratio model, rollout weights + KV cache resized vs in regions: per
+    iteration, the seconds of their release + allocate steps and their share of the switch steps
+    (everything but generation, reference forward and update), and the peak device memory the
+    driver reports after each step (with freed cached blocks returned, so both paths are comparable)."""
+    dev = accelerator.current_device()
+    backend, why = accelerator.stable_memory()
+    ratio = {"train_params": 5.2, "grads": 10.4, "optimizer": 3.9, "ref_params": 5.2,
+             "rollout_weights": 23.0, "kv_cache": 30.0}
+    ours_steps = ("alloc_rollout_weights", "init_kv_cache", "free_kv_cache", "release_rollout_weights")
+    out: dict = {"backend": backend.name if backend else None, "backend_reason": why}
+    for mode in ("resize", "stable"):
+        if mode == "stable" and backend is None:
+            continue
+        accelerator.synchronize()
+        accelerator.empty_cache()
+        eng = OffloadEngine(pool=HostBufferPool())
+        regions = {r: Region(backend, f"bench_switch_{r}") for r in ("rollout_weights", "kv_cache")} \
+            if mode == "stable" else {}
+        ts = {}
+        for r, v in ratio.items():
+            n = int(v * unit_bytes) // 2
+            if r in regions:
+                with regions[r].region():
+                    ts[r] = [torch.ones(n, dtype=torch.bfloat16, device=dev)]
+            else:
+                ts[r] = [torch.ones(n, dtype=torch.bfloat16, device=dev)]
+        groups = {r: TensorGroup(eng, f"{mode}_{r}", t, read_only=(r == "ref_params"),
+                                 zero_on_allocate=(r in ("grads", "kv_cache")), region=regions.get(r))
+                  for r, t in ts.items()}
+
+        def reshard(tp, rw):
+            src = tp.storage_views()[0]
+            for v in rw.storage_views():
+                v[: src.numel()].copy_(src[: v.numel()])
+
+        hooks = dict(reshard=reshard, generate=lambda: ts["kv_cache"][0].fill_(2),
+                     ref_forward=lambda: ts["ref_params"][0].sum(), train=lambda: ts["train_params"][0].add_(1))
+        s = ours(groups, ledger=MemoryLedger())
+        s.prepare()
+        peak_used = 0
+        for _ in range(iterations):
+            for _spec in s.steps:
+                s.advance(**hooks)
+                accelerator.synchronize()
+                accelerator.empty_cache()
+                free, total = accelerator.mem_get_info()
+                peak_used = max(peak_used, total - free)
+        it = iterations - 1
+        secs = {e.step: e.seconds for e in s.ledger.entries if e.iteration == it}
+        switch = sum(v for k, v in secs.items() if k not in ("generate", "ref_forward", "update"))
+        ra = sum(secs[k] for k in ours_steps)
+        out[mode] = {"release_allocate_s": ra, "switch_s": switch, "share": ra / switch if switch else 0.0,
+                     "steps_s": {k: secs[k] for k in ours_steps}, "ledger_peak_bytes": s.ledger.peak_bytes,
+                     "device_used_peak_bytes": peak_used,
+                     "rollout_kv_bytes": groups["rollout_weights"].nbytes + groups["kv_cache"].nbytes}
+        if regions:  # as above: released for good, the process leaves without freeing them
+            groups["rollout_weights"].release()
+            groups["kv_cache"].release()
+        eng.close()
+        for g in groups.values():
+            g.close()
+        del groups, ts, s
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2, help="MoE layers of the stage shard (a stage has 7-8)")
     ap.add_argument("--shrink", type=int, default=1, help="divide large dims (CPU smoke runs)")
@@ -251,16 +366,29 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=256)
     ap.add_argument("--schedule-unit-mb", type=float, default=128.0,
                     help="bytes per reference-layout GB in the schedule model")
+    ap.add_argument("--stable-mib", type=float, default=4096.0,
+                    help="bytes released and allocated per repetition in the stable-vs-resize comparison")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "out"), "bench_offload.json"))
-    args = ap.parse_args()
+    ap.add_argument("--only", choices=("all", "graph"), default="all",
+                    help="graph: only the graph-mode sections (release + allocate, switch with regions)")
+    args = ap.parse_args(argv)
 
     info = accelerator.describe()
+    if args.only == "graph":
+        stable = bench_release_allocate(int(args.stable_mib * (1 << 20)), args.reps)
+        regions = bench_switch_regions(int(args.schedule_unit_mb * (1 << 20)))
+        _print_graph(stable, regions)
+        _write(args, {"device": info, "args": vars(args), "stable_release_allocate": stable,
+                      "switch_regions": regions})
+        _leave(stable)
     mix = build_mix(args.layers, args.shrink, accelerator.current_device())
     sizes = {k: sum(t.untyped_storage().nbytes() for t in v) for k, v in mix.items()}
     counts = {k: len(v) for k, v in mix.items()}
     methods, nbytes = bench_methods(mix, args.reps, args.bucket_mb << 20)
     del mix
     sched = bench_schedules(int(args.schedule_unit_mb * (1 << 20)))
+    stable = bench_release_allocate(int(args.stable_mib * (1 << 20)), args.reps)
+    regions = bench_switch_regions(int(args.schedule_unit_mb * (1 << 20)))
 
     ref = methods["pinned"]
     print(f"# offload benchmark, {info}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
@@ -298,11 +426,52 @@ def main() -> None:
     print()
     print(f"peak saved by the reorder: {(s_b['ledger_peak_bytes'] - s_o['ledger_peak_bytes']) / GiB:.2f} GiB "
           f"(ledger); sizes GiB: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in s_o["sizes"].items()))
+    _print_graph(stable, regions)
+    _write(args, {"device": info, "args": vars(args), "mix_bytes": sizes, "mix_tensors": counts,
+                  "total_bytes": nbytes, "methods": methods, "schedules": sched, "checks": checks,
+                  "stable_release_allocate": stable, "switch_regions": regions})
+    _leave(stable)
+
+
+def _leave(stable: dict) -> None:
+    if stable["backend"] is not None:
+        # Region memory is freed at interpreter shutdown, where torch_memory_saver refuses it and
+        # exits non-zero; everything is written, so leave without freeing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _write(args, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"device": info, "args": vars(args), "mix_bytes": sizes, "mix_tensors": counts,
-                   "total_bytes": nbytes, "methods": methods, "schedules": sched, "checks": checks}, f, indent=1)
+        json.dump(payload, f, indent=1)
     print(f"\nJSON: {args.json}")
+
+
+def _print_graph(stable: dict, regions: dict) -> None:
+    print()
+    print(f"graph mode: release + allocate of {stable['bytes'] / GiB:.2f} GiB in 16 storages "
+          f"(backend: {stable['backend'] or 'none'}; {stable['backend_reason']})")
+    print("| memory | release ms | allocate ms | pair ms | pair ms per GiB |")
+    print("|---|---|---|---|---|")
+    for label in ("resize_cached", "resize_after_empty_cache", "stable", "stable_zeroed"):
+        if label in stable:
+            r = stable[label]
+            print(f"| {label} | {r['release_ms']:.3f} | {r['allocate_ms']:.3f} | {r['pair_ms']:.3f} "
+                  f"| {r['pair_ms_per_gib']:.3f} |")
+    print()
+    print("| switch, rollout weights + KV cache | release+allocate s | switch s (no generate/ref/update) | share "
+          "| ledger peak GiB | device used peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for mode in ("resize", "stable"):
+        if mode in regions:
+            r = regions[mode]
+            print(f"| {mode} | {r['release_allocate_s']:.4f} | {r['switch_s']:.4f} | {r['share']:.1%} "
+                  f"| {r['ledger_peak_bytes'] / GiB:.2f} | {r['device_used_peak_bytes'] / GiB:.2f} |")
+    if "stable" in regions:
+        d = regions["stable"]["device_used_peak_bytes"] - regions["resize"]["device_used_peak_bytes"]
+        print(f"\npeak device memory, stable - resize: {d / (1 << 20):+.1f} MiB")
 
 
 if __name__ == "__main__":

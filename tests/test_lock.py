@@ -58,3 +58,12 @@ def test_the_test_environment_matches_the_lock():
         if comp.package and comp.platforms == ("any",):
             installed = md.version(comp.package)
             assert installed.split("+")[0] == comp.version, f"{comp.package} {installed} != lock {comp.version}"
+
+
+def test_the_cuda_graph_allocator_is_pinned_for_cuda_only():
+    """torch_memory_saver: pinned (doctor --strict requires it on CUDA), never in the CPU environment."""
+    comp = load_lock()["torch_memory_saver"]
+    assert comp.platforms == ("cuda",) and comp.version == "0.0.10" and comp.required_on("cuda")
+    assert not comp.required_on("cpu") and not comp.required_on("npu")
+    for path in ("requirements.txt", "requirements-test.txt", "scripts/setup_test_env.sh"):
+        assert "torch_memory_saver" not in (REPO / path).read_text().replace("-", "_"), path

@@ -76,3 +76,17 @@ def test_bad_layout_is_named():
     r = cli("preflight", "--nproc", "2", "--train", "tp=1,pp=2,layers=1,3", "--rollout", "tp=1,dp=4", "--no-plan")
     assert r.returncode != 0
     assert "4 ranks but 2 processes" in (r.stdout + r.stderr)
+
+
+def test_graph_check_is_cuda_only(monkeypatch):
+    """--graph-check captures CUDA graphs: refused by name off nccl (its GPU run: docs/benchmarks.md)."""
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")
+    from verl_patches.preflight.cli import parse_args
+    from verl_patches.preflight.rehearse import Options, _regions
+
+    with pytest.raises(SystemExit):
+        parse_args(["--graph-check"])
+    assert parse_args(["--graph-check", "--backend", "nccl"]).graph_check
+    opts = Options(model={}, train="", rollout="", methods=("direct",), graph_check=True)
+    with pytest.raises(ValueError, match="captures CUDA graphs"):
+        _regions(opts, "direct")

@@ -2,20 +2,26 @@
 weights and KV cache behind one interface (offload, onload, release, allocate).
 """
 
-# A group frees device memory for real by resizing each distinct storage to zero bytes and
-# restores it by resizing back: Parameter objects, ``.data`` and every view keep their
-# identity (optimizers, Megatron's DDP buffers and vLLM hold references to them); this works
-# the same on torch 2.5.1 and 2.11 and on torch_npu (verl's own Megatron offload relies on it).
+# A group frees device memory for real in one of two ways (its memory strategy):
+# - resize (default): each distinct storage is resized to zero bytes and back. Parameter objects,
+#   ``.data`` and every view keep their identity (optimizers, Megatron's DDP buffers and vLLM
+#   hold references to them); works the same on torch 2.5.1 and 2.11 and on torch_npu (verl's own
+#   Megatron offload relies on it). The caching allocator picks new addresses each time.
+# - stable region (verl_patches.offload.stable): the storages live in a tagged region of an
+#   address-stable allocator; release unmaps the region's physical memory, allocate maps new
+#   memory at the same addresses, so graphs captured over the tensors stay valid. After every
+#   allocate the tensors a graph reads are checked against their captured addresses.
 
 from __future__ import annotations
 
 import enum
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from verl_patches import accelerator
 from verl_patches.offload.pool import CopyJob, OffloadEngine
+from verl_patches.offload.stable import AddressMovedError, Region, StableMemoryError, inside, storage_span
 
 _ALIGN = 512  # host offsets aligned for DMA; the waste is under 512 bytes per storage
 
@@ -88,6 +94,92 @@ def _u8(storage: torch.UntypedStorage, nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
 
 
+Watch = Callable[[], Mapping[str, torch.Tensor]]
+
+
+class _Resize:
+    """Today's strategy: storages resized to zero bytes and back through the caching allocator."""
+
+    name = "resize"
+
+    def bind(self, group: "TensorGroup") -> None:
+        for t in group._anchors:
+            if not t.untyped_storage().resizable():
+                raise ValueError(f"offload group {group.name!r}: a tensor of shape {tuple(t.shape)} has a "
+                                 "non-resizable storage (from_blob / DLPack / numpy); it cannot be freed in place")
+
+    def free(self, group: "TensorGroup") -> None:
+        for t in group._anchors:
+            t.untyped_storage().resize_(0)
+
+    def alloc(self, group: "TensorGroup", indices: Sequence[int], bucket: int) -> None:
+        for j, i in enumerate(indices):
+            st = group._anchors[i].untyped_storage()
+            if st.nbytes() == 0:
+                group.engine.copier.fault("alloc", bucket, j)
+                st.resize_(group._sizes[i])
+
+    def resident(self, group: "TensorGroup") -> int:
+        return sum(int(t.untyped_storage().nbytes()) for t in group._anchors)
+
+    def verify(self, group: "TensorGroup") -> None:
+        return None
+
+
+class _Stable:
+    """Address-stable strategy: the whole region is released and mapped again at once.
+
+    The region must hold nothing but this group's storages that anyone reads afterwards (its
+    contents are lost on release). ``watch`` names every tensor a captured graph reads (views
+    and derived tensors included); after each allocate each must be where it was at build.
+    """
+
+    def __init__(self, region: Region, watch: Watch | None) -> None:
+        self.region, self.watch = region, watch
+        self.name = f"stable:{region.backend.name}:{region.tag}"
+        self._addresses: list[int] = []
+        self._watched: dict[str, int] = {}
+
+    def bind(self, group: "TensorGroup") -> None:
+        ranges = self.region.ranges()
+        outside = [t for t in group._anchors if not inside(storage_span(t), ranges)]
+        if outside:
+            raise StableMemoryError(
+                f"offload group {group.name!r}: {len(outside)} of {len(group._anchors)} storages are not in the "
+                f"address-stable region {self.region}; the first has shape {tuple(outside[0].shape)}. They must be "
+                "allocated inside the region (before any graph is captured), or releasing it frees nothing of them")
+        self._addresses = [int(t.untyped_storage().data_ptr()) for t in group._anchors]
+        self._watched = self._snapshot()
+
+    def _snapshot(self) -> dict[str, int]:
+        return {} if self.watch is None else {n: int(t.data_ptr()) for n, t in self.watch().items()}
+
+    def free(self, group: "TensorGroup") -> None:
+        self.region.release()
+
+    def alloc(self, group: "TensorGroup", indices: Sequence[int], bucket: int) -> None:
+        for j, _ in enumerate(indices):
+            group.engine.copier.fault("alloc", bucket, j)
+        self.region.allocate()
+
+    def resident(self, group: "TensorGroup") -> int:
+        return 0 if self.region.released else sum(group._sizes)
+
+    def verify(self, group: "TensorGroup") -> None:
+        moved = [f"storage {i} of shape {tuple(t.shape)}" for i, (t, at) in enumerate(zip(group._anchors, self._addresses))
+                 if int(t.untyped_storage().data_ptr()) != at]
+        now = self._snapshot()
+        moved += [f"{n} (gone)" for n in self._watched if n not in now]
+        moved += [f"{n} (new)" for n in now if n not in self._watched]
+        moved += [f"{n} ({self._watched[n]:#x} -> {now[n]:#x})" for n in now
+                  if n in self._watched and now[n] != self._watched[n]]
+        if moved:
+            raise AddressMovedError(
+                f"offload group {group.name!r}: {len(moved)} tensor(s) that captured graphs read are no longer at "
+                f"their captured addresses after allocate: {', '.join(moved[:6])}{' ...' if len(moved) > 6 else ''}. "
+                "Something replaced them instead of writing in place (copy_); replays would read stale memory")
+
+
 class TensorGroup(OffloadGroup):
     """A set of tensors (parameters, grads, optimizer states, cache blocks) offloaded as one.
 
@@ -96,10 +188,14 @@ class TensorGroup(OffloadGroup):
     ``read_only``: the device copy is never written between onload and offload (the
     reference model), so an offload after the first is a release; nothing moves twice.
     ``zero_on_allocate``: what ``allocate()`` fills with (grads restart from zero).
+    ``region``: keep the storages in this address-stable region (see the module comment) instead
+    of resizing them; ``watch`` then returns, by name, every tensor a captured graph reads, checked
+    after each allocate (AddressMovedError; the group is released again).
     """
 
     def __init__(self, engine: OffloadEngine, name: str, tensors: Iterable[torch.Tensor], *,
-                 read_only: bool = False, zero_on_allocate: bool = False) -> None:
+                 read_only: bool = False, zero_on_allocate: bool = False, region: Region | None = None,
+                 watch: Watch | None = None) -> None:
         self.engine, self.name = engine, name
         self.read_only, self.zero_on_allocate = read_only, zero_on_allocate
         anchors: dict[int, torch.Tensor] = {}
@@ -119,10 +215,8 @@ class TensorGroup(OffloadGroup):
         if self.device.type != accelerator.device_type():
             raise ValueError(f"offload group {name!r}: tensors on {self.device}, but the accelerator is "
                              f"{accelerator.device_type()!r}; only device tensors can be offloaded")
-        for t in anchors.values():
-            if not t.untyped_storage().resizable():
-                raise ValueError(f"offload group {name!r}: a tensor of shape {tuple(t.shape)} has a "
-                                 "non-resizable storage (from_blob / DLPack / numpy); it cannot be freed in place")
+        if watch is not None and region is None:
+            raise ValueError(f"offload group {name!r}: watch needs a region (resized storages move anyway)")
         self._anchors = list(anchors.values())
         self._sizes = [int(t.untyped_storage().nbytes()) for t in self._anchors]
         self._offsets: list[int] = []
@@ -131,6 +225,8 @@ class TensorGroup(OffloadGroup):
             self._offsets.append(off)
             off += -(-n // _ALIGN) * _ALIGN
         self._host_nbytes = off
+        self.memory = _Resize() if region is None else _Stable(region, watch)
+        self.memory.bind(self)
         engine.claim(name, anchors.keys())
         self.location = Location.DEVICE
         self._host_valid = False
@@ -149,7 +245,15 @@ class TensorGroup(OffloadGroup):
         return len(self._anchors)
 
     def device_bytes(self) -> int:
-        return sum(int(t.untyped_storage().nbytes()) for t in self._anchors)
+        return self.memory.resident(self)
+
+    @property
+    def region(self) -> Region | None:
+        return getattr(self.memory, "region", None)
+
+    def check_addresses(self) -> None:
+        """Raise AddressMovedError if a watched tensor left its captured address (stable groups only)."""
+        self.memory.verify(self)
 
     def tensors(self) -> list[torch.Tensor]:
         """One tensor per distinct storage (what checksums should cover)."""
@@ -177,15 +281,10 @@ class TensorGroup(OffloadGroup):
         return jobs
 
     def _free_all(self) -> None:
-        for t in self._anchors:
-            t.untyped_storage().resize_(0)
+        self.memory.free(self)
 
     def _alloc(self, indices: Sequence[int], bucket: int) -> None:
-        for j, i in enumerate(indices):
-            st = self._anchors[i].untyped_storage()
-            if st.nbytes() == 0:
-                self.engine.copier.fault("alloc", bucket, j)
-                st.resize_(self._sizes[i])
+        self.memory.alloc(self, indices, bucket)
 
     def offload(self, force_copy: bool = False) -> int:
         if self.location is Location.HOST:
@@ -222,6 +321,7 @@ class TensorGroup(OffloadGroup):
 
         try:
             moved = self.engine.copier.host_to_device([bucket(b, idx) for b, idx in enumerate(self._buckets())])
+            self.memory.verify(self)
         except BaseException:
             # Roll back to wholly-on-host: the host copy was only read, so it is intact.
             self._free_all()
@@ -247,6 +347,7 @@ class TensorGroup(OffloadGroup):
         try:
             for b, idx in enumerate(self._buckets()):
                 self._alloc(idx, b)
+            self.memory.verify(self)
         except BaseException:
             self._free_all()
             raise
@@ -386,15 +487,19 @@ def reference_group(engine: OffloadEngine, params, name: str = "ref_params") -> 
     return TensorGroup(engine, name, module_tensors(params), read_only=True)
 
 
-def rollout_weights_group(engine: OffloadEngine, params, name: str = "rollout_weights") -> TensorGroup:
+def rollout_weights_group(engine: OffloadEngine, params, name: str = "rollout_weights", *,
+                          region: Region | None = None, watch: Watch | None = None) -> TensorGroup:
     """Rollout engine weights: released after generation, allocated empty before the reshard.
 
     Parameters only: a module's buffers (rotary caches) are not rebuilt by the reshard, so
-    releasing them would lose them; pass tensors explicitly to include more.
+    releasing them would lose them; pass tensors explicitly to include more. With ``region``
+    (graph mode) they come back at the same addresses.
     """
-    return TensorGroup(engine, name, module_tensors(params, buffers=False))
+    return TensorGroup(engine, name, module_tensors(params, buffers=False), region=region, watch=watch)
 
 
-def kv_cache_group(engine: OffloadEngine, tensors, name: str = "kv_cache") -> TensorGroup:
+def kv_cache_group(engine: OffloadEngine, tensors, name: str = "kv_cache", *, region: Region | None = None,
+                   watch: Watch | None = None, zero_on_allocate: bool = False) -> TensorGroup:
     """KV cache blocks as plain tensors: freed after generation, re-initialised before it."""
-    return TensorGroup(engine, name, module_tensors(tensors), zero_on_allocate=False)
+    return TensorGroup(engine, name, module_tensors(tensors), zero_on_allocate=zero_on_allocate, region=region,
+                       watch=watch)

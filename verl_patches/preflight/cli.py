@@ -58,10 +58,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dump", type=Path, default=None, help="write rollout shards + reference model here")
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--no-plan", action="store_true", help="skip the 256-die reference plan figures")
+    p.add_argument("--graph-check", action="store_true",
+                   help="CUDA (nccl): keep the rollout weights and KV cache in address-stable regions, capture a "
+                        "CUDA graph of a forward over them at the first switch, and require every later replay to "
+                        "equal the eager forward bit for bit at unchanged addresses")
     p.add_argument("--corrupt", default=None, help=argparse.SUPPRESS)  # RANK:PARAM:METHOD fault injection
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
+    if a.graph_check and a.backend != "nccl":
+        p.error("--graph-check captures CUDA graphs: it needs --backend nccl")
     return a
 
 
@@ -91,7 +97,7 @@ def _options(a: argparse.Namespace, world: int) -> Any:
     n_params = _count_params(model)
     return Options(model=model, train=train, rollout=rollout, methods=methods, steps=a.steps, seed=a.seed,
                    dtype=a.dtype, bucket_mb=a.bucket_mb, kv_mb=a.kv_mb, corrupt=corrupt,
-                   gather_shards=n_params <= GATHER_LIMIT)
+                   gather_shards=n_params <= GATHER_LIMIT, graph_check=a.graph_check)
 
 
 def _count_params(model: dict[str, Any]) -> int:
@@ -132,6 +138,7 @@ def aggregate(results: list[dict[str, Any]], opts: Any) -> dict[str, Any]:
             "ledger_peak_step": per_rank[0]["ledger_peak_step"],
             "phase_seconds": {k: max(pr["phase_seconds"].get(k, 0.0) for pr in per_rank) for k in phases},
             "mismatches": [x for pr in per_rank for x in pr["mismatches"]],
+            "graph_replays": min(pr.get("graph_replays", 0) for pr in per_rank),
         }
     leaks = []
     for r in results:
@@ -192,6 +199,9 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
     print(render(report))
     failures = [f"rank {x['rank']}, parameter {x['param']}, method {x['method']}, step {x['step']}: "
                 f"{x['elements_wrong']} element(s) differ from the expected rollout shard"
+                if x["param"] != "<graph replay>" else
+                f"rank {x['rank']}, method {x['method']}, step {x['step']}: the captured graph's replay differs from "
+                f"the eager forward in {x['elements_wrong']} element(s); moved since capture: {x['moved'] or 'none'}"
                 for m in report["methods"].values() for x in m["mismatches"]]
     logit = None
     if opts.gather_shards and not failures:
@@ -218,9 +228,13 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
         for f in failures:
             print(f"  - {f}", file=sys.stderr)
         return 1
+    graphs = ""
+    if opts.graph_check:
+        graphs = (f", graph replay == eager at unchanged addresses after every switch "
+                  f"({min(m['graph_replays'] for m in report['methods'].values())} checks per rank and method)")
     print(f"\npreflight passed: {len(results)} ranks, methods {', '.join(opts.methods)}, {opts.steps} step(s) "
           f"each, every rollout shard bit-exact, device memory growth <= {LEAK_TOLERANCE >> 20} MiB, host buffer pool "
-          f"unchanged ({elapsed:.1f} s)")
+          f"unchanged{graphs} ({elapsed:.1f} s)")
     return 0
 
 

@@ -35,6 +35,7 @@ class Options:
     kv_mb: float = 16.0
     corrupt: tuple[int, str, str] | None = None  # (rank, vLLM parameter, method): fault injection
     gather_shards: bool = False  # send the shards to rank 0 (logit check, dump); small models only
+    graph_check: bool = False  # CUDA: rollout weights + KV cache in address-stable regions, a graph replayed per switch
 
 
 @dataclass
@@ -44,6 +45,7 @@ class MethodResult:
     ledger_peak: int = 0
     ledger_peak_step: str | None = None
     mismatches: list[dict[str, Any]] = field(default_factory=list)
+    graph_replays: int = 0
 
 
 def _settle() -> None:
@@ -76,6 +78,39 @@ def _compare(rank: int, method: str, step: int, got: dict[str, torch.Tensor],
     return bad
 
 
+def _byte_sums(tensors: dict[str, torch.Tensor], kv: torch.Tensor) -> torch.Tensor:
+    """The rehearsal's stand-in for a rollout forward: it reads every rollout tensor (a byte sum each,
+    exact in any order) and writes then reads a slice of the KV cache, as a decode step does."""
+    sums = [t.view(torch.uint8).sum(dtype=torch.int64) for t in tensors.values()]
+    first = next(iter(tensors.values())).reshape(-1)
+    n = min(first.numel(), kv.numel())
+    kv.reshape(-1)[:n].copy_(first[:n])
+    return torch.stack(sums + [kv.reshape(-1)[:n].view(torch.uint8).sum(dtype=torch.int64)])
+
+
+def _regions(opts: Options, method: str):
+    """(weights region, KV region) for --graph-check, else (None, None)."""
+    if not opts.graph_check:
+        return None, None
+    from verl_patches.offload import Region
+
+    if accelerator.device_type() != "cuda":
+        raise ValueError(f"--graph-check captures CUDA graphs; this rank's device is {accelerator.device_type()!r}")
+    backend, why = accelerator.stable_memory()
+    if backend is None:
+        from verl_patches.offload.stable import install_hint
+
+        raise ValueError(f"--graph-check needs an address-stable allocator: {why}; install {install_hint('cuda')}")
+    return Region(backend, f"preflight_{method}_weights"), Region(backend, f"preflight_{method}_kv")
+
+
+def _in(region, make):
+    if region is None:
+        return make()
+    with region.region():
+        return make()
+
+
 def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
     """Run ``opts.steps`` switch iterations per method on this rank; return what it saw."""
     device = accelerator.current_device()
@@ -97,15 +132,23 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
         params = train_shards(P, rank, seed=opts.seed, step=0, dtype=dtype, device=device)
         grads = {n: torch.zeros_like(v) for n, v in params.items()}
         ref = {n: v.clone() for n, v in params.items()}  # the reference model is the initial policy
-        rollout = {n: torch.empty(s, dtype=dtype, device=device) for n, s in P.rollout_storage[rank].items()}
-        kv = [torch.empty(kv_elems, dtype=dtype, device=device)]
+        wr, kr = _regions(opts, method)
+        rollout = _in(wr, lambda: {n: torch.empty(s, dtype=dtype, device=device)
+                                   for n, s in P.rollout_storage[rank].items()})
+        kv = _in(kr, lambda: [torch.empty(kv_elems, dtype=dtype, device=device)])
+        graph = None
+        if opts.graph_check:
+            from verl_patches.preflight.graph_check import GraphCheck
+
+            graph = GraphCheck(lambda: _byte_sums(rollout, kv[0]), lambda: {**rollout, "kv_cache": kv[0]})
         groups = {
             "train_params": train_params_group(engine, list(params.values())),
             # Gradients: released after the update and re-allocated zeroed before it.
             "grads": TensorGroup(engine, "grads", list(grads.values()), zero_on_allocate=True),
             "ref_params": reference_group(engine, list(ref.values())),
-            "rollout_weights": rollout_weights_group(engine, list(rollout.values())),
-            "kv_cache": kv_cache_group(engine, kv),
+            "rollout_weights": rollout_weights_group(engine, list(rollout.values()), region=wr,
+                                                     watch=(lambda: dict(rollout)) if wr else None),
+            "kv_cache": kv_cache_group(engine, kv, region=kr, watch=(lambda: {"kv_cache": kv[0]}) if kr else None),
         }
         sched = ours(groups)
         sched.prepare()
@@ -135,6 +178,12 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
                 flat[0] = flat[0] + 1
             want = expected_rollout_by_param(P, rank, seed=opts.seed, step=s, dtype=dtype, device=device)
             res.mismatches.extend(_compare(rank, method, s, rollout, want))
+            if graph is not None:
+                g = graph.check()  # captured at the first switch, replayed at every later one
+                if not g["equal"] or g["moved"]:
+                    res.mismatches.append({"rank": rank, "method": method, "step": s, "param": "<graph replay>",
+                                           "elements_wrong": g["elements_wrong"], "first_flat_index": -1,
+                                           "moved": g["moved"][:8]})
             if gather(s):
                 # The last switch of the first method (every method's shards were just checked
                 # equal to the same ground truth), for the logit check and the dump.
@@ -175,6 +224,10 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
         res.phase_seconds = {k: v / n_iter for k, v in totals.items()}
         res.ledger_peak = sched.ledger.peak_bytes
         res.ledger_peak_step = sched.ledger.peak_step
+        if graph is not None:
+            res.graph_replays = graph.checks
+            groups["rollout_weights"].allocate()  # regions mapped again before their tensors are freed
+            groups["kv_cache"].allocate()
         for g in groups.values():
             g.close()
         out["methods"][method] = res.__dict__

@@ -1,20 +1,20 @@
 """The rollout engine's memory actions: onload / offload weights, init / free KV cache, on the offload engine.
 
-One in-process vLLM engine per rollout worker. Weights are a TensorGroup (storages resized to
-zero and back, so vLLM's parameters keep their identity); the KV cache is a CallbackGroup whose
-owner is vLLM (verl_patches.rollout.kv_cache frees and re-creates it from the kept configs).
+One in-process vLLM engine per rollout worker. Eager mode: weights are a TensorGroup (storages
+resized to zero and back, so vLLM's parameters keep their identity); the KV cache is a
+CallbackGroup whose owner is vLLM (verl_patches.rollout.kv_cache frees and re-creates it from the
+kept configs). Graph mode: the engine was built inside address-stable regions
+(verl_patches.rollout.graph_safe); weights (with MLA's derived tensors) and KV cache are
+TensorGroups over those regions, released and mapped again at the same addresses.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional, Protocol
 
-from verl_patches.offload import CallbackGroup, Location, OffloadEngine, rollout_weights_group
+from verl_patches.offload import (CallbackGroup, Location, OffloadEngine, OffloadGroup, kv_cache_group,
+                                  rollout_weights_group)
 from verl_patches.rollout import kv_cache
-
-logger = logging.getLogger(__name__)
-
 
 _SHARED: Optional[OffloadEngine] = None
 
@@ -48,6 +48,16 @@ def _kv_tensors_of(worker: Any) -> list:
     return list(kv_cache._tensors(worker.model_runner.kv_caches))
 
 
+def _stable_build_of(worker: Any) -> Any:
+    from verl_patches.rollout.graph_safe import BUILD_ATTR
+
+    return getattr(worker, BUILD_ATTR, None)
+
+
+def _worker_of(worker: Any) -> Any:
+    return worker
+
+
 class VllmEngineMemory:
     """RolloutMemoryActions for a ``vllm.LLM`` built in-process, backed by the offload engine.
 
@@ -63,28 +73,38 @@ class VllmEngineMemory:
         self.keep_weights_on_host = keep_weights_on_host
         executor = self.core.model_executor
         (model,) = executor.collective_rpc(_model_of)  # one worker per engine in verl's SPMD layout
-        # Parameters only: the reshard rewrites every one of them after each update. Buffers
-        # (rotary caches and the like) are computed once at build time and nothing rewrites
-        # them, so freeing them without a copy would bring back garbage; they are small.
-        params = list(model.parameters())
+        (self.stable,) = executor.collective_rpc(_stable_build_of)
         self._model = model
-        self.weights = rollout_weights_group(self.engine, params, name=f"{name}_weights")
         self._closed = False
         # Graphs captured at build time (CUDA graphs; TorchAir with vLLM-Ascend's
-        # frozen_parameter=True) read weights at the addresses they had then. Storage that
-        # comes back elsewhere is reported after every onload (see moved_parameters).
-        self._params = params
-        self._built_at = [p.data_ptr() for p in params]
+        # frozen_parameter=True) read weights, MLA's derived tensors and the KV cache at the
+        # addresses they had then: in graph mode all of them must stay there.
         self._graph_mode = not bool(getattr(self.core.vllm_config.model_config, "enforce_eager", True))
-        self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
-        # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
-        # so free it now: the first init_cache_engine re-creates it (before the first generation).
-        kv_cache.free_kv_cache(self.core)
+        if self._graph_mode and self.stable is None:
+            from verl_patches.rollout.graph_safe import PATCH_IDS, GraphModeError
+
+            raise GraphModeError("the rollout engine runs graphs (enforce_eager=False) but was not built inside "
+                                 "address-stable regions: call verl_patches.rollout.graph_safe.arm_for_build before "
+                                 f"building it, with patch {' / '.join(PATCH_IDS)} applied; or set enforce_eager=True")
+        self.weights: OffloadGroup
+        self.kv: OffloadGroup
+        if self.stable is None:
+            # Parameters only: the reshard rewrites every one of them after each update. Buffers
+            # (rotary caches and the like) are computed once at build time and nothing rewrites
+            # them, so freeing them without a copy would bring back garbage; they are small.
+            self.weights = rollout_weights_group(self.engine, list(model.parameters()), name=f"{name}_weights")
+            self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
+            # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
+            # so free it now: the first init_cache_engine re-creates it (before the first generation).
+            kv_cache.free_kv_cache(self.core)
+        else:
+            self._build_stable_groups(name)
 
     def close(self) -> None:
         """Give the weights' host buffer and storage claims back to the offload engine (engine rebuilt)."""
         if not self._closed:
             self.weights.close()
+            self.kv.close()  # a TensorGroup in graph mode (its name and storages are claimed too)
             self._closed = True
 
     def groups(self) -> dict:
@@ -98,28 +118,34 @@ class VllmEngineMemory:
     def _release_kv(self) -> None:
         kv_cache.free_kv_cache(self.core)
 
-    def moved_parameters(self) -> int:
-        """How many resident parameters are no longer at the address the engine was built with."""
-        return sum(1 for p, at in zip(self._params, self._built_at)
-                   if p.untyped_storage().nbytes() and p.data_ptr() != at)
+    def _build_stable_groups(self, name: str) -> None:
+        build = self.stable
+        # Parameters and MLA's derived tensors, which stay in the region and are rewritten in
+        # place (the reshard writes the parameters, redo_mla_post_load copies into the derived).
+        self.weights = rollout_weights_group(self.engine, list(build.weight_tensors(self._model).values()),
+                                             name=f"{name}_weights", region=build.weights,
+                                             watch=lambda: build.weight_tensors(self._model))
+        (worker,) = self.core.model_executor.collective_rpc(_worker_of)
+        runner = worker.model_runner
+        watch = build.kv_watch(lambda: runner.kv_caches,
+                               lambda: worker.vllm_config.compilation_config.static_forward_context)
+        # Zeroed on allocate: what a fresh initialize_from_config gives (torch.zeros).
+        self.kv = kv_cache_group(self.engine, list(build.kv_tensors), name=f"{name}_kv_cache", region=build.kv,
+                                 watch=watch, zero_on_allocate=True)
+        self.kv.release()
 
     def onload_model_weights(self) -> int:
+        # In graph mode the group checks every watched address after mapping (AddressMovedError).
         if self.weights.location is Location.HOST:
-            moved = self.weights.onload()
-        else:
-            moved = self.weights.allocate()
-        if self._graph_mode:
-            n = self.moved_parameters()
-            if n:
-                logger.warning("%d of %d rollout parameters came back at a different device address than the "
-                               "captured graphs use (enforce_eager=False); graph replays may read stale memory. "
-                               "Verify generations, or run the rollout with enforce_eager=True.", n,
-                               len(self._params))
-        return moved
+            return self.weights.onload()
+        return self.weights.allocate()
 
     def offload_model_weights(self) -> int:
         if self.keep_weights_on_host:
             return self.weights.offload()
+        if self.stable is not None:
+            # MLA's derived tensors are in the same region; redo_mla_post_load rewrites them in place.
+            return self.weights.release()
         # MLA's derived tensors go with the weights; the sharding manager recomputes them after
         # the next reshard (patch verl.sharding_manager.reshard).
         from verl_patches.rollout.mla import release_mla_derived
@@ -127,7 +153,14 @@ class VllmEngineMemory:
         return self.weights.release() + release_mla_derived(self._model)
 
     def init_cache_engine(self) -> int:
+        if self.stable is not None:
+            # The last point before generation: the reshard and the MLA redo ran since the weights
+            # were mapped, and must have written in place.
+            self.weights.check_addresses()
         return self.kv.allocate()
 
     def free_cache_engine(self) -> int:
+        if self.stable is not None and self.kv.location is Location.DEVICE:
+            # Cached prefixes point into blocks whose contents the release loses.
+            kv_cache.reset_prefix_cache(self.core)
         return self.kv.release()

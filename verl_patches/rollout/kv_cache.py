@@ -45,22 +45,26 @@ def kept_configs(engine_core: Any) -> list:
 def free_kv_cache(engine_core: Any) -> int:
     """Drop the KV cache on every worker; return the device bytes released (as the workers count them)."""
     kept_configs(engine_core)  # refuse before freeing: a freed cache with no way back is worse
-    # Cached prefixes point into blocks whose contents die with the tensors (and the weights
-    # change before the next generation anyway). False means a request still holds blocks.
-    if not engine_core.scheduler.reset_prefix_cache():
-        raise KVCacheError("cannot free the KV cache while requests still hold KV blocks (generation not finished)")
+    reset_prefix_cache(engine_core)
     freed = engine_core.model_executor.collective_rpc(release_worker_kv_cache)
     accelerator.empty_cache()
     return int(sum(freed))
+
+
+def reset_prefix_cache(engine_core: Any) -> None:
+    """Forget every cached prefix before the cache's contents go: they point into blocks whose contents
+    die with the release (and the weights change before the next generation anyway)."""
+    # False means a request still holds blocks.
+    if not engine_core.scheduler.reset_prefix_cache():
+        raise KVCacheError("cannot free the KV cache while requests still hold KV blocks (generation not finished)")
 
 
 def init_kv_cache(engine_core: Any) -> None:
     """Re-create the cache on every worker with the configs it was first built with.
 
     Only the allocation and binding run (the worker's initialize_from_config); the model is not
-    compiled or warmed up again: graphs take the cache tensors as inputs, and on CUDA graphs
-    captured against the old addresses the recipe runs eager (verl requires enforce_eager
-    whenever free_cache_engine is set).
+    compiled or warmed up again. Eager mode only: the new cache lands at new addresses, so in
+    graph mode the cache is instead released and mapped again in place (verl_patches.rollout.graph_safe).
     """
     configs = kept_configs(engine_core)
     engine_core.model_executor.collective_rpc("initialize_from_config", args=(configs,))

@@ -5,15 +5,21 @@ vLLM (MLACommonImpl) and vLLM-Ascend (AscendMLAImpl) compute them once in
 process_weights_after_loading; a weight update makes them stale. At DeepSeek-V3 TP2 they are
 about 1 GB per die (64 local heads x 512 x 128 x 2 tensors x 61 layers in bf16), resident for
 nothing while the die trains: they leave with the rollout weights and come back with the reshard.
+Where they are alive when redone (graph mode: they stay in the weights' address-stable region),
+the new values are written into them in place, so captured graphs keep reading them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 DERIVED = ("W_UK_T", "W_UV")
+
+
+class MLADerivedError(RuntimeError):
+    """A recomputed derived tensor cannot be written into the one captured graphs read."""
 
 
 def _mla_layers(model: torch.nn.Module) -> list[Any]:
@@ -24,11 +30,51 @@ def _mla_layers(model: torch.nn.Module) -> list[Any]:
 
 
 def redo_mla_post_load(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Recompute the derived tensors from the current weights; returns the layers processed."""
+    """Recompute the derived tensors from the current weights; returns the layers processed.
+
+    One layer at a time, so at most one layer's new tensors exist beside the kept ones."""
     layers = _mla_layers(model)
     for layer in layers:
-        layer.process_weights_after_loading(dtype)
+        rewrite_in_place(layer.impl, lambda layer=layer: layer.process_weights_after_loading(dtype))
     return len(layers)
+
+
+def rewrite_in_place(impl: Any, recompute: Callable[[], None], names: tuple[str, ...] = DERIVED) -> int:
+    """Run ``recompute`` (which rebinds ``impl``'s derived tensors), then put back every derived
+    tensor that was alive before it, holding the new values: a view at the same memory (vLLM's
+    CUDA MLA derives views of kv_b_proj's weight) is kept as it was, anything else is copied in
+    (vLLM-Ascend derives contiguous copies). Released ones (no elements) take the new tensor.
+    Returns the bytes copied."""
+    old = {n: getattr(impl, n, None) for n in names}
+    recompute()
+    copied = 0
+    for n, o in old.items():
+        if not isinstance(o, torch.Tensor) or not o.numel():
+            continue
+        new = getattr(impl, n, None)
+        if not isinstance(new, torch.Tensor) or new.shape != o.shape or new.dtype != o.dtype:
+            got = None if not isinstance(new, torch.Tensor) else (tuple(new.shape), new.dtype)
+            raise MLADerivedError(f"{type(impl).__name__}.{n}: recomputed as {got}, but the tensor graphs read is "
+                                  f"{(tuple(o.shape), o.dtype)}; it cannot be rewritten in place")
+        if not (new.data_ptr() == o.data_ptr() and new.stride() == o.stride()):
+            o.copy_(new)
+            copied += o.numel() * o.element_size()
+        setattr(impl, n, o)
+    return copied
+
+
+def derived_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The live derived tensors by qualified name (``<attention module>.impl.W_UK_T``)."""
+    from vllm.attention import Attention
+
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Attention) and getattr(m, "use_mla", False) and hasattr(m, "impl"):
+            for attr in DERIVED:
+                t = getattr(m.impl, attr, None)
+                if isinstance(t, torch.Tensor) and t.numel():
+                    out[f"{name}.impl.{attr}"] = t
+    return out
 
 
 def release_mla_derived(model: torch.nn.Module) -> int:

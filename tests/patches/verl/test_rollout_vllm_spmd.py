@@ -103,8 +103,25 @@ def test_upstream_constructor_rejects_the_recipes_token_budget(model_dir, world,
     assert recorder.built == []
 
 
-def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
+def test_the_yamls_graph_mode_needs_an_address_stable_backend(model_dir, world, env, recorder, monkeypatch):
+    from verl_patches.rollout.graph_safe import GraphModeError
+
     cfg = _rollout_config()
+    assert cfg.enforce_eager is False  # the recipe runs graphs (TorchAir / CUDA graphs)
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")  # none on CPU (tests/offload/test_stable_memory.py: NPU)
+    apply_all(ENGINE_CORE + ROLLOUT)
+    try:
+        with pytest.raises(GraphModeError, match="Set actor_rollout_ref.rollout.enforce_eager=True, or install"):
+            _build(cfg, model_dir)
+    finally:
+        undo()
+    assert recorder.built == []  # refused before the engine was built
+
+
+def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
+    # Eager here: graph mode needs an address-stable allocator, which CPU has none of
+    # (its build and switch: tests/patches/vllm/test_worker_stable_regions.py).
+    cfg = _rollout_config("actor_rollout_ref.rollout.enforce_eager=True")
     apply_all(ENGINE_CORE + ROLLOUT)
     try:
         rollout = _build(cfg, model_dir)

@@ -104,6 +104,10 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
     settings.check_batched_tokens(max_model_len)
     self.lora_kwargs = kwargs.pop("lora_kwargs", {})
     load_format = "dummy" if str(config.load_format).startswith("dummy") else config.load_format
+    # Graph mode with offload: weights and KV cache go into address-stable regions (refused without a backend).
+    from verl_patches.rollout.graph_safe import arm_for_build
+
+    arm_for_build(enforce_eager=bool(config.enforce_eager), offload=settings.offload)
     # Looked up on verl's module at call time, where verl imported it.
     self.inference_engine = upstream.LLM(
         model=model_path,

@@ -1,0 +1,82 @@
+"""vLLM's GPU worker builds the rollout weights and KV cache inside address-stable regions in graph mode.
+
+Upstream: vllm/v1/worker/gpu_worker.py:Worker.load_model and Worker.initialize_from_config
+allocate the weights and the KV cache through the caching allocator, or, with sleep mode on,
+inside vLLM's CuMemAllocator pool (tags "weights" and "kv_cache"). The recipe turns sleep mode off
+and releases both every step through its offload engine; CUDA graphs captured after these two
+calls read the addresses they had then. We wrap both: when the rollout constructor armed a
+graph-safe build (verl_patches.rollout.graph_safe.arm_for_build: enforce_eager=False with
+recipe.offload), the original runs inside the backend's weights region, then inside its KV-cache
+region, before any graph is captured; load_model's other tensors (rotary caches, expert maps)
+are moved out of the weights region, and the result is left on the worker for
+verl_patches.rollout.engine_memory. Unarmed (eager mode, vLLM's own sleep mode) the original runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from verl_patches.core.fingerprint import Fingerprint
+from verl_patches.core.record import Patch
+
+
+def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_model(self):
+        from verl_patches.rollout.graph_safe import worker_load_model
+
+        return worker_load_model(self, lambda: original(self))
+
+    return load_model
+
+
+def wrap_initialize_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def initialize_from_config(self, kv_cache_config):
+        from verl_patches.rollout.graph_safe import worker_initialize_from_config
+
+        return worker_initialize_from_config(self, lambda: original(self, kv_cache_config))
+
+    return initialize_from_config
+
+
+FLAG = ("actor_rollout_ref.rollout.enforce_eager=False with actor_rollout_ref.rollout.recipe.offload (default on); "
+        "VERL_PATCHES_STABLE_MEMORY chooses the backend (auto | torch_memory_saver | vllm_cumem | none)")
+WHY = ("The recipe releases the rollout weights and KV cache after every generation and allocates them again before "
+       "the next; graphs captured at engine build read the old addresses, so both must live in an address-stable "
+       "region from the first build (ALGORITHMS.md section 3, address stability).")
+REMOVE_WHEN = ("vLLM (and vLLM-Ascend) can release and re-map the weights and the KV cache per tag at the same "
+               "addresses without sleep mode's host copy, or the recipe's offload moves onto sleep mode.")
+
+PATCHES = [
+    Patch(
+        id="vllm.worker.stable_regions",
+        target="vllm.v1.worker.gpu_worker:Worker.load_model",
+        kind="wrap",
+        phases=("worker",),
+        upstream="vllm",
+        versions="==0.9.1",
+        fingerprint=Fingerprint(signature="def load_model(self) -> None", source_sha="12bce57dcdbd0068"),
+        replacement=f"{__name__}:wrap_load_model",
+        flag=FLAG,
+        why=WHY,
+        remove_when=REMOVE_WHEN,
+        extra={"platforms": ("cuda",)},
+    ),
+    Patch(
+        id="vllm.worker.stable_kv_cache_region",
+        target="vllm.v1.worker.gpu_worker:Worker.initialize_from_config",
+        kind="wrap",
+        phases=("worker",),
+        upstream="vllm",
+        versions="==0.9.1",
+        fingerprint=Fingerprint(signature="def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None",
+                                source_sha="cf3b8c3259669876"),
+        replacement=f"{__name__}:wrap_initialize_from_config",
+        flag=FLAG,
+        why=WHY,
+        remove_when=REMOVE_WHEN,
+        extra={"platforms": ("cuda",)},
+    ),
+]
