@@ -27,7 +27,7 @@ def test_sample_to_verl_schema(tmp_path, kind):
     for df, split in ((train, "train"), (test, "test")):
         assert list(df.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
         for _, row in df.iterrows():
-            assert row["data_source"] == kind
+            assert row["data_source"] == "deepscaler" and row["extra_info"]["dataset"] == kind
             msgs = list(row["prompt"])
             assert len(msgs) == 1 and msgs[0]["role"] == "user"
             assert msgs[0]["content"].endswith(P.INSTRUCTION) and "\\boxed{}" in msgs[0]["content"]
