@@ -158,7 +158,8 @@ bringup_print_env() {
 bringup_spawn() {
   local log="$1"; shift
   mkdir -p "$(dirname "$log")"
-  setsid "$@" >"$log" 2>&1 < /dev/null &
+  # procs exec: the command gets SIGTERM if this shell dies without running its traps (SIGKILL).
+  setsid "$PYTHON" -m verl_patches.procs exec -- "$@" >"$log" 2>&1 < /dev/null &
   BRINGUP_PIDS+=("$!")
 }
 
