@@ -191,8 +191,12 @@ bringup_start_worker() {
 bringup_wait_devices() {
   local expected=$((NNODES * DEVICES_PER_NODE))
   echo "waiting up to ${WAIT_TIMEOUT_S} s for ${NNODES} node(s) x ${DEVICES_PER_NODE} $(bringup_resource_name) = ${expected}"
+  # In the background and waited for, so that a signal to this shell is handled at once (a
+  # foreground child would defer the traps until it exits) and teardown can stop it.
   "$PYTHON" "${RECIPE_ROOT}/scripts/cluster/wait_for_devices.py" --address "${MASTER_ADDR}:${RAY_PORT}" \
-    --resource "$(bringup_resource_name)" --expected "$expected" --nodes "$NNODES" --timeout "$WAIT_TIMEOUT_S"
+    --resource "$(bringup_resource_name)" --expected "$expected" --nodes "$NNODES" --timeout "$WAIT_TIMEOUT_S" &
+  BRINGUP_PIDS+=("$!")
+  wait "$!"
 }
 
 bringup_alive() {

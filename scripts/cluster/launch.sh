@@ -170,6 +170,14 @@ launch_main() {
     launch_check_inputs 0 || return 2
     launch_validate || return 1
   fi
+  launch_start "$role"
+}
+
+# Start this node's part: Ray (and, on the head, the trainer once every device joined).
+# Everything started is stopped when this shell exits, including on SIGINT, SIGTERM and
+# SIGHUP; if the shell is killed outright, the parent-death signal (procs exec) stops it.
+launch_start() {
+  local role="$1"
   bringup_export_env
   trap bringup_stop EXIT
   trap 'exit 130' INT
@@ -185,7 +193,6 @@ launch_main() {
   bringup_wait_devices || return $?
   mkdir -p "$LOG_DIR"
   echo "starting trainer; log: ${LOG_DIR}/trainer.log"
-  # The trainer is signalled if this shell dies without running its traps (SIGKILL).
   "$PYTHON" -m verl_patches.procs exec -- "${TRAINER_CMD[@]}" > >(tee -a "${LOG_DIR}/trainer.log") 2>&1 &
   local trainer_pid=$!
   BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")

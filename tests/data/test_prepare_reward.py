@@ -10,6 +10,7 @@ import pytest
 
 from verl_patches.data import check as C
 from verl_patches.data import prepare as P
+from verl_patches.patches.verl.patch_utils_reward_score import DEEPSCALER_SOURCES
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def scorer():
 
 
 @pytest.mark.parametrize("kind", sorted(P.SAMPLES))
-@pytest.mark.parametrize("source", [None, *sorted(P.RECIPE_REWARD_SOURCES)])
+@pytest.mark.parametrize("source", [None, *sorted(DEEPSCALER_SOURCES)])
 def test_every_row_prepare_writes_is_scored_by_the_recipes_reward(tmp_path, scorer, kind, source):
     P.prepare(kind, None, tmp_path, test_size=0.25, data_source=source)
     for split in ("train", "test"):

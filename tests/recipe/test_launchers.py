@@ -5,6 +5,7 @@ Runs the real scripts with bash and the real ray CLI from the test venv; nothing
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -223,3 +224,64 @@ def test_dry_run_names_missing_python_packages(tmp_path, ckpt_dir):
     r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt_dir), NODE_RANK="0", PYTHON=str(bare))
     assert r.returncode == 1
     assert "lacks: hydra-core ray torch verl" in r.stderr and "dry run FAILED" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_to_a_running_launcher_stops_everything_it_started(tmp_path):
+    """The launcher's run path (launch_start: Ray head, then the wait for every device) gets
+    SIGTERM while it waits, as from a scheduler: Ray's processes and the wait are all gone
+    within a few seconds. The wait used to run in the foreground, deferring the shell's traps
+    until it timed out (15 minutes by default)."""
+    from verl_patches import procs
+
+    port, *agent = _free_ports(6)
+    temp = Path(f"/tmp/rs{os.getpid()}")
+    script = f"""
+set -euo pipefail
+source {SCRIPTS}/cluster/bringup.sh
+source {SCRIPTS}/cluster/launch.sh
+bringup_defaults
+CONFIG_NAME=deepseekv3_256die_random_init
+launch_defaults
+LAUNCH_RUN_OVERRIDES=(); USER_OVERRIDES=()
+launch_build_trainer_cmd
+launch_start head
+"""
+    env = _env(DEVICE="cuda", NNODES="2", DEVICES_PER_NODE="2", RAY_NUM_CPUS="1", MASTER_ADDR="127.0.0.1",
+               RAY_PORT=str(port), RAY_TEMP_DIR=str(temp), LOG_DIR=str(tmp_path / "logs"), WAIT_TIMEOUT_S="300",
+               STOP_GRACE_S="10",
+               RAY_EXTRA_ARGS=(f"--ray-client-server-port={agent[0]} --dashboard-agent-listen-port={agent[1]} "
+                               f"--dashboard-agent-grpc-port={agent[2]} --metrics-export-port={agent[3]} "
+                               f"--runtime-env-agent-port={agent[4]}"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tree: set[int] = set()
+    try:
+        # Ready when the wait for the second node's devices has started (Ray is up by then).
+        for line in shell.stdout:
+            if line.startswith("waiting up to"):
+                break
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            tree |= set(procs.descendants(shell.pid))
+            cmds = [Path(f"/proc/{p}/cmdline").read_bytes() for p in tree if Path(f"/proc/{p}/cmdline").exists()]
+            if any(b"wait_for_devices" in c for c in cmds) and any(b"raylet" in c for c in cmds):
+                break
+            time.sleep(0.2)
+        tree |= set(procs.descendants(shell.pid))
+        assert any(b"raylet" in Path(f"/proc/{p}/cmdline").read_bytes() for p in tree if procs.alive(p))
+        shell.send_signal(signal.SIGTERM)
+        rc = shell.wait(timeout=60)
+        left = [p for p in tree if procs.alive(p)]
+        deadline = time.monotonic() + 5
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = [p for p in tree if procs.alive(p)]
+        assert rc == 143
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in left]
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+        procs.kill_tree([p for p in tree if procs.alive(p)], grace=0)
+        subprocess.run(["rm", "-rf", str(temp)])
