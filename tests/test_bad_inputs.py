@@ -101,6 +101,9 @@ CASES = [
     ("preflight-bucket", PREFLIGHT, ["--bucket-mb", "0"], "--bucket-mb must be positive"),
     ("preflight-corrupt", PREFLIGHT, ["--nproc", "1", "--corrupt", "zero"], "--corrupt 'zero'"),
     ("preflight-backend", PREFLIGHT, ["--backend", "mpi"], "invalid choice: 'mpi'"),
+    ("preflight-json-is-dir", PREFLIGHT, ["--json", "{ws}/dir"], "--json {ws}/dir: expected a file path"),
+    ("preflight-json-unwritable", PREFLIGHT, ["--json", "{ws}/file.txt/out.json"], "cannot create {ws}/file.txt"),
+    ("preflight-dump-is-file", PREFLIGHT, ["--dump", "{ws}/file.txt"], "--dump {ws}/file.txt: expected a directory"),
     # plan
     ("plan-model-missing", PLAN, ["--model", "{ws}/nope.json", "--train", "tp=1", "--rollout", "dp=1"], "nope.json"),
     ("plan-model-bad-json", PLAN, ["--model", "{ws}/bad.json", "--train", "tp=1", "--rollout", "dp=1"], "plan: error"),

@@ -68,6 +68,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--bucket-mb must be positive, got {a.bucket_mb}")
     if not a.kv_mb >= 0:
         p.error(f"--kv-mb must be >= 0, got {a.kv_mb}")
+    # Where results go is checked now, not after the whole rehearsal has run.
+    for opt, where, folder in (("--json", a.json, a.json.parent if a.json else None), ("--dump", a.dump, a.dump)):
+        if where is None:
+            continue
+        if (opt == "--json" and where.is_dir()) or (opt == "--dump" and where.exists() and not where.is_dir()):
+            p.error(f"{opt} {where}: expected a {'file' if opt == '--json' else 'directory'} path")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"{opt} {where}: cannot create {folder}: {e.strerror}")
     return a
 
 
