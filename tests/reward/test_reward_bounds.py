@@ -7,12 +7,20 @@ Uses the real math-verify in its helper process; no fakes.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from verl_patches.reward import deepscaler as D
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name, text, expected", [
@@ -42,23 +50,35 @@ def test_scoring_many_unclosed_boxes_is_fast():
 
 
 @pytest.mark.timeout(120)
-def test_a_check_that_never_ends_is_stopped_off_the_main_thread(monkeypatch):
+def test_a_check_that_never_ends_is_stopped_off_the_main_thread():
     """A power tower makes sympy compute for ever inside one C call, holding the GIL: only a
-    check in another process can be stopped. verl scores off the main thread, so the test does."""
-    monkeypatch.setattr(D, "CHECK_TIMEOUT_S", 1.0)
-    tower = "\\boxed{9^{9^{9^{9^{9^{9}}}}}}"
-    # Start the helper first, so the timed part is the check alone.
-    assert D.compute_score("deepscaler", "\\boxed{\\frac{1}{2}}", "0.5") == 1.0
-    out: list[float] = []
-    t0 = time.monotonic()
-    worker = threading.Thread(target=lambda: out.append(D.compute_score("deepscaler", tower, "1")), daemon=True)
-    worker.start()
-    worker.join(60)
-    took = time.monotonic() - t0
-    assert out == [0.0], "the check did not return"
-    assert took < 10, took
-    # The helper was replaced: the next check works.
-    assert D.compute_score("deepscaler", "\\boxed{2^{10}}", "1024") == 1.0
+    check in another process can be stopped. verl scores off the main thread, so the test does.
+    The body runs in a child process so that a regression fails this test instead of freezing
+    the test session (a thread holding the GIL would block pytest's own timeout too)."""
+    code = textwrap.dedent(r"""
+        import json, threading, time
+        from verl_patches.reward import deepscaler as D
+        warm = D.compute_score("deepscaler", "\\boxed{\\frac{1}{2}}", "0.5")  # starts the helper
+        D.CHECK_TIMEOUT_S = 1.0
+        out = []
+        t0 = time.monotonic()
+        worker = threading.Thread(target=lambda: out.append(D.compute_score("deepscaler", "\\boxed{9^{9^{9^{9^{9^{9}}}}}}", "1")), daemon=True)
+        worker.start()
+        worker.join(60)
+        took = time.monotonic() - t0
+        after = D.compute_score("deepscaler", "\\boxed{2^{10}}", "1024")  # a fresh helper took over
+        print("RESULT" + json.dumps({"warm": warm, "out": out, "took": took, "after": after}))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the reward never returned on a power tower")
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert line, r.stdout + r.stderr
+    res = json.loads(line[len("RESULT"):])
+    assert res["warm"] == 1.0 and res["out"] == [0.0] and res["after"] == 1.0, res
+    assert res["took"] < 10, res
 
 
 def test_concurrent_scoring_from_many_threads_agrees():

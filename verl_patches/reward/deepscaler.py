@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import select
 import subprocess
@@ -129,8 +130,8 @@ class _Checker:
 
     def _start(self) -> subprocess.Popen:
         self.buf = b""
-        self.proc = subprocess.Popen([sys.executable, str(_WORKER), str(os.getpid())], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, close_fds=True, env=_worker_env())
+        self.proc = _spawn([sys.executable, str(_WORKER), str(os.getpid())], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, close_fds=True, env=_worker_env())
         # It imports math-verify and sympy first (about a second, more on a busy host); that
         # time is not any check's.
         if self._line(STARTUP_TIMEOUT_S) != b"ready":
@@ -179,6 +180,43 @@ class _Checker:
 
 
 STARTUP_TIMEOUT_S = 120.0
+
+# The helper asks the kernel to kill it when its parent dies (a check may be stuck in sympy and
+# never read its input again). The kernel means the parent *thread*: scoring threads come and
+# go, so helpers are started from one thread that lives as long as the process.
+_spawner: tuple[int, threading.Thread, queue.Queue] | None = None  # (pid, thread, requests)
+
+
+def _spawner_loop(requests: queue.Queue) -> None:
+    while True:
+        args, kwargs, box, done = requests.get()
+        try:
+            box.append(subprocess.Popen(args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+        done.set()
+
+
+def _spawn(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    global _spawner
+    with _checkers_lock:
+        # Per process: a forked child has neither its parent's thread nor a usable copy of its queue.
+        if _spawner is None or _spawner[0] != os.getpid() or not _spawner[1].is_alive():
+            requests: queue.Queue = queue.Queue()
+            thread = threading.Thread(target=_spawner_loop, args=(requests,), name="verl_patches-reward-spawner",
+                                      daemon=True)
+            thread.start()
+            _spawner = (os.getpid(), thread, requests)
+        requests = _spawner[2]
+    box: list = []
+    done = threading.Event()
+    requests.put((args, kwargs, box, done))
+    done.wait()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
 _checkers: dict[int, _Checker] = {}
 _checkers_lock = threading.Lock()
 
