@@ -71,19 +71,37 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL, interval: float 
                          name="verl_patches-parent-watch").start()
 
 
+def _children_by_scan(pid: int) -> list[int]:
+    """Children from every process's parent pid (kernels without /proc/PID/task/TID/children)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            kids.append(int(entry))
+    return kids
+
+
 def _children(pid: int) -> list[int]:
     kids: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return kids
+    listed = False
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 kids += [int(x) for x in f.read().split()]
+            listed = True
         except OSError:
             continue
-    return kids
+    return kids if listed or not tasks else _children_by_scan(pid)
 
 
 def descendants(pid: int) -> list[int]:
