@@ -24,6 +24,21 @@ if [ -f "$VENV/.verl_patches_stamp" ] && [ "$(cat "$VENV/.verl_patches_stamp")" 
   exit 0
 fi
 
+# Only a virtualenv this script made (its marker, or the stamp of a finished build) is ever
+# removed: VENV may point at any directory, and anything else there is not ours to delete.
+MARKER=.verl_patches_venv
+if [ -e "$VENV" ] || [ -L "$VENV" ]; then
+  if [ -d "$VENV" ] && [ ! -L "$VENV" ] && { [ -f "$VENV/$MARKER" ] || [ -f "$VENV/.verl_patches_stamp" ]; }; then
+    log "rebuilding $VENV (made by this script; its stamp is out of date)"
+    rm -rf "$VENV"
+  elif [ -d "$VENV" ] && [ ! -L "$VENV" ] && [ -z "$(ls -A "$VENV")" ]; then
+    rmdir "$VENV"
+  else
+    log "error: VENV=$VENV exists and was not made by this script (no $MARKER in it): refusing to delete or reuse it; choose a new path or remove it yourself"
+    exit 2
+  fi
+fi
+
 # Versions come from the lock, never from this script.
 lockv() { "$PYTHON" - "$LOCK" "$1" "${2:-version}" <<'EOF'
 import sys, tomllib
@@ -35,8 +50,8 @@ MCORE_V=$(lockv megatron_core); VASC_V=$(lockv vllm_ascend); TF_V=$(lockv transf
 RAY_V=$(lockv ray); HYDRA_V=$(lockv hydra_core)
 
 log "creating $VENV with $("$PYTHON" --version)"
-rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
+echo "made by scripts/setup_test_env.sh; safe for it to delete and rebuild" > "$VENV/$MARKER"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # pip warns once per package about configured local mirror folders it cannot use; keep the log readable.
 pipq() { "${PIP[@]}" "$@" 2> >(grep -v -e "^WARNING: Location '" -e "does not provide the extra" >&2); }

@@ -31,6 +31,8 @@ launch_run_hook() {
   fi
   # shellcheck disable=SC2034  # appended to the trainer command by launch_build_trainer_cmd
   LAUNCH_RUN_OVERRIDES=("actor_rollout_ref.actor.megatron.dist_checkpointing_path=${DIST_CKPT_PATH}")
+  # shellcheck disable=SC2034  # checked for completeness by launch_validate_run
+  LAUNCH_CKPT_DIR="$DIST_CKPT_PATH"
 }
 
 launch_main deepseekv3_256die_true_weight "$@"

@@ -27,6 +27,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from verl_patches.core.doctor import as_json, run_doctor
     from verl_patches.core.registry import load_registry
 
+    from verl_patches.core.doctor import is_failing
+
+    if args.upstream_root is not None and not args.upstream_root.is_dir():
+        print(f"error: --upstream-root {args.upstream_root} is not a directory", file=sys.stderr)
+        return 2
     platform = args.platform or _platform_default()
     findings, code = run_doctor(load_registry(), platform, args.upstream_root, strict=args.strict)
     if args.json:
@@ -34,11 +39,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return code
     for f in findings:
         print(f.line())
-    bad = [f for f in findings if f.failed]
-    mode = "strict" if args.strict else "patches only; --strict also enforces the lock"
+    bad = [f for f in findings if is_failing(f, args.strict)]
+    notes = [f for f in findings if f.status != "ok" and f.id.startswith("lock:") and f not in bad]
+    mode = "strict" if args.strict else "patches and presence; --strict also enforces the lock's versions"
     print(f"doctor ({platform}, {mode}): {len(findings)} checked, "
           f"{sum(f.status == 'ok' for f in findings)} ok, {len(bad)} failing"
-          + ("" if args.strict else f", {sum(f.status != 'ok' and f.id.startswith('lock:') for f in findings)} lock notes"))
+          + ("" if args.strict else f", {len(notes)} lock notes"))
+    if bad:
+        print(f"doctor: {len(bad)} failing: {', '.join(f.id for f in bad)}", file=sys.stderr)
     return code
 
 
@@ -66,7 +74,7 @@ def cmd_patches(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from verl_patches.core.fingerprint import source_span
+    from verl_patches.core.fingerprint import TargetNotFound, source_span
     from verl_patches.core.registry import get_patch
     from verl_patches.core.upstream import module_file
 
@@ -79,7 +87,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if path is None:
         print(f"error: upstream module {patch.module} not found", file=sys.stderr)
         return 1
-    original = source_span(path, patch.qualname).text()
+    try:
+        original = source_span(path, patch.qualname).text()
+    except TargetNotFound as e:
+        print(f"error: {patch.target}: {e} ({path})", file=sys.stderr)
+        return 1
     ours_obj = patch.load_replacement()
     ours = inspect.getsource(ours_obj)
     ours_file = inspect.getsourcefile(ours_obj)
@@ -128,7 +140,7 @@ def cmd_hook(args: argparse.Namespace) -> int:
         present, path = hook.status(args.upstream_root)
         print(f"prelude line {'present' if present else 'MISSING'} in {path}")
         return 0 if present else 1
-    except FileNotFoundError as e:
+    except (FileNotFoundError, hook.HookError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

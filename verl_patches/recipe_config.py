@@ -39,6 +39,8 @@ class Report:
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     layout: dict[str, Any] = field(default_factory=dict)
+    # A value of the wrong type was found: checks written for well-typed configs (verl's) are skipped.
+    bad_values: bool = False
 
     def check(self, ok: bool, msg: str) -> bool:
         if not ok:
@@ -50,11 +52,19 @@ def load_model_config(path: Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model config not found: {path}")
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: model config is not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: model config must be a JSON object, got {type(cfg).__name__}")
     need = ("num_hidden_layers", "first_k_dense_replace", "n_routed_experts")
     missing = [k for k in need if k not in cfg]
     if missing:
         raise ValueError(f"{path}: model config lacks {missing}")
+    bad = [k for k in need if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < (k != "first_k_dense_replace")]
+    if bad:
+        raise ValueError(f"{path}: model config values {[(k, cfg[k]) for k in bad]} must be positive integers")
     return cfg
 
 
@@ -68,117 +78,188 @@ def find_model_config(cfg, explicit: Path | None = None) -> Path:
     return DEFAULT_MODEL_CONFIG
 
 
-def _positive_int(rep: Report, name: str, value: Any) -> int:
+def _positive_int(rep: Report, name: str, value: Any) -> int | None:
+    """``value`` if it is an integer >= 1, else None with the error recorded (so later
+    arithmetic on it is skipped instead of dividing by a stand-in)."""
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    rep.check(ok, f"{name} must be a positive integer, got {value!r}")
-    return value if ok else 1
+    if not ok:
+        kind = " (a string: write the number without quotes)" if isinstance(value, str) else \
+            (" (a float: write a whole number)" if isinstance(value, float) else "")
+        rep.errors.append(f"{name} must be a positive integer, got {value!r}{kind}")
+        rep.bad_values = True
+    return value if ok else None
+
+
+def _select(cfg, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(cfg, key, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - an interpolation that does not resolve is reported as a bad value
+        return None
 
 
 def validate(cfg, model: dict) -> Report:
-    """Every arithmetic and consistency rule the 256-die layout depends on; errors name the keys."""
+    """Every arithmetic and consistency rule the 256-die layout depends on; errors name the keys.
+
+    A value of the wrong type is one named error and every rule that depends on it is skipped,
+    so the report never ends in an exception.
+    """
     from omegaconf import OmegaConf
 
+    from verl_patches.megatron_args import RecipeMegatronError
+    from verl_patches.megatron_args import parse as parse_megatron
+    from verl_patches.rollout.settings import plain, recipe_problems
+
     rep = Report()
-    arr = cfg.actor_rollout_ref
-    recipe = OmegaConf.select(cfg, RECIPE_SECTION)
-    if not rep.check(recipe is not None, f"{RECIPE_SECTION} is missing"):
+    recipe_node = _select(cfg, RECIPE_SECTION)
+    if not rep.check(recipe_node is not None, f"{RECIPE_SECTION} is missing"):
         return rep
-    missing = [k for k in ("vllm_dp.dp_size", "vllm_dp.instances") if OmegaConf.is_missing(recipe.vllm_dp, k.split(".")[1])]
+    recipe = plain(recipe_node)
+    problems = recipe_problems(recipe)
+    rep.errors += problems
+    rep.bad_values |= bool(problems)
+    if not isinstance(recipe, dict):
+        return rep
+    vdp = recipe.get("vllm_dp") if isinstance(recipe.get("vllm_dp"), dict) else {}
+    missing = [f"vllm_dp.{k}" for k in ("dp_size", "instances") if vdp.get(k) == "???"]
     if not rep.check(not missing, f"{RECIPE_SECTION}: no value for {missing} (a run config sets them)"):
         return rep
+    try:
+        rmeg = parse_megatron(recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else None)
+    except RecipeMegatronError:
+        rmeg = None  # reported by recipe_problems
 
-    nnodes = _positive_int(rep, "trainer.nnodes", cfg.trainer.nnodes)
-    per_node = _positive_int(rep, "trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)
-    world = nnodes * per_node
+    def pos(key: str) -> int | None:
+        return _positive_int(rep, key, _select(cfg, key))
+
+    nnodes = pos("trainer.nnodes")
+    per_node = pos("trainer.n_gpus_per_node")
+    world = nnodes * per_node if nnodes and per_node else None
     layers = model["num_hidden_layers"]
     experts = model["n_routed_experts"]
     dense = model["first_k_dense_replace"]
 
     # Training layout (actor; the reference is co-located and must match it).
-    m = arr.actor.megatron
-    tp = _positive_int(rep, "actor.megatron.tensor_model_parallel_size", m.tensor_model_parallel_size)
-    pp = _positive_int(rep, "actor.megatron.pipeline_model_parallel_size", m.pipeline_model_parallel_size)
-    ep = _positive_int(rep, "actor.megatron.expert_model_parallel_size", m.expert_model_parallel_size)
-    cp = _positive_int(rep, "actor.megatron.context_parallel_size", m.context_parallel_size)
-    etp = m.expert_tensor_parallel_size if m.expert_tensor_parallel_size is not None else tp
-    dp = world // (tp * pp * cp)
-    rep.check(world % (tp * pp * cp) == 0, f"world size {world} is not divisible by TP{tp} x PP{pp} x CP{cp}")
-    extend = bool(recipe.megatron.moe_tp_extend_ep)
+    A = "actor_rollout_ref.actor.megatron"
+    tp = pos(f"{A}.tensor_model_parallel_size")
+    pp = pos(f"{A}.pipeline_model_parallel_size")
+    ep = pos(f"{A}.expert_model_parallel_size")
+    cp = pos(f"{A}.context_parallel_size")
+    etp_raw = _select(cfg, f"{A}.expert_tensor_parallel_size")
+    etp = tp if etp_raw is None else _positive_int(rep, f"{A}.expert_tensor_parallel_size", etp_raw)
+    dp = None
+    train_ok = None not in (world, tp, pp, cp)
+    if train_ok:
+        if rep.check(world % (tp * pp * cp) == 0,
+                     f"world size {world} (trainer.nnodes {nnodes} x trainer.n_gpus_per_node {per_node}) is not "
+                     f"divisible by TP{tp} x PP{pp} x CP{cp} = {tp * pp * cp}"):
+            dp = world // (tp * pp * cp)
+    extend = bool(rmeg.moe_tp_extend_ep) if rmeg is not None else False
     # Whole experts per rank (the reshard plan and vLLM's EP both move whole experts).
-    rep.check(etp == 1, f"the recipe keeps whole experts per rank (no expert TP): expert_tensor_parallel_size "
-                        f"must be 1, got {etp}")
-    # MindSpeed's moe_tp_extend_ep folds TP into the expert group; megatron-core's EP alone is the group.
-    expert_group = tp * ep if extend else ep
-    rep.check(experts % expert_group == 0, f"{experts} routed experts do not divide over the expert group of {expert_group} ranks")
-    rep.check((world // pp) % expert_group == 0,
-              f"expert group of {expert_group} ranks does not divide the {world // pp} ranks of one pipeline stage")
-    ref = arr.ref.megatron
+    if etp is not None:
+        rep.check(etp == 1, f"the recipe keeps whole experts per rank (no expert TP): expert_tensor_parallel_size "
+                            f"must be 1, got {etp}")
+    expert_group = None
+    if ep is not None and (tp is not None or not extend):
+        # MindSpeed's moe_tp_extend_ep folds TP into the expert group; megatron-core's EP alone is the group.
+        expert_group = tp * ep if extend else ep
+        rep.check(experts % expert_group == 0,
+                  f"{experts} routed experts do not divide over the expert group of {expert_group} ranks")
+        if world is not None and pp is not None and world % pp == 0:
+            rep.check((world // pp) % expert_group == 0,
+                      f"expert group of {expert_group} ranks does not divide the {world // pp} ranks of one pipeline stage")
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
-        rep.check(ref[key] == m[key], f"ref.megatron.{key}={ref[key]} differs from actor's {m[key]} (co-located layout)")
+        mine, theirs = _select(cfg, f"{A}.{key}"), _select(cfg, f"actor_rollout_ref.ref.megatron.{key}")
+        rep.check(theirs == mine, f"ref.megatron.{key}={theirs!r} differs from actor's {mine!r} (co-located layout)")
 
-    layer_list = list(recipe.megatron.num_layer_list or [])
-    rep.check(len(layer_list) == pp, f"num_layer_list has {len(layer_list)} stages, PP is {pp}")
-    rep.check(all(isinstance(n, int) and n >= 1 for n in layer_list), f"num_layer_list entries must be >= 1: {layer_list}")
-    rep.check(sum(layer_list) == layers, f"num_layer_list {layer_list} sums to {sum(layer_list)}, the model has {layers} layers")
+    layer_list = list(rmeg.num_layer_list or []) if rmeg is not None else []
+    if rmeg is not None and pp is not None:
+        rep.check(len(layer_list) == pp, f"num_layer_list has {len(layer_list)} stages, PP is {pp}")
+        rep.check(sum(layer_list) == layers,
+                  f"num_layer_list {layer_list} sums to {sum(layer_list)}, the model has {layers} layers")
 
     # Rollout layout: instances x (DP x TP) = world; EP = DP x TP inside one instance.
-    r = arr.rollout
-    rtp = _positive_int(rep, "rollout.tensor_model_parallel_size", r.tensor_model_parallel_size)
-    rdp = _positive_int(rep, "recipe.vllm_dp.dp_size", recipe.vllm_dp.dp_size)
-    inst = _positive_int(rep, "recipe.vllm_dp.instances", recipe.vllm_dp.instances)
-    rep.check(rdp * rtp * inst == world,
-              f"rollout DP{rdp} x TP{rtp} x {inst} instance(s) = {rdp * rtp * inst}, world size is {world}")
-    rep_ep = rdp * rtp
-    rep.check(experts % rep_ep == 0, f"{experts} routed experts do not divide over rollout EP{rep_ep}")
+    R = "actor_rollout_ref.rollout"
+    rtp = pos(f"{R}.tensor_model_parallel_size")
+    rdp = _positive_int(rep, f"{RECIPE_SECTION}.vllm_dp.dp_size", vdp.get("dp_size"))
+    inst = _positive_int(rep, f"{RECIPE_SECTION}.vllm_dp.instances", vdp.get("instances", 1))
+    rep_ep = rdp * rtp if rdp and rtp else None
+    if rep_ep and inst and world:
+        rep.check(rep_ep * inst == world,
+                  f"rollout DP{rdp} x TP{rtp} x {inst} instance(s) = {rep_ep * inst}, world size is {world}")
+    if rep_ep:
+        rep.check(experts % rep_ep == 0, f"{experts} routed experts do not divide over rollout EP{rep_ep}")
 
     # Batch arithmetic verl's trainer relies on.
-    bsz, n = cfg.data.train_batch_size, r.n
-    mini, micro = arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu
-    rep.check((bsz * n) % (dp * micro) == 0, f"train batch {bsz} x n {n} not divisible by actor DP{dp} x micro {micro}")
-    rep.check(bsz % mini == 0, f"train_batch_size {bsz} not divisible by ppo_mini_batch_size {mini}")
-    if arr.actor.get("recompute_old_log_prob", True) is False:
+    bsz = pos("data.train_batch_size")
+    n = pos(f"{R}.n")
+    mini = pos("actor_rollout_ref.actor.ppo_mini_batch_size")
+    micro = pos("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    epochs = _select(cfg, "actor_rollout_ref.actor.ppo_epochs")
+    if None not in (bsz, n, dp, micro):
+        rep.check((bsz * n) % (dp * micro) == 0, f"train batch {bsz} x n {n} not divisible by actor DP{dp} x micro {micro}")
+    if None not in (bsz, mini):
+        rep.check(bsz % mini == 0, f"train_batch_size {bsz} not divisible by ppo_mini_batch_size {mini}")
+    recompute = _select(cfg, "actor_rollout_ref.actor.recompute_old_log_prob")
+    if recompute is not None and not isinstance(recompute, bool):
+        rep.errors.append(f"actor_rollout_ref.actor.recompute_old_log_prob must be true or false, got {recompute!r}")
+    elif recompute is False and None not in (bsz, mini):
         # old_log_prob = log_prob.detach() is exact only with one optimizer step per batch.
-        rep.check(mini == bsz and arr.actor.ppo_epochs == 1,
+        rep.check(mini == bsz and epochs == 1,
                   "recompute_old_log_prob=False needs one optimizer step per batch: "
                   f"ppo_mini_batch_size ({mini}) == train_batch_size ({bsz}) and ppo_epochs == 1")
-    rep.check(cfg.algorithm.adv_estimator == "grpo", f"algorithm.adv_estimator must be grpo, got {cfg.algorithm.adv_estimator}")
+    adv = _select(cfg, "algorithm.adv_estimator")
+    rep.check(adv == "grpo", f"algorithm.adv_estimator must be grpo, got {adv!r}")
 
     # Engine constraints.
-    rep.check(recipe.reshard_method in RESHARD_METHODS,
-              f"{RECIPE_SECTION}.reshard_method must be one of {RESHARD_METHODS}, got {recipe.reshard_method!r}")
-    rep.check(not (not r.enforce_eager and r.free_cache_engine),
+    for key in ("enforce_eager", "free_cache_engine", "enable_chunked_prefill"):
+        v = _select(cfg, f"{R}.{key}")
+        if not isinstance(v, bool):
+            rep.errors.append(f"{R}.{key} must be true or false, got {v!r}")
+            rep.bad_values = True
+    eager, free = _select(cfg, f"{R}.enforce_eager"), _select(cfg, f"{R}.free_cache_engine")
+    rep.check(not (eager is False and free is True),
               "rollout.enforce_eager=False (graph mode) needs rollout.free_cache_engine=False (verl asserts it)")
-    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if "max_position_embeddings" in model:
-        rep.check(max_len <= model["max_position_embeddings"],
-                  f"prompt + response = {max_len} exceeds max_position_embeddings {model['max_position_embeddings']}")
-    if r.enable_chunked_prefill and r.max_num_batched_tokens < max_len:
-        rep.notes.append(
-            f"rollout.max_num_batched_tokens={r.max_num_batched_tokens} < max_model_len {max_len} with chunked prefill: "
-            "verl 0.4.1's vLLMRollout rejects this; the recipe's rollout patch must lift that check")
-    rope = model.get("rope_scaling") or {}
-    otc = arr.actor.megatron.override_transformer_config
-    rep.check(not (rope.get("type") == "yarn" and otc.get("apply_rope_fusion", False)),
+    prompt_len, resp_len = pos("data.max_prompt_length"), pos("data.max_response_length")
+    if prompt_len and resp_len:
+        max_len = prompt_len + resp_len
+        if isinstance(model.get("max_position_embeddings"), int):
+            rep.check(max_len <= model["max_position_embeddings"],
+                      f"prompt + response = {max_len} exceeds max_position_embeddings {model['max_position_embeddings']}")
+        tokens = pos(f"{R}.max_num_batched_tokens")
+        if _select(cfg, f"{R}.enable_chunked_prefill") is True and tokens and tokens < max_len:
+            rep.notes.append(
+                f"rollout.max_num_batched_tokens={tokens} < max_model_len {max_len} with chunked prefill: "
+                "verl 0.4.1's vLLMRollout rejects this; the recipe's rollout patch must lift that check")
+    rope = model.get("rope_scaling") if isinstance(model.get("rope_scaling"), dict) else {}
+    otc = _select(cfg, f"{A}.override_transformer_config")
+    fusion = otc.get("apply_rope_fusion", False) if hasattr(otc, "get") else False
+    rep.check(not (rope.get("type") == "yarn" and fusion),
               "override_transformer_config.apply_rope_fusion=True with YaRN RoPE: megatron's MLA asserts it off "
               "(use recipe.megatron.use_fused_rotary_pos_emb on NPU)")
     if model.get("quantization_config"):
         rep.errors.append("model config has quantization_config: convert FP8 to BF16 first "
                           "(python -m verl_patches.tools.fp8_to_bf16) and drop it")
-    nextn = OmegaConf.select(cfg, "actor_rollout_ref.model.override_config.model_config.num_nextn_predict_layers")
+    nextn = _select(cfg, "actor_rollout_ref.model.override_config.model_config.num_nextn_predict_layers")
     rep.check(model.get("num_nextn_predict_layers", 0) == 0 or nextn == 0, "MTP must be off: num_nextn_predict_layers=0")
     for who in ("actor", "ref"):
-        mm = arr[who].megatron
-        if mm.use_dist_checkpointing:
-            path = mm.dist_checkpointing_path
+        use = _select(cfg, f"actor_rollout_ref.{who}.megatron.use_dist_checkpointing")
+        if use is not None and not isinstance(use, bool):
+            rep.errors.append(f"actor_rollout_ref.{who}.megatron.use_dist_checkpointing must be true or false, got {use!r}")
+        elif use:
+            path = _select(cfg, f"actor_rollout_ref.{who}.megatron.dist_checkpointing_path")
             rep.check(bool(path) and str(path).strip() != "",
                       f"{who}.megatron.use_dist_checkpointing=True but dist_checkpointing_path is empty (set DIST_CKPT_PATH)")
 
     rep.layout = {
         "world": world, "nnodes": nnodes, "devices_per_node": per_node,
         "train": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": etp, "moe_tp_extend_ep": extend,
-                  "expert_group": expert_group, "experts_per_rank": experts // expert_group if expert_group else None,
+                  "expert_group": expert_group,
+                  "experts_per_rank": experts // expert_group if expert_group and experts % expert_group == 0 else None,
                   "num_layer_list": layer_list, "dense_layers": dense},
-        "rollout": {"tp": rtp, "dp": rdp, "instances": inst, "ep": rep_ep, "experts_per_rank": experts // rep_ep},
+        "rollout": {"tp": rtp, "dp": rdp, "instances": inst, "ep": rep_ep,
+                    "experts_per_rank": experts // rep_ep if rep_ep and experts % rep_ep == 0 else None},
         "model": {"layers": layers, "routed_experts": experts},
     }
     return rep
@@ -197,7 +278,41 @@ def verl_validate(cfg) -> str | None:
         RayPPOTrainer._validate_config(probe)
     except (AssertionError, ValueError) as e:
         return f"verl's RayPPOTrainer._validate_config rejects the config: {e}"
+    except Exception as e:  # noqa: BLE001 - verl's checks assume well-typed values; report, never crash
+        return f"verl's RayPPOTrainer._validate_config cannot check the config: {type(e).__name__}: {e}"
     return None
+
+
+def data_files(cfg) -> list[Path]:
+    files = []
+    for key in ("data.train_files", "data.val_files"):
+        value = _select(cfg, key)
+        items = [value] if isinstance(value, str) else list(value or [])
+        files += [Path(os.path.expanduser(str(v))) for v in items]
+    return files
+
+
+def check_data(cfg, rep: Report) -> None:
+    """Errors for rows of the configured data files that the configured reward cannot score."""
+    from verl_patches.data.check import check_files, recipe_scorer
+
+    present = []
+    for f in data_files(cfg):
+        if f.is_file():
+            present.append(f)
+        else:
+            rep.notes.append(f"data file {f} not found: its rows were not checked against the reward")
+    if not present:
+        return
+    try:
+        scorer, what = recipe_scorer(cfg)
+    except Exception as e:  # noqa: BLE001 - a custom reward that does not load is the finding itself
+        rep.errors.append(f"the configured reward cannot be loaded: {type(e).__name__}: {e}")
+        return
+    problems = check_files(present, scorer)
+    rep.errors += problems
+    if not problems:
+        rep.notes.append(f"every data_source in {len(present)} data file(s) is scored by {what}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-dir", type=Path, default=CONFIG_DIR)
     p.add_argument("--model-config", type=Path, default=None, help="DeepSeek-V3 config.json (default: model.path, then configs/model/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved YAML")
+    p.add_argument("--check-data", action="store_true",
+                   help="also check that the configured reward scores every data_source in data.train_files / "
+                        "data.val_files (files that do not exist are a note)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as given to verl.trainer.main_ppo")
     args = p.parse_args(argv)
     try:
@@ -228,9 +346,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     rep = validate(cfg, model)
-    verl_error = verl_validate(cfg)
-    if verl_error:
-        rep.errors.append(verl_error)
+    if not rep.bad_values:  # verl's own checks assume well-typed values
+        verl_error = verl_validate(cfg)
+        if verl_error:
+            rep.errors.append(verl_error)
+    if args.check_data:
+        check_data(cfg, rep)
     print(f"model config: {model_path}")
     print("layout: " + json.dumps(rep.layout))
     for note in rep.notes:

@@ -176,7 +176,8 @@ bringup_print_env() {
 bringup_spawn() {
   local log="$1"; shift
   mkdir -p "$(dirname "$log")"
-  setsid "$@" >"$log" 2>&1 < /dev/null &
+  # procs exec: the command gets SIGTERM if this shell dies without running its traps (SIGKILL).
+  setsid "$PYTHON" -m verl_patches.procs exec -- "$@" >"$log" 2>&1 < /dev/null &
   BRINGUP_PIDS+=("$!")
 }
 
@@ -227,8 +228,12 @@ bringup_wait_devices() {
   bringup_wait_head || return $?
   local expected=$((NNODES * DEVICES_PER_NODE))
   echo "waiting up to ${WAIT_TIMEOUT_S} s for ${NNODES} node(s) x ${DEVICES_PER_NODE} $(bringup_resource_name) = ${expected}"
+  # In the background and waited for, so that a signal to this shell is handled at once (a
+  # foreground child would defer the traps until it exits) and teardown can stop it.
   "$PYTHON" "${RECIPE_ROOT}/scripts/cluster/wait_for_devices.py" --address "${MASTER_ADDR}:${RAY_PORT}" \
-    --resource "$(bringup_resource_name)" --expected "$expected" --nodes "$NNODES" --timeout "$WAIT_TIMEOUT_S"
+    --resource "$(bringup_resource_name)" --expected "$expected" --nodes "$NNODES" --timeout "$WAIT_TIMEOUT_S" &
+  BRINGUP_PIDS+=("$!")
+  wait "$!"
 }
 
 bringup_alive() {

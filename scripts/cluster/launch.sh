@@ -79,9 +79,25 @@ PY
     echo "error: doctor unavailable: 'import verl_patches.cli' fails with $PYTHON (is the overlay on PYTHONPATH?)" >&2
     rc=1
   fi
-  echo "== config composition and layout ($CONFIG_NAME)"
-  "$PYTHON" -m verl_patches.recipe_config --config-name "$CONFIG_NAME" --print-config -- "${CONFIG_OVERRIDES[@]}" \
-    || { echo "error: config composition or layout check failed (see above)" >&2; rc=1; }
+  launch_validate_run || rc=1
+  echo "== config composition, layout and data ($CONFIG_NAME)"
+  "$PYTHON" -m verl_patches.recipe_config --config-name "$CONFIG_NAME" --print-config --check-data \
+    -- "${CONFIG_OVERRIDES[@]}" \
+    || { echo "error: config composition, layout or data check failed (see above)" >&2; rc=1; }
+  return "$rc"
+}
+
+# What else the real run needs and this node can see: the prelude line in the installed
+# verl (without it no patch is applied) and, for a real-weight run, a complete checkpoint.
+launch_validate_run() {
+  local rc=0
+  echo "== prelude hook in verl's worker module"
+  "$PYTHON" -m verl_patches hook check \
+    || { echo "error: the overlay is not hooked into this verl: run '$PYTHON -m verl_patches hook install' on every node" >&2; rc=1; }
+  if [[ -n "${LAUNCH_CKPT_DIR:-}" ]]; then
+    echo "== checkpoint ${LAUNCH_CKPT_DIR}"
+    "$PYTHON" -m verl_patches.tools.check_ckpt "$LAUNCH_CKPT_DIR" || rc=1
+  fi
   return "$rc"
 }
 
@@ -155,10 +171,19 @@ launch_main() {
     launch_check_inputs 0 || return 2
     launch_validate || return 1
   fi
+  launch_start "$role"
+}
+
+# Start this node's part: Ray (and, on the head, the trainer once every device joined).
+# Everything started is stopped when this shell exits, including on SIGINT, SIGTERM and
+# SIGHUP; if the shell is killed outright, the parent-death signal (procs exec) stops it.
+launch_start() {
+  local role="$1"
   bringup_export_env
   trap bringup_stop EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
+  trap 'exit 129' HUP
   if [[ "$role" == worker ]]; then
     bringup_start_worker || return $?
     # Stay up as long as this node's Ray runs; it ends when the head goes away.
@@ -169,7 +194,7 @@ launch_main() {
   bringup_wait_devices || return $?
   mkdir -p "$LOG_DIR"
   echo "starting trainer; log: ${LOG_DIR}/trainer.log"
-  "${TRAINER_CMD[@]}" > >(tee -a "${LOG_DIR}/trainer.log") 2>&1 &
+  "$PYTHON" -m verl_patches.procs exec -- "${TRAINER_CMD[@]}" > >(tee -a "${LOG_DIR}/trainer.log") 2>&1 &
   local trainer_pid=$!
   BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")
   local rc=0

@@ -6,8 +6,58 @@ Used by scripts/cluster/bringup.sh on the head; exits 0 when ready, 3 on timeout
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
+import threading
 import time
+
+
+def _reachable(host: str, port: int, timeout: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=max(timeout, 0.01)):
+            return True
+    except OSError:
+        return False
+
+
+def _wait(args: argparse.Namespace, deadline: float, result: list[int]) -> None:
+    """The Ray part; runs in a daemon thread because ray.init and Ray's queries can block
+    in native code for far longer than any timeout of ours (e.g. a port that accepts but
+    never speaks GCS)."""
+    import ray
+
+    while True:
+        try:
+            ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
+            break
+        except Exception as e:  # noqa: BLE001 - ray raises several types while the GCS starts
+            if time.monotonic() > deadline:
+                print(f"error: could not connect to the Ray head at {args.address} within {args.timeout:.0f} s: {e}",
+                      file=sys.stderr)
+                result.append(3)
+                return
+            time.sleep(args.interval)
+    have, alive = 0.0, []
+    try:
+        while True:
+            have = ray.cluster_resources().get(args.resource, 0.0)
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            if have >= args.expected and len(alive) >= args.nodes:
+                print(f"ready: {len(alive)} node(s), {have:g} {args.resource} (expected {args.expected:g})", flush=True)
+                result.append(0)
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(args.interval)
+    finally:
+        ray.shutdown()
+    joined = ", ".join(f"{n.get('NodeManagerAddress')}={n.get('Resources', {}).get(args.resource, 0):g}" for n in alive)
+    print(f"error: after {args.timeout:.0f} s only {len(alive)} of {args.nodes} node(s) and {have:g} of "
+          f"{args.expected:g} {args.resource} joined the cluster at {args.address} (joined: {joined or 'none'}). "
+          "Check that every worker ran the launcher with the same MASTER_ADDR/RAY_PORT and DEVICES_PER_NODE.",
+          file=sys.stderr)
+    result.append(3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,40 +69,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--interval", type=float, default=2.0)
     args = p.parse_args(argv)
-
-    import ray
+    host, _, port = args.address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        p.error(f"--address must be host:port, got {args.address!r}")
+    if not args.timeout > 0 or not args.interval > 0:
+        p.error("--timeout and --interval must be positive")
 
     deadline = time.monotonic() + args.timeout
-    # The head may still be coming up: retry the connection itself until the deadline.
-    while True:
-        try:
-            ray.init(address=args.address, logging_level="ERROR", log_to_driver=False)
-            break
-        except Exception as e:  # noqa: BLE001 - ray raises several types while the GCS starts
-            if time.monotonic() > deadline:
-                print(f"error: could not connect to the Ray head at {args.address} within {args.timeout:.0f} s: {e}",
-                      file=sys.stderr)
-                return 3
-            time.sleep(args.interval)
-    have, alive = 0.0, []
-    try:
-        while True:
-            have = ray.cluster_resources().get(args.resource, 0.0)
-            alive = [n for n in ray.nodes() if n.get("Alive")]
-            if have >= args.expected and len(alive) >= args.nodes:
-                print(f"ready: {len(alive)} node(s), {have:g} {args.resource} (expected {args.expected:g})")
-                return 0
-            if time.monotonic() > deadline:
-                break
-            time.sleep(args.interval)
-    finally:
-        ray.shutdown()
-    joined = ", ".join(f"{n.get('NodeManagerAddress')}={n.get('Resources', {}).get(args.resource, 0):g}" for n in alive)
-    print(f"error: after {args.timeout:.0f} s only {len(alive)} of {args.nodes} node(s) and {have:g} of "
-          f"{args.expected:g} {args.resource} joined the cluster at {args.address} (joined: {joined or 'none'}). "
-          "Check that every worker ran the launcher with the same MASTER_ADDR/RAY_PORT and DEVICES_PER_NODE.",
-          file=sys.stderr)
-    return 3
+    # The head may still be coming up: wait for its port first, within the deadline.
+    while not _reachable(host, int(port), min(args.interval, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            print(f"error: the Ray head at {args.address} was not reachable within {args.timeout:.0f} s "
+                  "(is MASTER_ADDR/RAY_PORT right, and the head started?)", file=sys.stderr)
+            return 3
+        time.sleep(min(args.interval, max(deadline - time.monotonic(), 0)))
+    result: list[int] = []
+    worker = threading.Thread(target=_wait, args=(args, deadline, result), daemon=True)
+    worker.start()
+    # Ray's own calls get their share of the deadline plus a grace to report; then we stop waiting.
+    worker.join(max(deadline - time.monotonic(), 0) + args.interval + 2)
+    if result:
+        return result[0]
+    print(f"error: no answer from the Ray head at {args.address} within {args.timeout:.0f} s: its port accepts "
+          "connections but Ray does not respond", file=sys.stderr)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(3)  # the Ray thread is blocked in native code; an orderly exit would wait for it
 
 
 if __name__ == "__main__":

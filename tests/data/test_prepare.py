@@ -27,7 +27,7 @@ def test_sample_to_verl_schema(tmp_path, kind):
     for df, split in ((train, "train"), (test, "test")):
         assert list(df.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
         for _, row in df.iterrows():
-            assert row["data_source"] == kind
+            assert row["data_source"] == "deepscaler" and row["extra_info"]["dataset"] == kind
             msgs = list(row["prompt"])
             assert len(msgs) == 1 and msgs[0]["role"] == "user"
             assert msgs[0]["content"].endswith(P.INSTRUCTION) and "\\boxed{}" in msgs[0]["content"]
@@ -118,3 +118,42 @@ def test_split_rejects_empty_train():
     ex = [P.Example("q", "1", "", 1)]
     with pytest.raises(ValueError, match="leaves no training rows"):
         P.split_examples(ex, 1, 0)
+
+
+def _snapshot(d):
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_rerun_into_prepared_data_is_refused_unless_overwrite(tmp_path, capsys):
+    """Finding 3: re-running into an existing directory overwrote the data without a word."""
+    assert P.main(["deepscaler", "--out-dir", str(tmp_path), "--seed", "1"]) == 0
+    before = _snapshot(tmp_path)
+    assert P.main(["deepscaler", "--out-dir", str(tmp_path), "--seed", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds train.parquet, test.parquet" in err and "--overwrite" in err
+    assert _snapshot(tmp_path) == before
+    assert P.main(["deepscaler", "--out-dir", str(tmp_path), "--seed", "2", "--overwrite"]) == 0
+    assert _snapshot(tmp_path) != before and sorted(_snapshot(tmp_path)) == ["test.parquet", "train.parquet"]
+
+
+def test_a_failure_mid_write_leaves_the_previous_pair_intact(tmp_path, monkeypatch):
+    """Finding 3: a run killed while writing left a truncated file next to the old one."""
+    import errno
+
+    import pyarrow.parquet as pq
+
+    P.prepare("deepscaler", None, tmp_path, seed=1)
+    before = _snapshot(tmp_path)
+    real = pq.write_table
+
+    def disk_full_on_second_file(table, where, *a, **k):
+        if "test" in str(where):
+            with open(where, "wb") as f:
+                f.write(b"PAR1" + b"\0" * 164)  # what a killed writer leaves: 168 bytes, unreadable
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(table, where, *a, **k)
+
+    monkeypatch.setattr(pq, "write_table", disk_full_on_second_file)
+    with pytest.raises(OSError):
+        P.prepare("deepscaler", None, tmp_path, seed=2, overwrite=True)
+    assert _snapshot(tmp_path) == before  # both old files, byte for byte, and nothing else

@@ -5,6 +5,7 @@ Runs the real scripts with bash and the real ray CLI from the test venv; nothing
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -31,11 +32,34 @@ def _run(script, *args, timeout=120, **env):
     return subprocess.run(["bash", str(script), *args], env=_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory):
+    """PYTHONPATH holding a copy of the installed verl with the prelude line, as on a prepared node
+    (the test environment's own verl stays unhooked)."""
+    import shutil
+
+    import verl
+
+    from verl_patches.core import hook
+
+    root = tmp_path_factory.mktemp("upstream")
+    shutil.copytree(verl.__path__[0], root / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    hook.install(root)
+    return os.pathsep.join([str(root), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
+
+
 @pytest.fixture
 def ckpt_dir(tmp_path):
+    """A complete (one-tensor) torch_dist checkpoint in the format Megatron loads."""
+    import torch
+
+    from verl_patches.tools.mcore_layout import UnitWriter, write_metadata
+
     d = tmp_path / "dist_ckpt"
     d.mkdir()
-    (d / "metadata.json").write_text("{}")
+    w = UnitWriter(d / "embedding.distcp")
+    w.tensor("embedding.word_embeddings.weight", torch.zeros(4, 2), [((0, 0), (4, 2))])
+    write_metadata(d, [w.close()])
     return d
 
 
@@ -49,35 +73,66 @@ def test_true_weight_requires_dist_ckpt_path(tmp_path):
     assert r.returncode == 2 and "is not a directory" in r.stderr
 
 
-def test_true_weight_dry_run_composes_and_validates(ckpt_dir):
-    r = _run(TRUE_WEIGHT, "--dry-run", "trainer.total_training_steps=5", DIST_CKPT_PATH=str(ckpt_dir), NODE_RANK="0")
+def test_true_weight_dry_run_composes_and_validates(ckpt_dir, hooked):
+    # CUDA: on this CPU machine the doctor passes for it (torch_npu and CANN are absent).
+    r = _run(TRUE_WEIGHT, "--dry-run", "trainer.total_training_steps=5", DIST_CKPT_PATH=str(ckpt_dir), NODE_RANK="0",
+             DEVICE="cuda", PYTHONPATH=hooked)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert "role head (dry run: nothing is started)" in out
     assert f"DIST_CKPT_PATH={ckpt_dir}" in out
-    # Ray commands carry the NPU count; the trainer command carries config, checkpoint and user override.
-    assert re.search(r"ray start --head --block --node-ip-address=10\.0\.0\.1 --port=6379 .*NPU", out)
+    # Ray commands carry the GPU count; the trainer command carries config, checkpoint and user override.
+    assert re.search(r"ray start --head --block --node-ip-address=10\.0\.0\.1 --port=6379 .*--num-gpus 16", out)
     assert "--address=10.0.0.1:6379" in out
     assert "--config-name=deepseekv3_256die_true_weight" in out
     assert f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={ckpt_dir}" in out
     assert "trainer.total_training_steps=5" in out
-    assert "== doctor" in out and "doctor (npu" in out
+    assert "== doctor" in out and "doctor (cuda" in out
+    assert "prelude line present" in out and "complete torch_dist checkpoint" in out
     assert '"world": 256' in out and '"instances": 2' in out
     # The composed YAML shows the user override and the checkpoint path resolved.
     assert "total_training_steps: 5" in out and f"dist_checkpointing_path: {ckpt_dir}" in out
     assert "dry run OK" in out
 
 
-def test_random_init_dry_run_env_overrides_and_layout_error():
-    r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NODE_RANK="3", RAY_PORT="7000")
+def test_random_init_dry_run_env_overrides_and_layout_error(hooked):
+    r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NODE_RANK="3", RAY_PORT="7000", PYTHONPATH=hooked)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "role worker" in r.stdout
     assert "--num-gpus 16" in r.stdout and "--address=10.0.0.1:7000" in r.stdout
     assert "trainer.device=cuda" in r.stdout and '"dp": 128' in r.stdout
-    # 8 nodes cannot hold the 256-die layouts: the dry run must say so and fail.
-    r = _run(RANDOM_INIT, "--dry-run", NNODES="8")
+    # One node of 8 GPUs cannot hold the 256-die layouts: named errors, not a ZeroDivisionError.
+    r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NNODES="1", DEVICES_PER_NODE="8", PYTHONPATH=hooked)
     assert r.returncode == 1
-    assert "world size is 128" in r.stderr and "dry run FAILED" in r.stderr
+    assert "world size 8 (trainer.nnodes 1 x trainer.n_gpus_per_node 8) is not divisible by TP4 x PP8" in r.stderr
+    assert "world size is 8" in r.stderr and "dry run FAILED" in r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_dry_run_fails_for_what_the_real_run_would_fail_on(tmp_path):
+    """Finding 4: each of these passed as "dry run OK". Here all at once (one run is 15 s):
+    the doctor failing for the target platform (NPU: no torch_npu or CANN here), no prelude line
+    in the installed verl, a half-finished conversion as DIST_CKPT_PATH, and data rows the
+    recipe's reward cannot score."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_patches.tools import manifest
+
+    ckpt = tmp_path / "ckpt"
+    manifest.claim(ckpt, "hf_to_mcore", tmp_path / "hf", "fp", {}, False, lambda p: False)
+    (ckpt / "layer_000.distcp").write_bytes(b"x")
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "reward_model": {"ground_truth": "3"}}]), str(data))
+    r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt), NODE_RANK="0", DEVICE="npu",
+             TRAIN_FILES=str(data), VAL_FILES=str(data))
+    err = r.stdout + r.stderr
+    assert r.returncode == 1 and "dry run FAILED" in r.stderr, err
+    assert "error: doctor failed" in r.stderr and "lock:torch_npu" in err
+    assert "prelude line MISSING" in r.stdout and "hook install" in r.stderr
+    assert "the conversion into it did not finish" in r.stderr
+    assert "data_source 'gsm8k' (1 row(s)): the reward has no scorer" in r.stderr
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("args, env, message", [
@@ -169,3 +224,64 @@ def test_dry_run_names_missing_python_packages(tmp_path, ckpt_dir):
     r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt_dir), NODE_RANK="0", PYTHON=str(bare))
     assert r.returncode == 1
     assert "lacks: hydra-core ray torch verl" in r.stderr and "dry run FAILED" in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_to_a_running_launcher_stops_everything_it_started(tmp_path):
+    """The launcher's run path (launch_start: Ray head, then the wait for every device) gets
+    SIGTERM while it waits, as from a scheduler: Ray's processes and the wait are all gone
+    within a few seconds. The wait used to run in the foreground, deferring the shell's traps
+    until it timed out (15 minutes by default)."""
+    from verl_patches import procs
+
+    port, *agent = _free_ports(6)
+    temp = Path(f"/tmp/rs{os.getpid()}")
+    script = f"""
+set -euo pipefail
+source {SCRIPTS}/cluster/bringup.sh
+source {SCRIPTS}/cluster/launch.sh
+bringup_defaults
+CONFIG_NAME=deepseekv3_256die_random_init
+launch_defaults
+LAUNCH_RUN_OVERRIDES=(); USER_OVERRIDES=()
+launch_build_trainer_cmd
+launch_start head
+"""
+    env = _env(DEVICE="cuda", NNODES="2", DEVICES_PER_NODE="2", RAY_NUM_CPUS="1", MASTER_ADDR="127.0.0.1",
+               RAY_PORT=str(port), RAY_TEMP_DIR=str(temp), LOG_DIR=str(tmp_path / "logs"), WAIT_TIMEOUT_S="300",
+               STOP_GRACE_S="10",
+               RAY_EXTRA_ARGS=(f"--ray-client-server-port={agent[0]} --dashboard-agent-listen-port={agent[1]} "
+                               f"--dashboard-agent-grpc-port={agent[2]} --metrics-export-port={agent[3]} "
+                               f"--runtime-env-agent-port={agent[4]}"))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tree: set[int] = set()
+    try:
+        # Ready when the wait for the second node's devices has started (Ray is up by then).
+        for line in shell.stdout:
+            if line.startswith("waiting up to"):
+                break
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            tree |= set(procs.descendants(shell.pid))
+            cmds = [Path(f"/proc/{p}/cmdline").read_bytes() for p in tree if Path(f"/proc/{p}/cmdline").exists()]
+            if any(b"wait_for_devices" in c for c in cmds) and any(b"raylet" in c for c in cmds):
+                break
+            time.sleep(0.2)
+        tree |= set(procs.descendants(shell.pid))
+        assert any(b"raylet" in Path(f"/proc/{p}/cmdline").read_bytes() for p in tree if procs.alive(p))
+        shell.send_signal(signal.SIGTERM)
+        rc = shell.wait(timeout=60)
+        left = [p for p in tree if procs.alive(p)]
+        deadline = time.monotonic() + 5
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = [p for p in tree if procs.alive(p)]
+        assert rc == 143
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in left]
+    finally:
+        if shell.poll() is None:
+            shell.kill()
+        procs.kill_tree([p for p in tree if procs.alive(p)], grace=0)
+        subprocess.run(["rm", "-rf", str(temp)])

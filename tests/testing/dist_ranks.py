@@ -27,3 +27,16 @@ def one_rank_sleeps(rank: int, world: int, seconds: float) -> int:
 
 def echo(rank: int, world: int, value: object) -> tuple[int, int, object]:
     return rank, dist.get_world_size(), value
+
+
+def report_pid_and_wait(rank: int, world: int, directory: str) -> int:
+    """Announce this rank's pid (the test's readiness signal), then wait as a rank stuck in a
+    collective would, until something kills it."""
+    import os
+    from pathlib import Path
+
+    path = Path(directory) / f"rank{rank}.pid"
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    path.with_suffix(".tmp").replace(path)
+    time.sleep(3600)
+    return rank

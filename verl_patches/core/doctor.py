@@ -13,7 +13,7 @@ from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
 
-from verl_patches.core.fingerprint import TargetNotFound, fingerprint_file
+from verl_patches.core.fingerprint import SourceUnreadable, TargetNotFound, fingerprint_file
 from verl_patches.core.lock import Component, load_lock
 from verl_patches.core.record import Patch
 from verl_patches.core.upstream import locate, module_file
@@ -115,6 +115,8 @@ def check_patch(patch: Patch, lock: dict[str, Component], platform: str, root: P
                        loc.version, patch.versions, required)
     try:
         fp = fingerprint_file(path, patch.qualname)
+    except SourceUnreadable as e:
+        return Finding(patch.id, patch.target, "changed", str(e), loc.version, patch.versions, required)
     except TargetNotFound as e:
         return Finding(patch.id, patch.target, "missing", f"{e} ({path})", loc.version, patch.versions, required)
     if loc.version:
@@ -133,16 +135,23 @@ def check_patch(patch: Patch, lock: dict[str, Component], platform: str, root: P
                    loc.version, patch.versions, required)
 
 
+def is_failing(f: Finding, strict: bool) -> bool:
+    """Whether ``f`` makes the doctor fail: a required patch that does not match, a required
+    component that is absent (nothing can run without it), and under ``strict`` any required
+    component that differs from the lock (otherwise a note)."""
+    if not f.failed:
+        return False
+    return not f.id.startswith("lock:") or strict or f.status == "missing"
+
+
 def run_doctor(patches: list[Patch], platform: str, root: Path | None = None,
                strict: bool = False, lock_path: Path | None = None) -> tuple[list[Finding], int]:
-    """All findings and the exit code: 1 if a required patch fails, or (strict) a lock entry."""
+    """All findings and the exit code: 1 whenever one of them is failing (``is_failing``)."""
     lock = load_lock(lock_path)
     comp_findings = [check_component(c, platform, root) for c in lock.values()]
     patch_findings = [check_patch(p, lock, platform, root) for p in patches]
-    failing = [f for f in patch_findings if f.failed]
-    if strict:
-        failing += [f for f in comp_findings if f.failed]
-    return comp_findings + patch_findings, (1 if failing else 0)
+    findings = comp_findings + patch_findings
+    return findings, (1 if any(is_failing(f, strict) for f in findings) else 0)
 
 
 def as_json(findings: list[Finding]) -> list[dict]:

@@ -44,9 +44,17 @@ class TargetNotFound(LookupError):
     """The qualified name does not exist in the parsed source."""
 
 
+class SourceUnreadable(TargetNotFound):
+    """The file that should hold the target is not valid Python (e.g. cut short by a full disk)."""
+
+
 @functools.lru_cache(maxsize=256)
 def _parse(path: str, mtime_ns: int) -> ast.Module:
-    return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+    try:
+        return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+    except (SyntaxError, UnicodeDecodeError, ValueError) as e:
+        where = f" (line {e.lineno}: {e.msg})" if isinstance(e, SyntaxError) else f" ({e})"
+        raise SourceUnreadable(f"{path} is not valid Python{where}; reinstall the package it belongs to") from None
 
 
 def parse_file(path: Path) -> ast.Module:

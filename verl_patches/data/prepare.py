@@ -6,12 +6,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import random
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from verl_patches import atomic
+from verl_patches.patches.verl.patch_utils_reward_score import DEEPSCALER_SOURCES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = {
@@ -20,7 +25,12 @@ SAMPLES = {
 }
 # The rule reward (verl_patches.reward.deepscaler) reads the last \boxed{}; the prompt must ask for it.
 INSTRUCTION = "Let's think step by step and put the final answer within \\boxed{}."
-DEFAULT_DATA_SOURCE = {"deepscaler": "deepscaler", "gsm8k": "gsm8k"}
+# verl picks the scorer by data_source: every row must name one that the recipe's reward (the
+# boxed-answer rule, reached through verl's default scorer) handles, whatever the data set;
+# verl's own "openai/gsm8k" scorer reads "#### answer" and would score every boxed answer 0.
+RECIPE_REWARD_SOURCES = DEEPSCALER_SOURCES
+DEFAULT_DATA_SOURCE = {"deepscaler": "deepscaler", "gsm8k": "deepscaler"}
+OUTPUTS = ("train.parquet", "test.parquet")
 _GSM8K_FINAL = re.compile(r"####\s*(.+?)\s*$")
 
 
@@ -34,6 +44,7 @@ class Example:
     answer: str
     solution: str
     row: int  # 1-based position in the input file, kept for error messages and extra_info
+    dataset: str = ""  # the kind it was read as (deepscaler, gsm8k)
 
 
 def _require_str(obj: dict, key: str) -> str:
@@ -68,7 +79,10 @@ def _parse_gsm8k(obj: dict) -> tuple[str, str, str]:
 
 def _raw_rows(kind: str, path: Path) -> list[tuple[int, object]]:
     """(row number, decoded object or the decode error) for every row of the file."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MalformedDataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if kind == "deepscaler":
         try:
             data = json.loads(text)
@@ -105,7 +119,7 @@ def load_examples(kind: str, path: Path, skip_invalid: bool = False) -> tuple[li
         except ValueError as e:
             problems.append(f"{path}: {unit} {n}: {e}")
             continue
-        examples.append(Example(q, a, s, n))
+        examples.append(Example(q, a, s, n, kind))
     if problems and not skip_invalid:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
@@ -125,6 +139,7 @@ def to_record(ex: Example, split: str, index: int, data_source: str) -> dict:
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": ex.answer},
         "extra_info": {
+            "dataset": ex.dataset,
             "split": split,
             "index": index,
             "source_row": ex.row,
@@ -137,8 +152,10 @@ def to_record(ex: Example, split: str, index: int, data_source: str) -> dict:
 
 def split_examples(examples: list[Example], test_size: float, seed: int) -> tuple[list[Example], list[Example]]:
     """Seeded shuffle, then the first ``test_size`` (fraction < 1 or a count) go to test."""
-    if test_size < 0:
-        raise ValueError(f"test_size must be >= 0, got {test_size}")
+    if not (test_size >= 0 and math.isfinite(test_size)):
+        raise ValueError(f"--test-size must be a finite number >= 0, got {test_size}")
+    if test_size >= 1 and test_size != int(test_size):
+        raise ValueError(f"--test-size {test_size}: a fraction must be < 1, a row count a whole number")
     n_test = round(len(examples) * test_size) if test_size < 1 else int(test_size)
     if n_test >= len(examples):
         raise ValueError(f"test split of {n_test} leaves no training rows out of {len(examples)}")
@@ -149,30 +166,50 @@ def split_examples(examples: list[Example], test_size: float, seed: int) -> tupl
     return train, test
 
 
-def write_parquet(records: list[dict], path: Path) -> None:
+class OutputExistsError(FileExistsError):
+    """The output directory already holds prepared data and overwriting was not asked for."""
+
+
+def check_data_source(source: str) -> str:
+    if source not in RECIPE_REWARD_SOURCES:
+        raise ValueError(f"--data-source {source!r}: the recipe's reward scores only data_source in "
+                         f"{sorted(RECIPE_REWARD_SOURCES)} (verl picks the scorer by this column; another value "
+                         f"would be scored by a different rule, or not at all)")
+    return source
+
+
+def prepare(kind: str, input_path: Path | None, out_dir: Path, test_size: float = 0.1, seed: int = 0,
+            skip_invalid: bool = False, data_source: str | None = None, overwrite: bool = False) -> dict:
+    """Write ``train.parquet`` and ``test.parquet`` under ``out_dir``; returns a summary.
+
+    Nothing is written unless both splits are complete: each goes to a temporary name first and
+    both are renamed at the end. Existing outputs are replaced only with ``overwrite``.
+    """
+    path = Path(input_path) if input_path else SAMPLES[kind]
+    if not path.is_file():
+        raise FileNotFoundError(f"input not found: {path}" + (" (a directory)" if path.is_dir() else ""))
+    source = check_data_source(data_source or DEFAULT_DATA_SOURCE[kind])
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out-dir {out_dir} exists and is not a directory")
+    existing = [name for name in OUTPUTS if (out_dir / name).exists()]
+    if existing and not overwrite:
+        raise OutputExistsError(f"{out_dir} already holds {', '.join(existing)}; pass --overwrite to replace "
+                                f"them, or choose another --out-dir")
+    examples, problems = load_examples(kind, path, skip_invalid=skip_invalid)
+    train, test = split_examples(examples, test_size, seed)
     # pyarrow directly (not pandas) so the nested schema and the bytes are the same on every run.
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist(records)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
-
-
-def prepare(kind: str, input_path: Path | None, out_dir: Path, test_size: float = 0.1, seed: int = 0,
-            skip_invalid: bool = False, data_source: str | None = None) -> dict:
-    """Write ``train.parquet`` and ``test.parquet`` under ``out_dir``; returns a summary."""
-    path = Path(input_path) if input_path else SAMPLES[kind]
-    if not path.is_file():
-        raise FileNotFoundError(f"input not found: {path}")
-    examples, problems = load_examples(kind, path, skip_invalid=skip_invalid)
-    train, test = split_examples(examples, test_size, seed)
-    source = data_source or DEFAULT_DATA_SOURCE[kind]
-    out_dir = Path(out_dir)
-    for split, rows in (("train", train), ("test", test)):
-        write_parquet([to_record(ex, split, i, source) for i, ex in enumerate(rows)], out_dir / f"{split}.parquet")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        # Both temporaries first, renames last: a failure anywhere leaves the old pair intact.
+        for split, rows in (("train", train), ("test", test)):
+            tmp = stack.enter_context(atomic.atomic_path(out_dir / f"{split}.parquet"))
+            pq.write_table(pa.Table.from_pylist([to_record(ex, split, i, source) for i, ex in enumerate(rows)]), str(tmp))
     return {"input": str(path), "train": len(train), "test": len(test), "skipped": len(problems),
-            "skipped_rows": problems, "out_dir": str(out_dir)}
+            "skipped_rows": problems, "out_dir": str(out_dir), "data_source": source}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,13 +220,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--test-size", type=float, default=0.1, help="fraction (<1) or row count (>=1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-invalid", action="store_true", help="drop malformed rows and report how many")
-    p.add_argument("--data-source", default=None, help="value of the data_source column")
+    p.add_argument("--data-source", default=None,
+                   help=f"value of the data_source column, one the recipe's reward scores: {sorted(RECIPE_REWARD_SOURCES)}")
+    p.add_argument("--overwrite", action="store_true", help="replace train.parquet / test.parquet already in --out-dir")
     args = p.parse_args(argv)
     try:
         summary = prepare(args.kind, args.input, args.out_dir, args.test_size, args.seed,
-                          args.skip_invalid, args.data_source)
-    except (MalformedDataError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+                          args.skip_invalid, args.data_source, args.overwrite)
+    except (MalformedDataError, ValueError, OSError) as e:
+        msg = e if not isinstance(e, OSError) or isinstance(e, OutputExistsError) or not e.filename else \
+            f"{e.filename}: {e.strerror}"
+        print(f"error: {msg}", file=sys.stderr)
         return 2
     for line in summary["skipped_rows"]:
         print(f"skipped: {line}", file=sys.stderr)

@@ -68,14 +68,40 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--steps must be >= 1")
     if a.graph_check and a.backend != "nccl":
         p.error("--graph-check captures CUDA graphs: it needs --backend nccl")
+    if a.nproc is not None and a.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {a.nproc}")
+    if not a.bucket_mb > 0:
+        p.error(f"--bucket-mb must be positive, got {a.bucket_mb}")
+    if not a.kv_mb >= 0:
+        p.error(f"--kv-mb must be >= 0, got {a.kv_mb}")
+    # Where results go is checked now, not after the whole rehearsal has run.
+    for opt, where, folder in (("--json", a.json, a.json.parent if a.json else None), ("--dump", a.dump, a.dump)):
+        if where is None:
+            continue
+        if (opt == "--json" and where.is_dir()) or (opt == "--dump" and where.exists() and not where.is_dir()):
+            p.error(f"{opt} {where}: expected a {'file' if opt == '--json' else 'directory'} path")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"{opt} {where}: cannot create {folder}: {e.strerror}")
     return a
+
+
+class PreflightInputError(ValueError):
+    """An argument, model config or layout the rehearsal cannot run with; found before any rank starts."""
 
 
 def _load_model(spec: str) -> tuple[dict[str, Any], str]:
     path = MODELS.get(spec, Path(spec))
     if not Path(path).is_file():
-        raise SystemExit(f"preflight: model config {spec!r} not found (tiny, deepseek_v3, or a config.json path)")
-    return json.loads(Path(path).read_text()), str(path)
+        raise PreflightInputError(f"model config {spec!r} not found (tiny, deepseek_v3, or a config.json path)")
+    try:
+        model = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PreflightInputError(f"model config {path}: not readable JSON ({e})") from None
+    if not isinstance(model, dict):
+        raise PreflightInputError(f"model config {path}: expected a JSON object, got {type(model).__name__}")
+    return model, str(path)
 
 
 def _options(a: argparse.Namespace, world: int) -> Any:
@@ -85,19 +111,36 @@ def _options(a: argparse.Namespace, world: int) -> Any:
     train, rollout = a.train, a.rollout
     if train is None or rollout is None:
         if world not in DEFAULT_LAYOUTS or a.model != "tiny":
-            raise SystemExit(f"preflight: give --train and --rollout for {world} processes and model {a.model!r} "
-                             f"(defaults exist for the tiny model on {sorted(DEFAULT_LAYOUTS)} processes)")
+            raise PreflightInputError(f"give --train and --rollout for {world} processes and model {a.model!r} "
+                                      f"(defaults exist for the tiny model on {sorted(DEFAULT_LAYOUTS)} processes)")
         dt, dr = DEFAULT_LAYOUTS[world]
         train, rollout = train or dt, rollout or dr
     corrupt = None
     if a.corrupt:
-        r, name, m = a.corrupt.split(":")
-        corrupt = (int(r), name, m)
+        try:
+            r, name, m = a.corrupt.split(":")
+            corrupt = (int(r), name, m)
+        except ValueError:
+            raise PreflightInputError(f"--corrupt {a.corrupt!r}: expected RANK:PARAM:METHOD") from None
     methods = ("direct", "recipe", "upstream") if a.method == "all" else (a.method,)
+    check_layouts(model, train, rollout, world)
     n_params = _count_params(model)
     return Options(model=model, train=train, rollout=rollout, methods=methods, steps=a.steps, seed=a.seed,
                    dtype=a.dtype, bucket_mb=a.bucket_mb, kv_mb=a.kv_mb, corrupt=corrupt,
                    gather_shards=n_params <= GATHER_LIMIT, graph_check=a.graph_check)
+
+
+def check_layouts(model: dict[str, Any], train: str, rollout: str, world: int) -> None:
+    """Every layout rule the ranks would apply, checked here so that a mistake costs no process."""
+    from verl_patches.reshard.layout import LayoutError, ModelConfig, RolloutLayout, TrainLayout, build_placements
+
+    try:
+        P = build_placements(ModelConfig.from_hf(model), TrainLayout.parse(train), RolloutLayout.parse(rollout))
+    except (LayoutError, TypeError, ValueError) as e:
+        raise PreflightInputError(f"--train {train!r} / --rollout {rollout!r}: {e}") from None
+    if P.world != world:
+        raise PreflightInputError(f"--rollout {rollout!r} spans {P.world} ranks but {world} processes would run "
+                                  f"(--nproc, or WORLD_SIZE under torchrun)")
 
 
 def _count_params(model: dict[str, Any]) -> int:
@@ -288,6 +331,22 @@ def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from verl_patches.procs import Terminated
+
+    try:
+        return _main(argv)
+    except PreflightInputError as e:
+        print(f"preflight: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("preflight: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    except Terminated as e:
+        print(f"preflight: {e}; every rank was stopped", file=sys.stderr)
+        return e.exit_code
+
+
+def _main(argv: list[str]) -> int:
     a = parse_args(argv)
     # megatron-core wraps fused ops in torch.compile at import; torch then pre-forks a pool of
     # inductor compile workers in every rank. Preflight compiles nothing: one thread, no pool.
@@ -301,7 +360,7 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
         return _main_torchrun(a, t0)
-    world = a.nproc or 8
+    world = 8 if a.nproc is None else a.nproc
     opts = _options(a, world)
     print(f"preflight: {world} local processes, backend {a.backend}, model {a.model}, "
           f"train {opts.train}, rollout {opts.rollout}, methods {', '.join(opts.methods)}, steps {opts.steps}",

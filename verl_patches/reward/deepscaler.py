@@ -5,77 +5,81 @@ Entry point for verl: ``verl_patches.reward.deepscaler.compute_score`` (custom_r
 
 from __future__ import annotations
 
+import json
+import os
+import queue
 import re
+import select
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 # Responses are up to 3072 tokens (~12k characters); the cap only guards the checker
 # against pathological inputs (sympy can take minutes on a huge expression).
 MAX_ANSWER_CHARS = 1000
-# math-verify's timeout is a SIGALRM, which only the main thread may install.
-CHECK_TIMEOUT_S = 5
+# Seconds one equivalence check may take. The check runs in a helper process: math-verify's own
+# timeout is a SIGALRM (main thread only; verl's reward managers call from other threads), and
+# sympy evaluating e.g. a power tower holds the GIL inside one C call, so no thread of this
+# process could interrupt it. A check that overruns scores 0 and the helper is replaced.
+CHECK_TIMEOUT_S = float(os.environ.get("VERL_PATCHES_REWARD_TIMEOUT_S", "3"))
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
+# A box command not followed by a letter (\boxedfoo is another command).
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![^\W\d_])")
+_TOKEN_RE = re.compile(r"[^\s$]+")
 
 
-def _last_box_start(text: str) -> tuple[int, int] | None:
-    """Position of the last box command and the index just after its name."""
-    best = None
-    for cmd in _BOX_COMMANDS:
-        i = text.rfind(cmd)
-        # \boxed must not be the prefix of a longer command name (e.g. \boxedfoo).
-        while i != -1:
-            after = i + len(cmd)
-            if after >= len(text) or not text[after].isalpha():
-                break
-            i = text.rfind(cmd, 0, i)
-        if i != -1 and (best is None or i > best[0]):
-            best = (i, i + len(cmd))
-    return best
+def _brace_pairs(text: str) -> dict[int, int]:
+    """Each ``{`` position mapped to its matching ``}``, in one pass (escaped braces do not nest)."""
+    pairs: dict[int, int] = {}
+    stack: list[int] = []
+    k, n = 0, len(text)
+    while k < n:
+        c = text[k]
+        if c == "\\" and k + 1 < n and text[k + 1] in "{}":
+            k += 2
+            continue
+        if c == "{":
+            stack.append(k)
+        elif c == "}" and stack:
+            pairs[stack.pop()] = k
+        k += 1
+    return pairs
 
 
 def extract_last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (balanced braces), or None if there is none.
 
-    ``\\boxed 5`` (no braces, one token) is accepted as well; an unclosed box is no answer.
+    ``\\boxed 5`` (no braces, one token) is accepted as well; an unclosed box is no answer and
+    the one before it counts (a truncated response). Linear in the length of ``text`` whatever
+    it holds: every brace is matched once, every box looked at once.
     """
     if not isinstance(text, str):
         raise TypeError(f"response must be a str, got {type(text).__name__}")
-    found = _last_box_start(text)
-    while found is not None:
-        start, after = found
-        content = _box_content(text, after)
-        if content is not None:
-            return content
-        # An unclosed last box (truncated response): fall back to the previous one.
-        found = _last_box_start(text[:start])
-    return None
-
-
-def _box_content(text: str, after: int) -> str | None:
-    j = after
-    while j < len(text) and text[j] == " ":
-        j += 1
-    if j >= len(text):
+    boxes = [m.end() for m in _BOX_RE.finditer(text)]
+    if not boxes:
         return None
-    if text[j] != "{":
-        # "\boxed 5": the argument is the next whitespace-delimited token.
-        m = re.match(r"[^\s$]+", text[j:])
-        return m.group(0) if (m and j > after) else None
-    depth = 0
-    k = j
-    while k < len(text):
-        c = text[k]
-        if c == "\\" and k + 1 < len(text) and text[k + 1] in "{}":
-            k += 2  # escaped braces (\{ \}) do not nest
+    pairs: dict[int, int] | None = None
+    n = len(text)
+    for after in reversed(boxes):
+        j = after
+        while j < n and text[j] == " ":
+            j += 1
+        if j >= n:
             continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[j + 1 : k]
-        k += 1
+        if text[j] == "{":
+            if pairs is None:
+                pairs = _brace_pairs(text)
+            close = pairs.get(j)
+            if close is not None:
+                return text[j + 1 : close]
+            continue
+        if j > after:  # "\boxed 5": the argument is the next whitespace-delimited token
+            m = _TOKEN_RE.match(text, j)
+            if m:
+                return m.group(0)
     return None
 
 
@@ -101,24 +105,143 @@ def _ground_truth_answer(ground_truth: Any) -> str:
 
 
 def is_equivalent(pred: str, gold: str) -> bool:
-    """True if ``pred`` equals ``gold`` after normalisation or math-verify finds them equal."""
+    """True if ``pred`` equals ``gold`` after normalisation or math-verify finds them equal
+    within CHECK_TIMEOUT_S (from any thread)."""
     if normalize(pred) == normalize(gold):
         return True
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return False
-    # Imported lazily: math-verify pulls in sympy (about 1 s), only the reward needs it.
-    from math_verify import LatexExtractionConfig, ExprExtractionConfig, parse, verify
+    return _checker().check(gold, pred, CHECK_TIMEOUT_S) is True
 
-    timeout = CHECK_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
-    try:
-        gold_parsed = parse(f"${gold}$", extraction_config=configs, parsing_timeout=timeout)
-        pred_parsed = parse(f"${pred}$", extraction_config=configs, parsing_timeout=timeout)
-        if not gold_parsed or not pred_parsed:
-            return False
-        return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
-    except Exception:  # noqa: BLE001 - a checker failure on a model output means "not correct"
-        return False
+
+_WORKER = Path(__file__).with_name("_verify_worker.py")
+
+
+class _Checker:
+    """One math-verify helper process per scoring process, started on first use, asked one
+    pair at a time over pipes (microseconds on top of the check itself), replaced after a
+    timeout or a crash."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.buf = b""
+        self.timeouts = 0
+
+    def _start(self) -> subprocess.Popen:
+        self.buf = b""
+        self.proc = _spawn([sys.executable, str(_WORKER), str(os.getpid())], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, close_fds=True, env=_worker_env())
+        # It imports math-verify and sympy first (about a second, more on a busy host); that
+        # time is not any check's.
+        if self._line(STARTUP_TIMEOUT_S) != b"ready":
+            self.stop()
+            raise RuntimeError(f"the reward's math-verify helper ({_WORKER}) did not start within "
+                               f"{STARTUP_TIMEOUT_S:.0f} s; see its error above")
+        return self.proc
+
+    def _line(self, timeout: float) -> bytes | None:
+        """The helper's next line, or None if none came within ``timeout`` (or it died)."""
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.strip()
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def check(self, gold: str, pred: str, timeout: float) -> bool | None:
+        """True / False, or None when the check overran ``timeout`` (the helper is then replaced)."""
+        request = (json.dumps([gold, pred]) + "\n").encode()
+        with self.lock:
+            proc = self.proc if self.proc is not None and self.proc.poll() is None else self._start()
+            try:
+                os.write(proc.stdin.fileno(), request)
+            except OSError:  # it died since the last check: once more with a fresh one
+                self.stop()
+                os.write(self._start().stdin.fileno(), request)
+            answer = self._line(timeout)
+            if answer is None:
+                self.timeouts += 1
+                self.stop()
+                return None
+            return answer == b"1"
+
+
+STARTUP_TIMEOUT_S = 120.0
+
+# The helper asks the kernel to kill it when its parent dies (a check may be stuck in sympy and
+# never read its input again). The kernel means the parent *thread*: scoring threads come and
+# go, so helpers are started from one thread that lives as long as the process.
+_spawner: tuple[int, threading.Thread, queue.Queue] | None = None  # (pid, thread, requests)
+
+
+def _spawner_loop(requests: queue.Queue) -> None:
+    while True:
+        args, kwargs, box, done = requests.get()
+        try:
+            box.append(subprocess.Popen(args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+        done.set()
+
+
+def _spawn(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    global _spawner
+    with _checkers_lock:
+        # Per process: a forked child has neither its parent's thread nor a usable copy of its queue.
+        if _spawner is None or _spawner[0] != os.getpid() or not _spawner[1].is_alive():
+            requests: queue.Queue = queue.Queue()
+            thread = threading.Thread(target=_spawner_loop, args=(requests,), name="verl_patches-reward-spawner",
+                                      daemon=True)
+            thread.start()
+            _spawner = (os.getpid(), thread, requests)
+        requests = _spawner[2]
+    box: list = []
+    done = threading.Event()
+    requests.put((args, kwargs, box, done))
+    done.wait()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
+_checkers: dict[int, _Checker] = {}
+_checkers_lock = threading.Lock()
+
+
+def _checker() -> _Checker:
+    # Per process: a forked child must not share its parent's helper or pipes.
+    pid = os.getpid()
+    with _checkers_lock:
+        c = _checkers.get(pid)
+        if c is None:
+            c = _checkers[pid] = _Checker()
+        return c
+
+
+def _worker_env() -> dict[str, str]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("math_verify")
+    if spec is None or not spec.origin:
+        raise ImportError("math-verify is not installed: the deepscaler reward needs it (requirements.txt)")
+    env = dict(os.environ)
+    # The helper imports math_verify from wherever this process finds it.
+    site = str(Path(spec.origin).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([site, *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    return env
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:

@@ -35,6 +35,98 @@ def _bool(value: Any, name: str) -> bool:
     raise ValueError(f"rollout.{RECIPE_KEY}.{name} must be true or false, got {value!r}")
 
 
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+# The recipe's own keys (configs/README.md): name -> a type, a tuple of allowed values, or a
+# nested section. ``megatron`` is checked by verl_patches.megatron_args.parse.
+SECTION = f"actor_rollout_ref.rollout.{RECIPE_KEY}"
+RECIPE_SCHEMA: dict[str, Any] = {
+    "reshard_method": RESHARD_METHODS,
+    "tensor_cache": bool,
+    "dp_sync_on_device": bool,
+    "offload": bool,
+    "rollout_torch_compile": bool,
+    "vllm_dp": {"dp_size": int, "instances": int, "master_port_base": int, "port_stride": int},
+    "megatron": "megatron",
+}
+# Lower bounds of the integer keys (ports also have an upper one).
+_INT_MIN = {"dp_size": 1, "instances": 1, "port_stride": 1, "master_port_base": 1}
+
+
+def plain(section: Any) -> Any:
+    """``section`` as plain dicts and lists (an OmegaConf node resolved, '???' kept as is)."""
+    if type(section).__name__ in ("DictConfig", "ListConfig"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(section, resolve=True, throw_on_missing=False)
+    return section
+
+
+def _describe(value: Any) -> str:
+    return f"the string {value!r}" if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+
+
+def recipe_problems(section: Any, where: str = SECTION) -> list[str]:
+    """Every unknown key (with a did-you-mean), wrong type and string boolean in the recipe's
+    section, named by its full key path; [] when the section is well-formed. A '???' (a value
+    the run config must set) is not judged here."""
+    import difflib
+
+    section = plain(section)
+    if section is None:
+        return []
+    if not isinstance(section, Mapping):
+        return [f"{where} must be a mapping of the recipe's keys, got {_describe(section)}"]
+    problems: list[str] = []
+
+    def walk(node: Mapping, schema: dict[str, Any], path: str) -> None:
+        for key, value in node.items():
+            here = f"{path}.{key}"
+            rule = schema.get(key) if isinstance(key, str) else None
+            if rule is None:
+                close = difflib.get_close_matches(str(key), list(schema), n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(schema))})"
+                problems.append(f"{here}: unknown key{hint}")
+                continue
+            if value is None or value == "???":
+                continue
+            if rule == "megatron":
+                from verl_patches.megatron_args import RecipeMegatronError, parse
+
+                if not isinstance(value, Mapping):
+                    problems.append(f"{here} must be a mapping, got {_describe(value)}")
+                    continue
+                try:
+                    parse(value)
+                except RecipeMegatronError as e:
+                    problems.append(str(e))
+            elif isinstance(rule, dict):
+                if isinstance(value, Mapping):
+                    walk(value, rule, here)
+                else:
+                    problems.append(f"{here} must be a mapping, got {_describe(value)}")
+            elif isinstance(rule, tuple):
+                if value not in rule:
+                    problems.append(f"{here} must be one of {list(rule)}, got {_describe(value)}")
+            elif rule is bool:
+                if not isinstance(value, bool):
+                    hint = " (write true or false without quotes)" if isinstance(value, str) else ""
+                    problems.append(f"{here} must be true or false, got {_describe(value)}{hint}")
+            elif rule is int:
+                if not isinstance(value, int) or isinstance(value, bool):
+                    problems.append(f"{here} must be an integer, got {_describe(value)}")
+                elif value < _INT_MIN.get(key, 0) or (key == "master_port_base" and value > 65535):
+                    problems.append(f"{here} must be >= {_INT_MIN.get(key, 0)}"
+                                    + (" and <= 65535" if key == "master_port_base" else "") + f", got {value}")
+
+    walk(section, RECIPE_SCHEMA, where)
+    return problems
+
+
 @dataclass(frozen=True)
 class RolloutSettings:
     offload: bool  # recipe offload/onload instead of vLLM sleep mode (sleep mode off)
@@ -48,8 +140,11 @@ class RolloutSettings:
     @classmethod
     def from_config(cls, config: Mapping, world_size: int) -> "RolloutSettings":
         recipe = _get(config, RECIPE_KEY, {})
+        problems = recipe_problems(recipe, f"rollout.{RECIPE_KEY}")
+        if problems:
+            raise ValueError("; ".join(problems))
         vdp = _get(recipe, "vllm_dp", {})
-        tp = int(_get(config, "tensor_model_parallel_size", 1))
+        tp = _int(_get(config, "tensor_model_parallel_size", 1), "rollout.tensor_model_parallel_size")
         instances = int(_get(vdp, "instances", 1))
         if tp < 1 or instances < 1 or world_size % (tp * instances):
             raise DPDomainError(f"rollout world of {world_size} ranks is not divisible by rollout TP{tp} x "
@@ -60,7 +155,7 @@ class RolloutSettings:
         spec = DPSpec(tp_size=tp, dp_size=dp_size, instances=instances,
                       master_port_base=int(_get(vdp, "master_port_base", DEFAULT_MASTER_PORT_BASE)),
                       port_stride=int(_get(vdp, "port_stride", DEFAULT_PORT_STRIDE)))
-        tokens = int(_get(config, "max_num_batched_tokens", 8192))
+        tokens = _int(_get(config, "max_num_batched_tokens", 8192), "rollout.max_num_batched_tokens")
         if tokens < 1:
             raise ValueError(f"rollout.max_num_batched_tokens must be positive, got {tokens}")
         method = str(_get(recipe, "reshard_method", "direct"))

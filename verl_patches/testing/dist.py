@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from verl_patches import procs
 from verl_patches.ports import free_port_block
 
 
@@ -25,7 +26,13 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, env: dict[str, str], queue: Any) -> None:
+            args: tuple, env: dict[str, str], queue: Any, parent_pid: int) -> None:
+    # A rank outliving its parent would hold its memory (device memory too) for ever, and
+    # would block writing its result into a pipe nobody reads.
+    procs.die_with_parent(parent_pid)
+    # Only the parent reads: a rank holding the read end open too would keep a write into
+    # a dead parent's full pipe blocked instead of failing.
+    queue._reader.close()
     # The parent sends SIGUSR1 to a rank that hangs, so its Python stack reaches stderr.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.update(env)
@@ -52,11 +59,11 @@ class DistributedFailure(RuntimeError):
     """One or more ranks raised or hung; the message holds each failing rank's traceback."""
 
 
-def _dump_stacks(procs: list[Any], ranks: list[int]) -> None:
-    for r in ranks:
-        if procs[r].is_alive():
+def _dump_stacks(ranks: list[Any], which: list[int]) -> None:
+    for r in which:
+        if ranks[r].is_alive():
             try:
-                os.kill(procs[r].pid, signal.SIGUSR1)
+                os.kill(ranks[r].pid, signal.SIGUSR1)
             except OSError:
                 pass
     time.sleep(2.0)  # let faulthandler write before the kill
@@ -73,57 +80,78 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     one); ranks still running then, or at ``timeout``, have their Python stacks written to
     stderr and are killed. Raises DistributedFailure naming every rank that failed and every
     rank that hung after a failure, or TimeoutError naming the ranks that did not finish.
+
+    Stopping the caller stops the ranks: on KeyboardInterrupt and, in the main thread, SIGTERM
+    or SIGHUP (raised as ``procs.Terminated``) every rank and whatever it started is killed
+    before the exception propagates; a rank whose parent dies, even by SIGKILL, is killed by
+    the kernel (``procs.die_with_parent``).
     """
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"run_distributed: world must be a positive integer, got {world!r}")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, dict(env or {}), queue),
+    ranks = [
+        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, dict(env or {}), queue, os.getpid()),
                     daemon=False)
         for r in range(world)
     ]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    start = time.monotonic()
-    failed_at: float | None = None
     hung: list[int] = []
-    try:
-        while len(results) + len(failures) < world:
-            now = time.monotonic()
-            if now > start + timeout or (failed_at is not None and now > failed_at + grace):
-                hung = [r for r in range(world) if r not in results and r not in failures]
-                _dump_stacks(procs, hung)
-                break
-            if queue.empty():
-                # A rank that died without reporting (killed, segfault) cannot answer; its
-                # result would already be in the queue had it put one before exiting.
-                for i, p in enumerate(procs):
-                    if p.exitcode not in (None, 0) and i not in results and i not in failures and queue.empty():
-                        failures[i] = f"process exited with code {p.exitcode} without a result"
-                        failed_at = failed_at if failed_at is not None else time.monotonic()
-                time.sleep(0.02)
-                continue
-            rank, ok, payload = queue.get()
-            if ok:
-                results[rank] = pickle.loads(payload)
-            else:
-                failures[rank] = payload
-                failed_at = failed_at if failed_at is not None else time.monotonic()
-    finally:
-        for p in procs:
-            p.join(timeout=0 if hung else 30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    finished = False
+    with procs.stop_on_signals():
+        try:
+            for p in ranks:
+                p.start()
+            hung = _collect(ranks, queue, results, failures, timeout, grace)
+            finished = True
+        finally:
+            if finished:
+                for p in ranks:
+                    p.join(timeout=0 if hung else 30)
+            # Interrupted, hung, or slow to exit after reporting: the whole tree goes.
+            procs.kill_tree([p.pid for p in ranks if p.pid is not None and p.is_alive()], grace=0 if hung else 3)
+            for p in ranks:
+                if p.pid is not None:
+                    p.join()
     if failures:
         msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
         if hung:
             msg += (f"\n--- ranks {hung} were still running {grace:.0f}s after the first failure (most likely "
                     f"waiting in a collective for a failed rank); their stacks are on stderr ---")
-        raise DistributedFailure(f"{len(failures)} of {world} rank(s) failed:\n{msg}")
+        raise DistributedFailure(f"{len(failures)} of {len(ranks)} rank(s) failed:\n{msg}")
     if hung:
-        raise TimeoutError(f"run_distributed: rank(s) {hung} of {world} did not finish in {timeout:.0f}s; "
+        raise TimeoutError(f"run_distributed: rank(s) {hung} of {len(ranks)} did not finish in {timeout:.0f}s; "
                            f"their stacks are on stderr")
-    return [results[r] for r in range(world)]
+    return [results[r] for r in range(len(ranks))]
+
+
+def _collect(ranks: list[Any], queue: Any, results: dict[int, Any], failures: dict[int, str],
+             timeout: float, grace: float) -> list[int]:
+    """Read every rank's report into ``results`` / ``failures``; return the ranks that hung."""
+    world = len(ranks)
+    start = time.monotonic()
+    failed_at: float | None = None
+    while len(results) + len(failures) < world:
+        now = time.monotonic()
+        if now > start + timeout or (failed_at is not None and now > failed_at + grace):
+            hung = [r for r in range(world) if r not in results and r not in failures]
+            _dump_stacks(ranks, hung)
+            return hung
+        if queue.empty():
+            # A rank that died without reporting (killed, segfault) cannot answer; its
+            # result would already be in the queue had it put one before exiting.
+            for i, p in enumerate(ranks):
+                if p.exitcode not in (None, 0) and i not in results and i not in failures and queue.empty():
+                    failures[i] = f"process exited with code {p.exitcode} without a result"
+                    failed_at = failed_at if failed_at is not None else time.monotonic()
+            time.sleep(0.02)
+            continue
+        rank, ok, payload = queue.get()
+        if ok:
+            results[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
+            failed_at = failed_at if failed_at is not None else time.monotonic()
+    return []

@@ -8,12 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from verl_patches import atomic
+from verl_patches.tools import manifest
 
 SCALE_SUFFIX = "_scale_inv"
 INDEX_NAME = "model.safetensors.index.json"
@@ -48,42 +50,65 @@ def _layer_of(name: str) -> int | None:
 def _load_index(src: Path) -> dict[str, str]:
     idx = src / INDEX_NAME
     if idx.is_file():
-        weight_map = json.loads(idx.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(idx.read_text()).get("weight_map")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ConversionError(f"{idx}: not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{idx}: no weight_map object")
     else:
         files = sorted(src.glob("*.safetensors"))
         if len(files) != 1:
             raise ConversionError(f"{src}: no {INDEX_NAME} and {len(files)} safetensors files (need the index or exactly one)")
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(files[0], "pt") as f:
-            weight_map = {k: files[0].name for k in f.keys()}
+        try:
+            with safe_open(files[0], "pt") as f:
+                weight_map = {k: files[0].name for k in f.keys()}
+        except SafetensorError as e:
+            raise ConversionError(f"{files[0]}: not a safetensors file ({e})") from None
     missing = sorted({f for f in weight_map.values() if not (src / f).is_file()})
     if missing:
         raise ConversionError(f"{src}: index names shard(s) that are not there: {missing[:5]}")
     return weight_map
 
 
-def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True) -> dict:
-    """Write the BF16 checkpoint to ``dst``; already finished shards are kept (resumable)."""
-    from safetensors import safe_open
+def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True, overwrite: bool = False) -> dict:
+    """Write the BF16 checkpoint to ``dst``; finished shards of a previous run on the same input are
+    kept (resumable), a directory holding anything else is refused unless ``overwrite``."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     src, dst = Path(src), Path(dst)
+    if not src.is_dir():
+        raise ConversionError(f"--input {src} is not a directory (the FP8 HF checkpoint)")
     if src.resolve() == dst.resolve():
         raise ConversionError("output directory must differ from the input")
-    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else None
+    config = None
+    if (src / "config.json").is_file():
+        try:
+            config = json.loads((src / "config.json").read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConversionError(f"{src / 'config.json'}: not readable JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ConversionError(f"{src / 'config.json'}: expected a JSON object")
     weight_map = _load_index(src)
     n_layers = config.get("num_hidden_layers") if config else None
-    if drop_mtp and n_layers is None:
-        raise ConversionError("--drop-mtp needs config.json with num_hidden_layers")
+    if drop_mtp and not (isinstance(n_layers, int) and not isinstance(n_layers, bool)):
+        raise ConversionError("--drop-mtp needs config.json with an integer num_hidden_layers")
 
     def keep(name: str) -> bool:
         layer = _layer_of(name)
         return not (drop_mtp and layer is not None and layer >= n_layers)
 
-    dst.mkdir(parents=True, exist_ok=True)
     shards = sorted(set(weight_map.values()))
+    inputs = [src / s for s in shards] + [p for p in (src / "config.json", src / INDEX_NAME) if p.is_file()]
+    try:
+        resuming = manifest.claim(dst, "fp8_to_bf16", src, manifest.fingerprint_files(inputs), {"drop_mtp": drop_mtp},
+                                  overwrite, _bf16_owned)
+    except manifest.OutputDirError as e:
+        raise ConversionError(str(e)) from None
     new_map: dict[str, str] = {}
     stats = {"shards": len(shards), "skipped_existing": 0, "dequantized": 0, "copied": 0, "dropped": 0}
     for shard in tqdm(shards, desc="fp8->bf16", unit="shard", disable=not progress):
@@ -93,41 +118,51 @@ def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True)
         for k in kept:
             new_map[k] = shard
         out = dst / shard
-        if out.is_file():
-            # Written by rename after a complete save: present means finished.
+        if resuming and out.is_file():
+            # Written by rename after a complete save, for this same input: present means finished.
             stats["skipped_existing"] += 1
             continue
         tensors: dict[str, torch.Tensor] = {}
-        with safe_open(src / shard, "pt") as f:
-            for k in kept:
-                t = f.get_tensor(k)
-                if t.dtype == torch.float8_e4m3fn:
-                    tensors[k] = dequantize(t, _scale_for(src, weight_map, k), name=k)
-                    stats["dequantized"] += 1
-                else:
-                    tensors[k] = t
-                    stats["copied"] += 1
-        tmp = out.with_name(out.name + ".partial")
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, out)
+        try:
+            with safe_open(src / shard, "pt") as f:
+                for k in kept:
+                    t = f.get_tensor(k)
+                    if t.dtype == torch.float8_e4m3fn:
+                        tensors[k] = dequantize(t, _scale_for(src, weight_map, k), name=k)
+                        stats["dequantized"] += 1
+                    else:
+                        tensors[k] = t
+                        stats["copied"] += 1
+        except SafetensorError as e:
+            raise ConversionError(f"{src / shard}: cannot be read as safetensors ({e})") from None
+        with atomic.atomic_path(out) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
         del tensors
     for stale in dst.glob("*.partial"):
         stale.unlink()  # left by an interrupted run whose shard has been written since
     total = sum((dst / s).stat().st_size for s in set(new_map.values()))
-    (dst / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                              "weight_map": dict(sorted(new_map.items()))}, indent=2))
+    atomic.write_text(dst / INDEX_NAME, json.dumps({"metadata": {"total_size": total},
+                                                    "weight_map": dict(sorted(new_map.items()))}, indent=2))
     if config is not None:
         config.pop("quantization_config", None)
         config["torch_dtype"] = "bfloat16"
         if drop_mtp:
             config["num_nextn_predict_layers"] = 0
-        (dst / "config.json").write_text(json.dumps(config, indent=2))
+        atomic.write_text(dst / "config.json", json.dumps(config, indent=2))
     # Tokenizer, generation config, modelling code: everything that is not a weight.
     for p in src.iterdir():
-        if p.is_file() and p.suffix != ".safetensors" and p.name not in (INDEX_NAME, "config.json") \
+        if p.is_file() and p.suffix != ".safetensors" and p.name not in (INDEX_NAME, "config.json", manifest.MANIFEST) \
                 and not p.name.endswith(".partial"):
-            shutil.copy2(p, dst / p.name)
+            with atomic.atomic_path(dst / p.name) as tmp:
+                shutil.copy2(p, tmp)
+    manifest.complete(dst)
     return stats
+
+
+def _bf16_owned(entry: Path) -> bool:
+    """What --overwrite may delete: the weights, index and config this tool writes (the copied
+    tokenizer files are replaced by the next run anyway)."""
+    return entry.name.endswith((".safetensors", ".partial")) or entry.name in (INDEX_NAME, "config.json")
 
 
 def _scale_for(src: Path, weight_map: dict[str, str], name: str) -> torch.Tensor:
@@ -147,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--drop-mtp", action="store_true", help="drop the MTP layers and set num_nextn_predict_layers=0")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an output directory this tool wrote for another input or options")
     args = p.parse_args(argv)
     try:
-        stats = convert(args.input, args.output, args.drop_mtp, progress=not args.no_progress)
-    except (ConversionError, FileNotFoundError, json.JSONDecodeError) as e:
+        stats = convert(args.input, args.output, args.drop_mtp, progress=not args.no_progress, overwrite=args.overwrite)
+    except (ConversionError, json.JSONDecodeError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {e.filename}: {e.strerror or e}" if e.filename else f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(stats))
     return 0

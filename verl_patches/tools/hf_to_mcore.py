@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from verl_patches import atomic
+from verl_patches.tools import manifest
 from verl_patches.tools.mcore_layout import (DistCheckpointReader, LayoutError, SafetensorsReader, TrainLayout, UnitWriter,
                                              chunk_ranges, edge_plan, extra_state_keys, layer_plan, write_metadata)
 
@@ -25,23 +27,63 @@ class ConversionError(RuntimeError):
     """The input cannot be converted as asked; the message names the file, tensor or setting."""
 
 
+MODEL_KEYS = ("num_hidden_layers", "n_routed_experts", "first_k_dense_replace", "num_attention_heads")
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"{path}: {what} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path}: {what} must be a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_hf_index(hf: Path) -> tuple[dict, dict[str, str]]:
     hf = Path(hf)
+    if not hf.is_dir():
+        raise ConversionError(f"{hf}: not a directory (the HF checkpoint: config.json and safetensors shards)")
     if not (hf / "config.json").is_file():
         raise ConversionError(f"{hf}: no config.json")
-    cfg = json.loads((hf / "config.json").read_text())
+    cfg = read_json(hf / "config.json", "config.json")
     if cfg.get("quantization_config"):
         raise ConversionError(f"{hf}: config has quantization_config (FP8): run python -m verl_patches.tools.fp8_to_bf16 first")
+    bad = [k for k in MODEL_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 0]
+    if bad:
+        raise ConversionError(f"{hf / 'config.json'}: {bad} missing or not non-negative integers "
+                              "(a DeepSeek-V3 config.json is expected)")
     idx = hf / "model.safetensors.index.json"
     if idx.is_file():
-        weight_map = json.loads(idx.read_text())["weight_map"]
+        weight_map = read_json(idx, "the safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConversionError(f"{idx}: no weight_map object")
+        absent = sorted({f for f in weight_map.values() if not (hf / str(f)).is_file()})
+        if absent:
+            raise ConversionError(f"{idx} names shard(s) that are not in {hf}: {absent[:3]}")
     else:
         files = sorted(hf.glob("*.safetensors"))
         if len(files) != 1:
             raise ConversionError(f"{hf}: no model.safetensors.index.json and {len(files)} safetensors files")
-        with SafetensorsReader(files[0]) as f:
-            weight_map = {k: files[0].name for k in f.keys()}
+        try:
+            with SafetensorsReader(files[0]) as f:
+                weight_map = {k: files[0].name for k in f.keys()}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{files[0]}: not a safetensors file ({e})") from None
     return cfg, weight_map
+
+
+def hf_fingerprint(hf: Path, weight_map: dict[str, str]) -> str:
+    """The input's fingerprint: its config, index and every shard the index names."""
+    hf = Path(hf)
+    files = [hf / "config.json", *[hf / n for n in ("model.safetensors.index.json",) if (hf / n).is_file()]]
+    return manifest.fingerprint_files(files + [hf / s for s in sorted(set(weight_map.values()))])
+
+
+def _mcore_owned(entry: Path) -> bool:
+    """The files hf_to_mcore writes into its output directory (what --overwrite may delete)."""
+    return (entry.name.endswith((".distcp", ".distcp.partial", ".partial"))
+            or entry.name in (STATE_DIR, ".metadata", "common.pt", "metadata.json", "recipe_layout.json"))
 
 
 def units(cfg: dict) -> list[str]:
@@ -92,7 +134,9 @@ def build(how: str, sources: tuple[str, ...], get) -> torch.Tensor:
 
 
 def convert(hf: Path, out: Path, layout: TrainLayout, spec: str = "te", extra_state: bool = True,
-            progress: bool = True, verify: bool = True) -> dict:
+            progress: bool = True, verify: bool = True, overwrite: bool = False) -> dict:
+    """Convert ``hf`` into ``out``; resumes a partial output of the same input and options, refuses
+    (unless ``overwrite``) a directory holding anything else."""
     from tqdm import tqdm
 
     hf, out = Path(hf), Path(out)
@@ -102,17 +146,29 @@ def convert(hf: Path, out: Path, layout: TrainLayout, spec: str = "te", extra_st
     except LayoutError as e:
         raise ConversionError(str(e)) from e
     all_units = units(cfg)
-    needed = [s for u in all_units for _, srcs, _ in unit_plan(cfg, u, spec) for s in srcs]
+    try:
+        needed = [s for u in all_units for _, srcs, _ in unit_plan(cfg, u, spec) for s in srcs]
+    except KeyError as e:
+        raise ConversionError(f"{hf / 'config.json'}: lacks {e.args[0]!r}") from None
     missing = [n for n in needed if n not in weight_map]
     if missing:
         raise ConversionError(f"{hf}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
+    if out.resolve() == hf.resolve():
+        raise ConversionError("--out must differ from --hf")
+    options = {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
+               "num_layer_list": list(layout.num_layer_list) if layout.num_layer_list else None,
+               "moe_tp_extend_ep": layout.moe_tp_extend_ep, "spec": spec, "extra_state": extra_state}
+    try:
+        resuming = manifest.claim(out, "hf_to_mcore", hf, hf_fingerprint(hf, weight_map), options, overwrite,
+                                  _mcore_owned)
+    except manifest.OutputDirError as e:
+        raise ConversionError(str(e)) from None
     src = HFSource(hf, weight_map)
-    out.mkdir(parents=True, exist_ok=True)
     state = out / STATE_DIR
     state.mkdir(exist_ok=True)
     stats = {"units": len(all_units), "resumed": 0, "tensors": 0, "bytes": 0, "verified": 0}
     done = []
-    if (out / ".metadata").is_file():
+    if resuming and (out / ".metadata").is_file():
         stats["resumed"] = len(all_units)
     else:
         for unit in tqdm(all_units, desc="hf->mcore", unit="layer", disable=not progress):
@@ -143,7 +199,7 @@ def convert(hf: Path, out: Path, layout: TrainLayout, spec: str = "te", extra_st
             meta_file.with_suffix(".partial").replace(meta_file)
             done.append(meta)
         write_metadata(out, done)
-        (out / "recipe_layout.json").write_text(json.dumps({
+        atomic.write_text(out / "recipe_layout.json", json.dumps({
             "source": str(hf), "spec": spec, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
             "num_layer_list": list(layout.num_layer_list or layout.even_layers(cfg["num_hidden_layers"])),
             "moe_tp_extend_ep": layout.moe_tp_extend_ep, "expert_ranks": layout.expert_ranks,
@@ -151,6 +207,7 @@ def convert(hf: Path, out: Path, layout: TrainLayout, spec: str = "te", extra_st
     if verify:
         stats["verified"] = verify_checkpoint(hf, out, spec, progress)
     shutil.rmtree(state, ignore_errors=True)
+    manifest.complete(out)
     return stats
 
 
@@ -198,13 +255,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-extra-state", action="store_true", help="do not write the linears' empty _extra_state objects")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an output directory this tool wrote for another input or other options")
     args = p.parse_args(argv)
+    for name in ("tp", "pp", "ep"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.num_layer_list is not None and any(n < 1 for n in args.num_layer_list):
+        p.error(f"--num-layer-list entries must be >= 1, got {list(args.num_layer_list)}")
     layout = TrainLayout(args.tp, args.pp, args.ep, args.num_layer_list, args.moe_tp_extend_ep)
     try:
         stats = convert(args.hf, args.out, layout, args.spec, not args.no_extra_state, not args.no_progress,
-                        not args.no_verify)
-    except (ConversionError, FileNotFoundError) as e:
+                        not args.no_verify, args.overwrite)
+    except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(json.dumps(stats))
     return 0

@@ -269,7 +269,12 @@ class DistCheckpointReader:
         meta = self.ckpt / ".metadata"
         if not meta.is_file():
             raise FileNotFoundError(f"{self.ckpt} is not a complete torch_dist checkpoint (no .metadata)")
-        info = json.loads((self.ckpt / "metadata.json").read_text()) if (self.ckpt / "metadata.json").is_file() else {}
+        try:
+            info = json.loads((self.ckpt / "metadata.json").read_text()) if (self.ckpt / "metadata.json").is_file() else {}
+        except ValueError as e:
+            raise ValueError(f"{self.ckpt / 'metadata.json'}: not readable JSON ({e})") from None
+        if not isinstance(info, dict):
+            raise ValueError(f"{self.ckpt / 'metadata.json'}: expected a JSON object")
         if info.get("sharded_backend", "torch_dist") != "torch_dist":
             raise ValueError(f"{self.ckpt}: sharded_backend {info.get('sharded_backend')!r}, only torch_dist is supported")
         with open(meta, "rb") as f:
@@ -281,9 +286,16 @@ class DistCheckpointReader:
 
     def _read(self, index):
         si = self.md.storage_data[index]
-        with open(self.ckpt / si.relative_path, "rb") as f:
-            f.seek(si.offset)
-            return torch.load(io.BytesIO(f.read(si.length)), map_location="cpu", weights_only=False)
+        path = self.ckpt / si.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(si.offset)
+                blob = f.read(si.length)
+            if len(blob) != si.length:
+                raise EOFError(f"{len(blob)} of {si.length} bytes")
+            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+        except (EOFError, RuntimeError, pickle.UnpicklingError) as e:
+            raise ValueError(f"{path}: {index.fqn} cannot be read (truncated or damaged data file: {e})") from None
 
     def tensor(self, name: str) -> torch.Tensor:
         C = dcp_classes()

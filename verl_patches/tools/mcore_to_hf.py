@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from verl_patches import atomic
+from verl_patches.tools import manifest
+from verl_patches.tools.hf_to_mcore import MODEL_KEYS, ConversionError, read_json, unit_plan, units
 from verl_patches.tools.mcore_layout import DistCheckpointReader
-from verl_patches.tools.hf_to_mcore import ConversionError, unit_plan, units
 
 
 def split(how: str, t: torch.Tensor, sources: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -40,23 +43,51 @@ def detect_spec(reader: DistCheckpointReader) -> str:
     return "te" if any(n.endswith("linear_kv_up_proj.layer_norm_weight") for n in names) else "local"
 
 
-def convert(ckpt: Path, config: Path, out: Path, progress: bool = True) -> dict:
+def ckpt_fingerprint(ckpt: Path) -> str:
+    """A torch_dist checkpoint's fingerprint: its metadata and every data file."""
+    ckpt = Path(ckpt)
+    return manifest.fingerprint_files([ckpt / ".metadata", *sorted(ckpt.glob("*.distcp"))])
+
+
+def _hf_owned(entry: Path) -> bool:
+    """The files mcore_to_hf writes into its output directory (what --overwrite may delete)."""
+    return (entry.name.endswith((".safetensors", ".partial"))
+            or entry.name in ("model.safetensors.index.json", "config.json"))
+
+
+def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrite: bool = False) -> dict:
+    """Write HF shards for ``ckpt`` into ``out``; resumes only its own partial output of the same
+    checkpoint and config, refuses (unless ``overwrite``) a directory holding anything else."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     ckpt, out = Path(ckpt), Path(out)
-    cfg = json.loads(Path(config).read_text())
-    reader = DistCheckpointReader(ckpt)
+    cfg = read_json(config, "the model config")
+    bad = [k for k in MODEL_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
+    if bad:
+        raise ConversionError(f"{config}: {bad} missing or not integers (a DeepSeek-V3 config.json is expected)")
+    try:
+        reader = DistCheckpointReader(ckpt)
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        raise ConversionError(f"{ckpt}/.metadata is not a readable torch_dist metadata file ({e})") from None
     spec = detect_spec(reader)
     all_units = units(cfg)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        resuming = manifest.claim(out, "mcore_to_hf", ckpt,
+                                  manifest.fingerprint_files([Path(config)]) + ckpt_fingerprint(ckpt),
+                                  {"spec": spec}, overwrite, _hf_owned)
+    except manifest.OutputDirError as e:
+        raise ConversionError(str(e)) from None
     weight_map, skipped = {}, 0
     for i, unit in enumerate(tqdm(all_units, desc="mcore->hf", unit="layer", disable=not progress)):
         shard = f"model-{i + 1:05d}-of-{len(all_units):05d}.safetensors"
-        plan = unit_plan(cfg, unit, spec)
+        try:
+            plan = unit_plan(cfg, unit, spec)
+        except KeyError as e:
+            raise ConversionError(f"{config}: lacks {e.args[0]!r}") from None
         for _, srcs, _ in plan:
             weight_map.update({s: shard for s in srcs})
-        if (out / shard).is_file():
+        if resuming and (out / shard).is_file():
             skipped += 1
             continue
         tensors = {}
@@ -65,11 +96,12 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True) -> dict:
                 tensors.update(split(how, reader.tensor(name), srcs))
             except KeyError as e:
                 raise ConversionError(f"{ckpt}: {e.args[0]} (spec {spec}, {unit})") from e
-        tmp = out / (shard + ".partial")
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / shard)
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
-    shutil.copy2(config, out / "config.json")
+        with atomic.atomic_path(out / shard) as tmp:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    atomic.write_text(out / "model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    with atomic.atomic_path(out / "config.json") as tmp:
+        shutil.copyfile(config, tmp)
+    manifest.complete(out)
     return {"shards": len(all_units), "resumed": skipped, "tensors": len(weight_map), "spec": spec}
 
 
@@ -79,11 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", type=Path, required=True, help="the HF config.json of the model")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an output directory this tool wrote for another checkpoint or config")
     args = p.parse_args(argv)
     try:
-        stats = convert(args.ckpt, args.config, args.out, not args.no_progress)
-    except (ConversionError, FileNotFoundError, ValueError) as e:
+        stats = convert(args.ckpt, args.config, args.out, not args.no_progress, args.overwrite)
+    except (ConversionError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"error: {e.filename or ''}: {e.strerror or e}" if e.filename else f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(stats))
     return 0
