@@ -20,13 +20,17 @@ DEEPSCALER_SOURCES = frozenset({"deepscaler", "agentica-org/DeepScaleR-Preview-D
 
 
 def wrap_default_compute_score(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Every call upstream accepts must still work: verl's own _default_compute_score passes all seven
+    # of upstream's arguments positionally (sandbox_fusion_url, concurrent_semaphore, memory_limit_mb),
+    # so the trailing ones travel on as they came (tests/core/test_call_shapes.py checks the shape).
     @functools.wraps(original)
-    def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, *args, **kwargs):
         if data_source in DEEPSCALER_SOURCES:
             from verl_patches.reward.deepscaler import compute_score
 
+            # The sandbox arguments are for code data sets; a boxed math answer needs none of them.
             return compute_score(data_source, solution_str, ground_truth, extra_info)
-        return original(data_source, solution_str, ground_truth, extra_info, **kwargs)
+        return original(data_source, solution_str, ground_truth, extra_info, *args, **kwargs)
 
     return default_compute_score
 
