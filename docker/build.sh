@@ -29,6 +29,7 @@ args = {
     "MEGATRON_CORE_VERSION": c["megatron_core"]["version"],
     "MINDSPEED_REPO": c["mindspeed"]["repo"],
     "MINDSPEED_REF": c["mindspeed"]["ref"],
+    "MINDSPEED_COMMIT": c["mindspeed"]["commit"],
 }
 for k, v in args.items():
     print("--build-arg")

@@ -58,3 +58,40 @@ def test_the_test_environment_matches_the_lock():
         if comp.package and comp.platforms == ("any",):
             installed = md.version(comp.package)
             assert installed.split("+")[0] == comp.version, f"{comp.package} {installed} != lock {comp.version}"
+
+
+def test_mindspeed_is_pinned_to_its_release_tag_commit_and_archive():
+    ms = load_lock()["mindspeed"]
+    assert ms.ref == "v2.1.0_core_r0.12.1" and re.fullmatch(r"[0-9a-f]{40}", ms.commit or "")
+    assert ms.archive and re.fullmatch(r"[0-9a-f]{64}", ms.archive_sha256 or "")
+    assert ms.package == "mindspeed" and ms.version
+
+
+def _mindspeed_source(tmp_path, upstream_dir, **env):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(["bash", str(REPO / "scripts" / "install_mindspeed.sh"), "--print", sys.executable],
+                          env=dict(os.environ, VERL_PATCHES_UPSTREAM_DIR=str(upstream_dir), **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_a_note(tmp_path):
+    # GIT=false: the tag lookup fails as it does on a machine with registry access only.
+    r = _mindspeed_source(tmp_path, tmp_path, GIT="false")
+    assert r.returncode == 0 and r.stdout.startswith("skip: no MindSpeed-2.1.0_core_r0.12.1.tar.gz in")
+    (tmp_path / load_lock()["mindspeed"].archive).write_bytes(b"not the release")
+    r = _mindspeed_source(tmp_path, tmp_path, GIT="false")
+    assert r.returncode == 2 and "has sha256" in r.stderr and load_lock()["mindspeed"].archive_sha256 in r.stderr
+    default_dir = REPO.parent / "shared" / "upstream"
+    if (default_dir / load_lock()["mindspeed"].archive).is_file():  # the release archive beside the checkout
+        r = _mindspeed_source(tmp_path, default_dir, GIT="false")
+        assert r.returncode == 0 and r.stdout.startswith("archive ") and r.stdout.strip().endswith(".tar.gz")
+
+
+def test_the_mindspeed_record_names_the_locks_release():
+    from verl_patches.patches.mindspeed.patch_arguments import RELEASE_COMMIT, RELEASE_TAG
+
+    ms = load_lock()["mindspeed"]
+    assert (RELEASE_TAG, RELEASE_COMMIT) == (ms.ref, ms.commit)

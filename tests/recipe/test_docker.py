@@ -33,6 +33,7 @@ def _expected_from_lock():
         "MEGATRON_CORE_VERSION": c["megatron_core"].version,
         "MINDSPEED_REPO": c["mindspeed"].repo,
         "MINDSPEED_REF": c["mindspeed"].ref,
+        "MINDSPEED_COMMIT": c["mindspeed"].commit,
     }
 
 

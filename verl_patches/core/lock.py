@@ -24,6 +24,9 @@ class Component:
     platforms: tuple[str, ...] = ("any",)
     install: str = ""
     sdist_sha256: str | None = None
+    commit: str | None = None  # the commit the ref names, where the lock pins one
+    archive: str | None = None  # file name of a release archive (sources no registry carries)
+    archive_sha256: str | None = None
 
     def required_on(self, device_type: str) -> bool:
         return "any" in self.platforms or device_type in self.platforms
@@ -50,5 +53,8 @@ def load_lock(path: Path | None = None) -> dict[str, Component]:
             platforms=(platforms,) if isinstance(platforms, str) else tuple(platforms),
             install=entry.get("install", ""),
             sdist_sha256=entry.get("sdist_sha256"),
+            commit=entry.get("commit"),
+            archive=entry.get("archive"),
+            archive_sha256=entry.get("archive_sha256"),
         )
     return comps

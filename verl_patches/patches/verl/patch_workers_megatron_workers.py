@@ -46,13 +46,11 @@ Both constructors seed the same RNGs, then the trainer builds the reference firs
 draws from a later RNG state (the KL starts above zero; throughput is unaffected).
 
 torch.compile for the rollout only (RECIPE.md item 7). MindSpeed's features manager registers
-``torch.compile`` and ``torch.jit.script`` -> ``dummy_compile`` (a plain call-through,
-mindspeed/core/megatron_basic/requirements_basic.py) in RequirementsBasicFeature.te_adaptation,
-mindspeed/features_manager/megatron_basic/requirements_basic.py: read at Ascend/MindSpeed commit
-8abea92e4e88ddbf1cd7d54f41aeed214d0538b9 (the source index does not say which branch holds that commit;
-the lock's branch is 2.1.0_core_r0.12.1: check the clone). MindSpeed's patch manager also rebinds module
-aliases of the original; vLLM and vLLM-Ascend call torch.compile by attribute, so only that is swapped,
-and torch.jit.script is left as MindSpeed set it. vLLM compiles while the engine is built (_build_rollout)
+``torch.compile`` -> ``torch.jit.script`` in RequirementsBasicFeature.te_adaptation
+(mindspeed/features_manager/megatron_basic/requirements_basic.py at the lock's release
+v2.1.0_core_r0.12.1; tests/patches/mindspeed/test_mindspeed_release.py reads it from the installed
+release). MindSpeed's patch manager also rebinds module aliases of the original; vLLM and vLLM-Ascend
+call torch.compile by attribute, so only that is swapped. vLLM compiles while the engine is built (_build_rollout)
 and vLLM-Ascend compiles TorchAir graphs lazily per batch size while generating, so both run inside
 verl_patches.compile_context.real_torch_compile (the real function, saved by the prelude before MindSpeed's
 adaptor is imported), which puts MindSpeed's object back on exit.
