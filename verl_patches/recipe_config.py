@@ -143,6 +143,14 @@ def validate(cfg, model: dict) -> Report:
                   f"ppo_mini_batch_size ({mini}) == train_batch_size ({bsz}) and ppo_epochs == 1")
     rep.check(cfg.algorithm.adv_estimator == "grpo", f"algorithm.adv_estimator must be grpo, got {cfg.algorithm.adv_estimator}")
 
+    # Fixed routing is a benchmark switch: with real weights it would train on routing the model never chose.
+    fixed = recipe.get("fixed_routing", False)
+    if rep.check(isinstance(fixed, bool), f"{RECIPE_SECTION}.fixed_routing must be true or false, got {fixed!r}") \
+            and fixed:
+        loaded = [w for w in ("actor", "ref") if arr[w].get("load_weight", False)]
+        rep.check(not loaded, f"{RECIPE_SECTION}.fixed_routing=True with {'/'.join(loaded)}.load_weight=True: forced "
+                              "routing is for random-init throughput runs only (turn one of them off)")
+
     # Engine constraints.
     rep.check(recipe.reshard_method in RESHARD_METHODS,
               f"{RECIPE_SECTION}.reshard_method must be one of {RESHARD_METHODS}, got {recipe.reshard_method!r}")

@@ -106,6 +106,7 @@ def test_true_weight_without_checkpoint_is_an_error(model):
     ("actor_rollout_ref.actor.ppo_mini_batch_size=256", "one optimizer step per batch"),
     ("actor_rollout_ref.rollout.free_cache_engine=True", "free_cache_engine=False"),
     ("trainer.nnodes=15", "world size"),
+    ("actor_rollout_ref.rollout.recipe.fixed_routing=yes", "fixed_routing must be true or false"),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "YaRN RoPE"),
 ])
 def test_each_layout_rule_can_fail(override, message, model):
@@ -125,7 +126,7 @@ def test_verl_strictness_new_keys_need_plus():
 def test_recipe_section_keys(random_init):
     rec = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.recipe)
     assert set(rec) == {"reshard_method", "tensor_cache", "dp_sync_on_device", "offload", "rollout_torch_compile",
-                        "vllm_dp", "megatron"}
+                        "fixed_routing", "vllm_dp", "megatron"}
     # verl 0.4.1's own tree has no recipe section and no recompute_old_log_prob: both are ours.
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra

@@ -4,7 +4,8 @@ Upstream: verl/single_controller/base/megatron/worker.py:MegatronWorker._init_hf
 which the actor / reference build calls once, after the parallel groups exist and before any
 model or optimizer is built. We wrap it (only when the worker's config has
 rollout.recipe.megatron, i.e. ActorRolloutRefWorker):
-- before: parse the section (verl_patches.megatron_args); refuse uneven stages together with verl's
+- before: parse the section (verl_patches.megatron_args); set recipe.fixed_routing for the router
+  patches (verl_patches/fixed_routing.py); refuse uneven stages together with verl's
   HF-weight loader or HF saver (both assume equal stages); merge the values TransformerConfig has
   a field for under the user's override_transformer_config; on Ascend hand MindSpeed its
   arguments (moe_tp_extend_ep, swap_optimizer, use_flash_attn, use_fused_rotary_pos_emb,
@@ -104,11 +105,13 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
                             override_transformer_config, trust_remote_code)
         from megatron.core import parallel_state as mpu
 
-        from verl_patches import accelerator
+        from verl_patches import accelerator, fixed_routing
         from verl_patches import megatron_args as ma
         from verl_patches.patches.megatron.patch_core_transformer_transformer_block import LAYER_LIST_ATTR
 
         recipe = ma.parse(section)
+        # Before any model is built: the router patches (training and rollout) read it on every call.
+        fixed_routing.configure_from_worker_config(self.config)
         tp, ep = mpu.get_tensor_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
         etp = mpu.get_expert_tensor_parallel_world_size()
         pp, vpp = mpu.get_pipeline_model_parallel_world_size(), mpu.get_virtual_pipeline_model_parallel_world_size()
