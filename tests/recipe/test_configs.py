@@ -150,7 +150,7 @@ def test_transformer_overrides_are_megatron_fields(random_init):
 def test_engine_kwargs_reach_vllm_and_vllm_ascend(random_init):
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.engine_kwargs.vllm)
+    kw = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.engine_kwargs.vllm, resolve=True)
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     set_keys = {k for k, v in kw.items() if v is not None}
     assert set_keys <= fields, set_keys - fields
@@ -160,7 +160,8 @@ def test_engine_kwargs_reach_vllm_and_vllm_ascend(random_init):
 
     ac = AscendConfig(SimpleNamespace(additional_config=kw["additional_config"]))
     tg = ac.torchair_graph_config
-    assert tg.enabled and tg.enable_multistream_mla and tg.enable_multistream_moe and tg.enable_kv_nz
+    assert tg.enabled and tg.enable_multistream_mla and tg.enable_multistream_moe and not tg.enable_kv_nz
+    assert tg.graph_batch_sizes == [64] and not tg.use_cached_graph
     assert tg.enable_view_optimize is False
     assert ac.ascend_scheduler_config.enabled is True
 

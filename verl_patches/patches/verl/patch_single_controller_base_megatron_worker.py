@@ -31,7 +31,9 @@ from verl_patches.core.record import Patch
 
 logger = logging.getLogger(__name__)
 SECTION_IN_WORKER = "rollout.recipe.megatron"  # the worker's config is actor_rollout_ref
-_MINDSPEED_ONLY = ("swap_optimizer", "use_flash_attn", "use_fused_rotary_pos_emb")
+_MINDSPEED_ONLY = ("swap_optimizer", "use_flash_attn", "use_fused_rotary_pos_emb", "use_fused_rmsnorm",
+                   "moe_permutation_async_comm", "moe_alltoall_overlap_comm",
+                   "use_fused_moe_token_permute_and_unpermute", "gemm_gradient_accumulation_fusion")
 # The MindSpeed arguments this process imported MindSpeed's adaptor with (the actor and the
 # reference both pass through the binding; the second time is not a late import).
 _IMPORTED_BY_US: dict[str, Any] | None = None

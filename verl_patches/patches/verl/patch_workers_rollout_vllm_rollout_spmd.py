@@ -104,6 +104,9 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
     settings.check_batched_tokens(max_model_len)
     self.lora_kwargs = kwargs.pop("lora_kwargs", {})
     load_format = "dummy" if str(config.load_format).startswith("dummy") else config.load_format
+    engine_kwargs = _engine_kwargs(config)
+    # Upstream hard-codes prefix caching on; the recipe's engine_kwargs may turn it off (the reference did).
+    prefix_caching = engine_kwargs.pop("enable_prefix_caching", True)
     # Looked up on verl's module at call time, where verl imported it.
     self.inference_engine = upstream.LLM(
         model=model_path,
@@ -120,11 +123,11 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
         disable_log_stats=config.disable_log_stats,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_chunked_prefill=settings.enable_chunked_prefill,
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
         trust_remote_code=kwargs.get("trust_remote_code", False),
         seed=config.get("seed", 0),
         **self.lora_kwargs,
-        **_engine_kwargs(config),
+        **engine_kwargs,
     )
 
     # For the sharding manager, which receives the engine only (patch verl.sharding_manager.reshard).
