@@ -62,6 +62,9 @@ def test_true_weight_dry_run_composes_and_validates(ckpt_dir):
     assert f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={ckpt_dir}" in out
     assert "trainer.total_training_steps=5" in out
     assert "== doctor" in out and "doctor (npu" in out
+    # The runtime environment with where each value came from (scripts/cluster/recipe_env.sh).
+    assert "== runtime environment" in out and "HCCL_OP_EXPANSION_MODE=AIV  [recipe default; read by CANN" in out
+    assert "VLLM_HOST_IP=" in out and "not set by the launcher" in out
     assert '"world": 256' in out and '"instances": 2' in out
     # The composed YAML shows the user override and the checkpoint path resolved.
     assert "total_training_steps: 5" in out and f"dist_checkpointing_path: {ckpt_dir}" in out
@@ -74,6 +77,7 @@ def test_random_init_dry_run_env_overrides_and_layout_error():
     assert "role worker" in r.stdout
     assert "--num-gpus 16" in r.stdout and "--address=10.0.0.1:7000" in r.stdout
     assert "trainer.device=cuda" in r.stdout and '"dp": 128' in r.stdout
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1  [recipe default" in r.stdout and "HCCL_OP_EXPANSION_MODE" not in r.stdout
     # 8 nodes cannot hold the 256-die layouts: the dry run must say so and fail.
     r = _run(RANDOM_INIT, "--dry-run", NNODES="8")
     assert r.returncode == 1
