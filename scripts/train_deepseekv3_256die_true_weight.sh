@@ -33,4 +33,5 @@ launch_run_hook() {
   LAUNCH_RUN_OVERRIDES=("actor_rollout_ref.actor.megatron.dist_checkpointing_path=${DIST_CKPT_PATH}")
 }
 
-launch_main deepseekv3_256die_true_weight "$@"
+# RECIPE_CONFIG: another run config of this kind (the 128-GPU launcher sets it).
+launch_main "${RECIPE_CONFIG:-deepseekv3_256die_true_weight}" "$@"

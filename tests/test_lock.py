@@ -95,3 +95,40 @@ def test_the_mindspeed_record_names_the_locks_release():
 
     ms = load_lock()["mindspeed"]
     assert (RELEASE_TAG, RELEASE_COMMIT) == (ms.ref, ms.commit)
+
+
+def test_the_cuda_lock_differs_only_where_it_says_and_matches_vllms_cuda_build():
+    import os
+    import tarfile
+
+    from verl_patches.core.lock import CUDA_LOCK_PATH
+
+    base, cuda = load_lock(), load_lock(CUDA_LOCK_PATH)
+    # The same releases of everything both stacks share.
+    for key in ("verl", "vllm", "megatron_core", "transformers", "ray", "hydra_core"):
+        assert (cuda[key].version, cuda[key].ref) == (base[key].version, base[key].ref), key
+    assert not {"torch_npu", "cann", "vllm_ascend", "mindspeed"} & cuda.keys()
+    assert cuda["torch_memory_saver"].optional and not cuda["torch_memory_saver"].required_on("cuda")
+    assert all(c.required_on("cuda") for k, c in cuda.items() if k != "torch_memory_saver")
+    # vLLM's own CUDA requirements, read from its sdist where the test environment cached it.
+    cache = os.environ.get("VERL_PATCHES_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "verl_patches")
+    sdist = os.path.join(cache, f"vllm-{base['vllm'].version}.tar.gz")
+    if not os.path.isfile(sdist):
+        return
+    with tarfile.open(sdist) as tf:
+        member = next(m for m in tf.getmembers() if m.name.endswith("requirements/cuda.txt"))
+        text = tf.extractfile(member).read().decode()
+    pins = {Requirement(line.split("#")[0].strip()).name: Requirement(line.split("#")[0].strip())
+            for line in text.splitlines() if "==" in line.split("#")[0]}
+    for name in ("torch", "torchaudio", "torchvision", "xformers"):
+        assert str(pins[name].specifier) == f"=={cuda[name].version}", name
+
+
+def test_the_lock_can_be_chosen_by_the_environment(monkeypatch):
+    from verl_patches.core.lock import CUDA_LOCK_PATH, LOCK_ENV
+
+    monkeypatch.setenv(LOCK_ENV, str(CUDA_LOCK_PATH))
+    assert load_lock()["torch"].version == load_lock(CUDA_LOCK_PATH)["torch"].version
+    monkeypatch.delenv(LOCK_ENV)
+    assert "torch_npu" in load_lock()

@@ -8,7 +8,7 @@
 # Fields are separated by | (so no field may contain one).
 # NAME|REFERENCE VALUE|WHERE (any, npu, cuda)|OUR DEFAULT|PATTERN|READ BY|WHY
 # OUR DEFAULT "-": not set, nothing in the pinned stack reads it (WHY says what replaces it);
-# "@jemalloc", "@node_ip", "@socket_ifname": computed on the node.
+# "@jemalloc", "@node_ip", "@socket_ifname", "@cuda_lock": computed on the node.
 recipe_env_table() {
   cat <<'TABLE'
 HCCL_OP_EXPANSION_MODE|AIV|npu|AIV|^[A-Z_]+$|CANN 8.2.RC1 HCCL|collectives are expanded and run on the AI Vector cores; the reference credits it for part of its rollout speed-up (162 -> 419 tokens/s per device)
@@ -33,6 +33,7 @@ CUDA_DEVICE_MAX_CONNECTIONS|1|any|1|^[0-9]+$|megatron-core 0.12.1 (parallel_stat
 VLLM_USE_V1|1|any|1|^[01]$|vllm 0.9.1 (envs.py)|the V1 engine, which the recipe's engine-core and KV-cache patches target
 VLLM_HOST_IP|-|any|@node_ip|^[0-9a-fA-F.:]+$|vllm 0.9.1 (envs.py, get_ip)|the address each vLLM DP master advertises; it must be the node's address on the interface the other nodes reach
 GLOO_SOCKET_IFNAME|@socket_ifname|any|@socket_ifname|^.+$|torch 2.5.1 (gloo)|the interface gloo binds to (CPU groups, Ray collective fallbacks)
+VERL_PATCHES_LOCK|-|cuda|@cuda_lock|^.+\.toml$|verl_patches (core/lock.py: doctor, prelude)|the CUDA variant of the lock (torch 2.7.0 for vLLM 0.9.1's CUDA build), so the doctor and the patches' version checks compare with what this image installs
 RAY_DEDUP_LOGS|0|any|0|^[01]$|ray 2.46.0 (ray_constants)|every worker's log lines are shown, not folded
 HYDRA_FULL_ERROR|1|any|1|^[01]$|hydra-core 1.3.2|full stack trace on a configuration error
 MALLOC_MMAP_THRESHOLD_|512768|any|512768|^[0-9]+$|glibc malloc|allocations above 500 KB map their own pages and return them on free (where jemalloc is not preloaded)
@@ -90,6 +91,7 @@ recipe_env_apply() {
         @jemalloc) value="$(recipe_env_jemalloc)" ;;
         @node_ip) value="$(recipe_env_node_ip)" ;;
         @socket_ifname) value="${SOCKET_IFNAME:-}" ;;
+        @cuda_lock) value="${RECIPE_ROOT:-.}/configs/upstream.cuda.lock.toml" ;;
         *) value="$default" ;;
       esac
       origin="recipe default"

@@ -67,6 +67,32 @@ def test_dockerfile_uses_its_args_and_pins_nothing_else():
         assert pkg not in run_lines
 
 
+def _expected_from_cuda_lock():
+    from verl_patches.core.lock import CUDA_LOCK_PATH
+
+    c = load_lock(CUDA_LOCK_PATH)
+    return {"TORCH_VERSION": c["torch"].version, "TORCHVISION_VERSION": c["torchvision"].version,
+            "TORCHAUDIO_VERSION": c["torchaudio"].version, "XFORMERS_VERSION": c["xformers"].version,
+            "VLLM_VERSION": c["vllm"].version, "MEGATRON_CORE_VERSION": c["megatron_core"].version,
+            "TRANSFORMER_ENGINE_VERSION": c["transformer_engine"].version,
+            "FLASH_ATTN_VERSION": c["flash_attn"].version,
+            "TORCH_MEMORY_SAVER_VERSION": c["torch_memory_saver"].version}
+
+
+def test_the_cuda_image_follows_the_cuda_lock():
+    path = REPO / "docker" / "Dockerfile.cuda"
+    args = {m.group(1): (m.group(2) or "").strip('"') for line in path.read_text().splitlines()
+            if (m := re.match(r"ARG\s+(\w+)(?:=(.*))?$", line.strip()))}
+    for name, want in _expected_from_cuda_lock().items():
+        assert args.get(name) == want, f"Dockerfile.cuda ARG {name}={args.get(name)!r}, the CUDA lock says {want!r}"
+    r = subprocess.run(["bash", str(REPO / "docker" / "build.sh"), "--cuda", "--print"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHON=sys.executable), timeout=30)
+    assert r.returncode == 0, r.stderr
+    words = shlex.split(r.stdout)
+    assert dict(words[i + 1].split("=", 1) for i, w in enumerate(words) if w == "--build-arg") == _expected_from_cuda_lock()
+    assert words[words.index("-f") + 1] == str(path)
+
+
 def test_build_sh_passes_the_lock_as_build_args():
     r = subprocess.run(["bash", str(REPO / "docker" / "build.sh"), "--print"], capture_output=True, text=True,
                        env=dict(os.environ, PYTHON=sys.executable), timeout=30)
@@ -187,7 +213,7 @@ def test_shellcheck():
 
 def test_hadolint():
     hl = _linter("hadolint", "HADOLINT")
-    r = subprocess.run([hl, str(DOCKERFILE)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([hl, *map(str, DOCKERFILES)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

@@ -173,3 +173,17 @@ def test_dry_run_names_missing_python_packages(tmp_path, ckpt_dir):
     r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt_dir), NODE_RANK="0", PYTHON=str(bare))
     assert r.returncode == 1
     assert "lacks: hydra-core ray torch verl" in r.stderr and "dry run FAILED" in r.stderr
+
+
+GPU_RANDOM_INIT = SCRIPTS / "train_deepseekv3_128gpu_random_init.sh"
+
+
+def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock():
+    r = _run(GPU_RANDOM_INIT, "--dry-run", NODE_RANK="0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "== deepseekv3_128gpu_random_init: role head" in out and "--num-gpus 8" in out
+    assert "trainer.device=cuda" in out and "trainer.n_gpus_per_node=8" in out
+    assert "VERL_PATCHES_LOCK=" in out and "upstream.cuda.lock.toml  [recipe default" in out
+    assert "doctor (cuda" in out and '"world": 128' in out and '"device_memory_gib": 139' in out
+    assert "HCCL_" not in out and "dry run OK" in out
