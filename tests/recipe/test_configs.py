@@ -1,6 +1,8 @@
 """The recipe's Hydra configs composed with the real verl 0.4.1 config tree, and the layout checker.
 
-Expected values are RECIPE.md's reference hyperparameters and layouts; mutations show each check can fail.
+Layouts and the main hyperparameters of both runs are checked here, mutations show each check can fail;
+every setting of the reference's two runs is compared row by row in test_parity.py (docs/RECIPE.md,
+"Hyperparameter parity"), with nothing skipped.
 """
 
 import dataclasses
