@@ -3,7 +3,8 @@ have, and none names a path of a development machine.
 
 A citation is a token ending in ``.md`` that has a directory part, an upper-case letter in its name, or
 sits in backticks (``self.md`` in Python is an attribute, not a document); it must resolve against the
-repository root, the citing file's folder, or docs/. URLs are not citations.
+repository root, the citing file's folder, or docs/. URLs are not citations. This file is not scanned:
+its own examples are deliberately missing documents.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def tracked_files() -> list[Path]:
     except (OSError, subprocess.CalledProcessError):  # an exported tree without git: every file under the root
         names = [str(p.relative_to(REPO)) for p in REPO.rglob("*") if p.is_file()
                  and not any(part.startswith(".") or part in ("out", "build") for part in p.relative_to(REPO).parts)]
-    return [REPO / n for n in names if Path(n).suffix not in SKIP_SUFFIXES and (REPO / n).is_file()]
+    me = Path(__file__).resolve()
+    return [REPO / n for n in names
+            if Path(n).suffix not in SKIP_SUFFIXES and (REPO / n).is_file() and (REPO / n).resolve() != me]
 
 
 def citations(text: str) -> list[tuple[int, str]]:
