@@ -157,7 +157,7 @@ PATCHES = [
             source_sha="004b4fc175a1c1c6"),
         replacement=f"{__name__}:wrap_init_hf_config_and_tf_config",
         flag="actor_rollout_ref.rollout.recipe.megatron (absent: upstream behaviour)",
-        why="recipe.megatron (uneven PP stages, moe_tp_extend_ep, swap optimizer, fused kernels; RECIPE.md "
+        why="recipe.megatron (uneven PP stages, moe_tp_extend_ep, swap optimizer, fused kernels; docs/RECIPE.md "
             "Hardware and layout) is read by nothing in verl 0.4.1; this is the last point before the model "
             "and optimizer are built where the worker's config, the parallel layout and the model's layer "
             "count are all known.",

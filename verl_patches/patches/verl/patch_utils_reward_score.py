@@ -51,7 +51,7 @@ PATCHES = [
         replacement=f"{__name__}:wrap_default_compute_score",
         flag="data.train_files rows with data_source=deepscaler (no switch needed: other sources are untouched)",
         why="verl 0.4.1's default scorer has no deepscaler entry and raises NotImplementedError; the recipe "
-            "trains on deepscaler with a boxed-answer rule reward (ALGORITHMS.md section 7).",
+            "trains on deepscaler with a boxed-answer rule reward (docs/DESIGN.md section 7).",
         remove_when="verl's default_compute_score dispatches deepscaler to an equivalent math-verify based "
                     "scorer, or the recipe config points custom_reward_function at the reward module instead.",
     ),

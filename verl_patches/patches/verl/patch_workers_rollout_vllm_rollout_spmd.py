@@ -180,7 +180,7 @@ PATCHES = [
             "(DP128 x TP2 = EP256), needs a distinct DP master port per DP group, frees weights and KV cache by "
             "offload instead of sleep mode (which does not free memory on multi-node NPU), and runs "
             "max_num_batched_tokens=1024 with chunked prefill, which upstream's constructor rejects "
-            "(RECIPE.md items 2, 5, 6, 8; ALGORITHMS.md section 6).",
+            "(docs/RECIPE.md items 2, 5, 6, 8; docs/DESIGN.md section 6).",
         remove_when="verl's vLLM rollout takes a data-parallel domain and chunked-prefill budgets below "
                     "max_model_len from its config, and offers offload/onload of weights and KV cache that frees "
                     "device memory on NPU (later verl releases move to vLLM's external-launcher DP).",
