@@ -17,7 +17,13 @@ log() { printf '[setup_test_env] %s\n' "$*" >&2; }
 
 command -v "$PYTHON" >/dev/null || { log "error: $PYTHON not found (the recipe targets Python 3.11; set PYTHON=...)"; exit 2; }
 
-stamp_of() { cat "$LOCK" "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16; }
+# MindSpeed's source (release archive, git tag, or skipped) is part of the stamp: an archive that
+# appears later, or a tag that becomes reachable, rebuilds the venv with it.
+MINDSPEED_SOURCE=$(bash "$ROOT/scripts/install_mindspeed.sh" --print "$PYTHON")
+stamp_of() {
+  { cat "$LOCK" "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "${BASH_SOURCE[0]}" \
+        "$ROOT/scripts/install_mindspeed.sh"; echo "$MINDSPEED_SOURCE"; } | sha256sum | cut -c1-16
+}
 STAMP=$(stamp_of)
 if [ -f "$VENV/.verl_patches_stamp" ] && [ "$(cat "$VENV/.verl_patches_stamp")" = "$STAMP" ]; then
   log "reusing $VENV (stamp $STAMP)"
@@ -84,6 +90,12 @@ VLLM_TARGET_DEVICE=empty pipq install -q --no-build-isolation "$SDIST" \
 #    off Ascend).
 log "megatron-core $MCORE_V and vllm-ascend $VASC_V without dependencies"
 pipq install -q --no-deps "megatron-core==$MCORE_V" "vllm-ascend==$VASC_V"
+
+# 3b. MindSpeed at the lock's release, without dependencies (no registry carries it): from the
+#     release archive beside the checkout (VERL_PATCHES_UPSTREAM_DIR), else the git tag, else skipped
+#     with a note. Its argument and feature modules import on CPU; its NPU kernels are never loaded.
+log "mindspeed: $MINDSPEED_SOURCE"
+bash "$ROOT/scripts/install_mindspeed.sh" "$VENV/bin/python"
 
 # 4. The overlay itself, editable, so its vLLM plugin entry point is registered.
 pipq install -q --no-deps --no-build-isolation -e "$ROOT"

@@ -9,4 +9,5 @@ source "${HERE}/cluster/bringup.sh"
 # shellcheck source=scripts/cluster/launch.sh
 source "${HERE}/cluster/launch.sh"
 
-launch_main deepseekv3_256die_random_init "$@"
+# RECIPE_CONFIG: another run config of this kind (the 128-GPU launcher sets it).
+launch_main "${RECIPE_CONFIG:-deepseekv3_256die_random_init}" "$@"

@@ -35,4 +35,5 @@ launch_run_hook() {
   LAUNCH_CKPT_DIR="$DIST_CKPT_PATH"
 }
 
-launch_main deepseekv3_256die_true_weight "$@"
+# RECIPE_CONFIG: another run config of this kind (the 128-GPU launcher sets it).
+launch_main "${RECIPE_CONFIG:-deepseekv3_256die_true_weight}" "$@"

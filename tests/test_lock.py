@@ -67,3 +67,77 @@ def test_the_cuda_graph_allocator_is_pinned_for_cuda_only():
     assert not comp.required_on("cpu") and not comp.required_on("npu")
     for path in ("requirements.txt", "requirements-test.txt", "scripts/setup_test_env.sh"):
         assert "torch_memory_saver" not in (REPO / path).read_text().replace("-", "_"), path
+
+
+def test_mindspeed_is_pinned_to_its_release_tag_commit_and_archive():
+    ms = load_lock()["mindspeed"]
+    assert ms.ref == "v2.1.0_core_r0.12.1" and re.fullmatch(r"[0-9a-f]{40}", ms.commit or "")
+    assert ms.archive and re.fullmatch(r"[0-9a-f]{64}", ms.archive_sha256 or "")
+    assert ms.package == "mindspeed" and ms.version
+
+
+def _mindspeed_source(tmp_path, upstream_dir, **env):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(["bash", str(REPO / "scripts" / "install_mindspeed.sh"), "--print", sys.executable],
+                          env=dict(os.environ, VERL_PATCHES_UPSTREAM_DIR=str(upstream_dir), **env),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_a_note(tmp_path):
+    # GIT=false: the tag lookup fails as it does on a machine with registry access only.
+    r = _mindspeed_source(tmp_path, tmp_path, GIT="false")
+    assert r.returncode == 0 and r.stdout.startswith("skip: no MindSpeed-2.1.0_core_r0.12.1.tar.gz in")
+    (tmp_path / load_lock()["mindspeed"].archive).write_bytes(b"not the release")
+    r = _mindspeed_source(tmp_path, tmp_path, GIT="false")
+    assert r.returncode == 2 and "has sha256" in r.stderr and load_lock()["mindspeed"].archive_sha256 in r.stderr
+    default_dir = REPO.parent / "shared" / "upstream"
+    if (default_dir / load_lock()["mindspeed"].archive).is_file():  # the release archive beside the checkout
+        r = _mindspeed_source(tmp_path, default_dir, GIT="false")
+        assert r.returncode == 0 and r.stdout.startswith("archive ") and r.stdout.strip().endswith(".tar.gz")
+
+
+def test_the_mindspeed_record_names_the_locks_release():
+    from verl_patches.patches.mindspeed.patch_arguments import RELEASE_COMMIT, RELEASE_TAG
+
+    ms = load_lock()["mindspeed"]
+    assert (RELEASE_TAG, RELEASE_COMMIT) == (ms.ref, ms.commit)
+
+
+def test_the_cuda_lock_differs_only_where_it_says_and_matches_vllms_cuda_build():
+    import os
+    import tarfile
+
+    from verl_patches.core.lock import CUDA_LOCK_PATH
+
+    base, cuda = load_lock(), load_lock(CUDA_LOCK_PATH)
+    # The same releases of everything both stacks share.
+    for key in ("verl", "vllm", "megatron_core", "transformers", "ray", "hydra_core"):
+        assert (cuda[key].version, cuda[key].ref) == (base[key].version, base[key].ref), key
+    assert not {"torch_npu", "cann", "vllm_ascend", "mindspeed"} & cuda.keys()
+    assert cuda["torch_memory_saver"].optional and not cuda["torch_memory_saver"].required_on("cuda")
+    assert all(c.required_on("cuda") for k, c in cuda.items() if k != "torch_memory_saver")
+    # vLLM's own CUDA requirements, read from its sdist where the test environment cached it.
+    cache = os.environ.get("VERL_PATCHES_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "verl_patches")
+    sdist = os.path.join(cache, f"vllm-{base['vllm'].version}.tar.gz")
+    if not os.path.isfile(sdist):
+        return
+    with tarfile.open(sdist) as tf:
+        member = next(m for m in tf.getmembers() if m.name.endswith("requirements/cuda.txt"))
+        text = tf.extractfile(member).read().decode()
+    pins = {Requirement(line.split("#")[0].strip()).name: Requirement(line.split("#")[0].strip())
+            for line in text.splitlines() if "==" in line.split("#")[0]}
+    for name in ("torch", "torchaudio", "torchvision", "xformers"):
+        assert str(pins[name].specifier) == f"=={cuda[name].version}", name
+
+
+def test_the_lock_can_be_chosen_by_the_environment(monkeypatch):
+    from verl_patches.core.lock import CUDA_LOCK_PATH, LOCK_ENV
+
+    monkeypatch.setenv(LOCK_ENV, str(CUDA_LOCK_PATH))
+    assert load_lock()["torch"].version == load_lock(CUDA_LOCK_PATH)["torch"].version
+    monkeypatch.delenv(LOCK_ENV)
+    assert "torch_npu" in load_lock()

@@ -71,6 +71,9 @@ def test_mindspeed_arguments_use_mindspeeds_names():
                     "use_fused_rotary_pos_emb": True, "use_fused_swiglu": True,
                     # MoETpExtendEpFeature.validate_args requires both with --moe-tp-extend-ep.
                     "moe_permutation_async_comm": True, "moe_grouped_gemm": True,
+                    # Flags the section leaves out are handed over as off.
+                    "use_fused_rmsnorm": False, "moe_alltoall_overlap_comm": False,
+                    "use_fused_moe_token_permute_and_unpermute": False, "gemm_gradient_accumulation_fusion": False,
                     "num_layer_list": "7,7,8,8,8,8,8,7"}
     off = ma.mindspeed_args(ma.RecipeMegatron())
     assert off["moe_tp_extend_ep"] is False and "num_layer_list" not in off and "moe_grouped_gemm" not in off
@@ -105,3 +108,11 @@ def test_pending_mindspeed_arguments_are_replaced_not_merged():
         assert ma.pending_mindspeed_args() == {"b": 2}
     finally:
         ma.set_pending_mindspeed_args({})
+
+
+def test_the_alltoall_overlap_needs_moe_tp_extend_ep():
+    with pytest.raises(ma.RecipeMegatronError, match="moe_alltoall_overlap_comm needs moe_tp_extend_ep"):
+        ma.check_layout(ma.parse({"moe_alltoall_overlap_comm": True}), num_layers=4, pp=1)
+    ma.check_layout(ma.parse({"moe_alltoall_overlap_comm": True, "moe_tp_extend_ep": True}), num_layers=4, pp=1)
+    args = ma.mindspeed_args(ma.parse({"moe_alltoall_overlap_comm": True, "moe_tp_extend_ep": True}))
+    assert args["moe_permutation_async_comm"] and args["moe_grouped_gemm"]

@@ -2,7 +2,7 @@
 MindSpeed replaces it for training) and put it back for a block, restoring exactly what was there.
 
 MindSpeed's adaptor (features_manager/megatron_basic/requirements_basic.py) sets ``torch.compile``
-to a no-op wrapper so training runs eagerly. vLLM compiles its model while the engine is built and
+to ``torch.jit.script`` so training never compiles with it. vLLM compiles its model while the engine is built and
 vLLM-Ascend compiles TorchAir graphs lazily per batch size while generating, so both need the real
 function. ``real_torch_compile()`` swaps it in and, on exit (also on exception), puts back the very
 object that was there, so training keeps MindSpeed's choice.

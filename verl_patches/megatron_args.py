@@ -15,15 +15,25 @@ SECTION = "actor_rollout_ref.rollout.recipe.megatron"
 # --use-fused-rotary-pos-emb, --moe-tp-extend-ep), features_manager/optimizer/swap_optimizer_feature.py
 # (--swap-optimizer), features_manager/transformer/flash_attention/fusion_attention_v1_feature.py
 # (feature "use-flash-attn"), MindSpeed-LLM's NumLayerListFeature (--num-layer-list, "7,7,8,...").
+# The fusion and overlap flags after them are the rest of the reference run's MindSpeed flags, each an
+# argument of the release's mindspeed/arguments.py or a feature of its features manager
+# (tests/patches/mindspeed/test_mindspeed_release.py checks every name against the installed release).
 MINDSPEED_ARG = {
     "moe_tp_extend_ep": "moe_tp_extend_ep",
     "swap_optimizer": "swap_optimizer",
     "use_flash_attn": "use_flash_attn",
     "use_fused_rotary_pos_emb": "use_fused_rotary_pos_emb",
     "use_fused_swiglu": "use_fused_swiglu",
+    "use_fused_rmsnorm": "use_fused_rmsnorm",
+    "moe_permutation_async_comm": "moe_permutation_async_comm",
+    "moe_alltoall_overlap_comm": "moe_alltoall_overlap_comm",
+    "use_fused_moe_token_permute_and_unpermute": "use_fused_moe_token_permute_and_unpermute",
+    "gemm_gradient_accumulation_fusion": "gemm_gradient_accumulation_fusion",
     "num_layer_list": "num_layer_list",
 }
-_BOOL_KEYS = ("moe_tp_extend_ep", "swap_optimizer", "use_flash_attn", "use_fused_rotary_pos_emb", "use_fused_swiglu")
+_BOOL_KEYS = ("moe_tp_extend_ep", "swap_optimizer", "use_flash_attn", "use_fused_rotary_pos_emb", "use_fused_swiglu",
+              "use_fused_rmsnorm", "moe_permutation_async_comm", "moe_alltoall_overlap_comm",
+              "use_fused_moe_token_permute_and_unpermute", "gemm_gradient_accumulation_fusion")
 
 
 class RecipeMegatronError(ValueError):
@@ -38,6 +48,11 @@ class RecipeMegatron:
     use_flash_attn: bool = False
     use_fused_rotary_pos_emb: bool = False
     use_fused_swiglu: bool = False
+    use_fused_rmsnorm: bool = False
+    moe_permutation_async_comm: bool = False
+    moe_alltoall_overlap_comm: bool = False
+    use_fused_moe_token_permute_and_unpermute: bool = False
+    gemm_gradient_accumulation_fusion: bool = False
 
 
 def _layer_count(x: Any) -> bool:
@@ -95,6 +110,10 @@ def check_layout(recipe: RecipeMegatron, *, num_layers: int, pp: int, vpp: int |
             problems.append(f"num_layer_list {list(lst)} sums to {sum(lst)}, the model has {num_layers} layers")
         if vpp is not None and vpp > 1:
             problems.append(f"num_layer_list does not support virtual pipeline stages (virtual_pipeline_model_parallel_size={vpp})")
+    if recipe.moe_alltoall_overlap_comm and not recipe.moe_tp_extend_ep:
+        # MindSpeed's MoEAlltoAllSeqOverLapFeature: overlap exists for its alltoall_seq dispatcher with TP
+        # folded into the expert group; megatron-core's own EP folding (the recipe's) has no such overlap.
+        problems.append("moe_alltoall_overlap_comm needs moe_tp_extend_ep (MindSpeed's alltoall_seq overlap)")
     if recipe.moe_tp_extend_ep:
         if etp not in (None, 1):
             problems.append("moe_tp_extend_ep splits experts over the TP x EP group with no expert TP: "
@@ -119,12 +138,13 @@ def is_uneven(recipe: RecipeMegatron) -> bool:
 def mindspeed_args(recipe: RecipeMegatron) -> dict[str, Any]:
     """MindSpeed argument values (argparse dest names) for the section.
 
-    moe_tp_extend_ep brings what MindSpeed's MoETpExtendEpFeature requires with it
-    (--moe-permutation-async-comm and --moe-grouped-gemm); the layer list is the
+    moe_tp_extend_ep (and the alltoall overlap) bring what MindSpeed's MoETpExtendEpFeature and
+    MoEAlltoAllSeqOverLapFeature require with them (--moe-permutation-async-comm and
+    --moe-grouped-gemm); the layer list is the
     comma-separated string --num-layer-list takes.
     """
     out: dict[str, Any] = {MINDSPEED_ARG[k]: getattr(recipe, k) for k in _BOOL_KEYS}
-    if recipe.moe_tp_extend_ep:
+    if recipe.moe_tp_extend_ep or recipe.moe_alltoall_overlap_comm:
         out["moe_permutation_async_comm"] = True
         out["moe_grouped_gemm"] = True
     if recipe.num_layer_list is not None:

@@ -105,7 +105,6 @@ def validate(cfg, model: dict) -> Report:
     A value of the wrong type is one named error and every rule that depends on it is skipped,
     so the report never ends in an exception.
     """
-    from omegaconf import OmegaConf
 
     from verl_patches.megatron_args import RecipeMegatronError
     from verl_patches.megatron_args import parse as parse_megatron
@@ -212,6 +211,14 @@ def validate(cfg, model: dict) -> Report:
     adv = _select(cfg, "algorithm.adv_estimator")
     rep.check(adv == "grpo", f"algorithm.adv_estimator must be grpo, got {adv!r}")
 
+    # Fixed routing is a benchmark switch: with real weights it would train on routing the model never chose.
+    fixed = recipe.get("fixed_routing", False)
+    if rep.check(isinstance(fixed, bool), f"{RECIPE_SECTION}.fixed_routing must be true or false, got {fixed!r}") \
+            and fixed:
+        loaded = [w for w in ("actor", "ref") if _select(cfg, f"actor_rollout_ref.{w}.load_weight")]
+        rep.check(not loaded, f"{RECIPE_SECTION}.fixed_routing=True with {'/'.join(loaded)}.load_weight=True: forced "
+                              "routing is for random-init throughput runs only (turn one of them off)")
+
     # Engine constraints.
     for key in ("enforce_eager", "free_cache_engine", "enable_chunked_prefill"):
         v = _select(cfg, f"{R}.{key}")
@@ -252,6 +259,9 @@ def validate(cfg, model: dict) -> Report:
             rep.check(bool(path) and str(path).strip() != "",
                       f"{who}.megatron.use_dist_checkpointing=True but dist_checkpointing_path is empty (set DIST_CKPT_PATH)")
 
+    memory = _check_memory(rep, cfg, recipe, model, world=world, tp=tp, pp=pp, expert_group=expert_group,
+                           layer_list=layer_list, rollout_tp=rtp, rollout_ep=rep_ep)
+
     rep.layout = {
         "world": world, "nnodes": nnodes, "devices_per_node": per_node,
         "train": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": etp, "moe_tp_extend_ep": extend,
@@ -262,7 +272,47 @@ def validate(cfg, model: dict) -> Report:
                     "experts_per_rank": experts // rep_ep if rep_ep and experts % rep_ep == 0 else None},
         "model": {"layers": layers, "routed_experts": experts},
     }
+    if memory:
+        rep.layout["memory"] = memory
     return rep
+
+
+MEMORY_KEYS = ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank",
+               "v_head_dim", "moe_intermediate_size", "intermediate_size", "vocab_size")
+
+
+def _check_memory(rep: Report, cfg, recipe, model: dict, **layout) -> dict | None:
+    """recipe.device_memory_gib set: the per-device training state and rollout weights must fit
+    (verl_patches/recipe_memory.py). None when it is not set or the model config lacks the sizes."""
+    device_gib = recipe.get("device_memory_gib", None)
+    if device_gib is None or rep.errors:
+        return None
+    if not rep.check(isinstance(device_gib, (int, float)) and not isinstance(device_gib, bool) and device_gib > 0,
+                     f"{RECIPE_SECTION}.device_memory_gib must be a positive number, got {device_gib!r}"):
+        return None
+    if any(k not in model for k in MEMORY_KEYS):
+        rep.notes.append("memory not estimated: the model config lacks the layer sizes")
+        return None
+    from verl_patches.recipe_memory import estimate
+
+    arr = cfg.actor_rollout_ref
+    # MindSpeed's swap optimizer keeps Adam's state on the host between its uses (Ascend only).
+    megatron = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
+    on_host = str(cfg.trainer.device) == "npu" and bool(megatron.get("swap_optimizer", False))
+    est = estimate(model, optimizer_on_host=on_host, **layout)
+    out = {**est.as_dict(), "device_memory_gib": device_gib}
+    rep.check(est.training_state <= device_gib,
+              f"training state {est.training_state:.1f} GiB per device (params {est.params:.1f} + grads {est.grads:.1f}"
+              f"{'' if on_host else f' + optimizer {est.optimizer:.1f}'}) exceeds {RECIPE_SECTION}.device_memory_gib="
+              f"{device_gib}: use more devices (a larger expert group or pipeline), or devices with more memory")
+    share = float(arr.rollout.gpu_memory_utilization)
+    rep.check(est.rollout_weights <= share * device_gib,
+              f"rollout weights {est.rollout_weights:.1f} GiB per device exceed rollout.gpu_memory_utilization={share} "
+              f"of {device_gib} GiB: raise the rollout TP or EP, or the memory share")
+    if est.training_state > 0.85 * device_gib:
+        rep.notes.append(f"training state {est.training_state:.1f} GiB is over 85% of {device_gib} GiB: activations "
+                         "need the rest (keep full recompute)")
+    return out
 
 
 def verl_validate(cfg) -> str | None:

@@ -4,6 +4,10 @@
 # and teardown of exactly the processes this script started (never by name).
 # Source it; nothing runs on source.
 
+# The runtime environment (every reference variable, its reader and why): recipe_env_apply / _print.
+# shellcheck source=scripts/cluster/recipe_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/recipe_env.sh"
+
 # Every value can be overridden from the environment; these are the 256-die defaults.
 bringup_defaults() {
   RECIPE_ROOT="${RECIPE_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"
@@ -28,8 +32,6 @@ bringup_defaults() {
   CANN_ENV_SCRIPT="${CANN_ENV_SCRIPT:-/usr/local/Ascend/ascend-toolkit/set_env.sh}"
   NNAL_ENV_SCRIPT="${NNAL_ENV_SCRIPT:-/usr/local/Ascend/nnal/atb/set_env.sh}"
   LOG_DIR="${LOG_DIR:-${RECIPE_ROOT}/out/logs}"
-  # Collective set-up on 256 dies takes minutes; HCCL's default (120 s) is too short.
-  HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}"
   BRINGUP_PIDS=()
 }
 
@@ -127,15 +129,15 @@ bringup_ray_worker_cmd() {
 }
 
 # What the trainer and every Ray worker process read; exported before Ray starts so
-# Ray's workers inherit it on every node. Only variables something reads: PYTHONPATH
-# (the overlay), RAY_ADDRESS (verl's ray.init joins this cluster), the socket interface
-# for gloo and HCCL/NCCL, and HCCL's connect timeout.
+# Ray's workers inherit it on every node: PYTHONPATH (the overlay), RAY_ADDRESS (verl's
+# ray.init joins this cluster) and the socket interfaces; the tuning variables come from
+# recipe_env.sh (recipe_env_apply, run by launch_main).
 bringup_export_env() {
   export PYTHONPATH="${RECIPE_ROOT}${UPSTREAM_ROOT:+:${UPSTREAM_ROOT}}${PYTHONPATH:+:${PYTHONPATH}}"
   export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
   export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME"
   if [[ "$DEVICE" == npu ]]; then
-    export HCCL_SOCKET_IFNAME="$SOCKET_IFNAME" HCCL_CONNECT_TIMEOUT
+    export HCCL_SOCKET_IFNAME="$SOCKET_IFNAME"
   elif [[ "$DEVICE" == cuda ]]; then
     export NCCL_SOCKET_IFNAME="$SOCKET_IFNAME"
   else
@@ -164,9 +166,8 @@ bringup_source_cann() {
 
 bringup_print_env() {
   local name
-  for name in RECIPE_ROOT UPSTREAM_ROOT DEVICE NNODES DEVICES_PER_NODE MASTER_ADDR RAY_PORT RAY_TEMP_DIR RAY_NUM_CPUS RAY_EXTRA_ARGS \
-              SOCKET_IFNAME CANN_ENV_SCRIPT NNAL_ENV_SCRIPT WAIT_TIMEOUT_S LOG_DIR PYTHON RAY_BIN \
-              HCCL_CONNECT_TIMEOUT "$@"; do
+  for name in RECIPE_ROOT UPSTREAM_ROOT DEVICE NNODES DEVICES_PER_NODE MASTER_ADDR RAY_PORT RAY_TEMP_DIR RAY_NUM_CPUS \
+              RAY_EXTRA_ARGS SOCKET_IFNAME CANN_ENV_SCRIPT NNAL_ENV_SCRIPT WAIT_TIMEOUT_S LOG_DIR PYTHON RAY_BIN "$@"; do
     printf '  %s=%q\n' "$name" "${!name-}"
   done
 }

@@ -133,6 +133,7 @@ launch_main() {
   done
   bringup_defaults
   bringup_check_ints || return $?
+  recipe_env_apply "$DEVICE" || return $?
   launch_defaults
   # Run-specific required inputs and overrides (set by the train_*.sh script).
   LAUNCH_RUN_OVERRIDES=()
@@ -148,6 +149,8 @@ launch_main() {
   echo "== ${CONFIG_NAME}: role ${role}$([[ $dry == 1 ]] && echo ' (dry run: nothing is started)')"
   echo "== environment"
   bringup_print_env MODEL_PATH TRAIN_FILES VAL_FILES CKPT_SAVE_DIR "${LAUNCH_EXTRA_VARS[@]}"
+  echo "== runtime environment (scripts/cluster/recipe_env.sh; a value already in the environment wins)"
+  recipe_env_print
   echo "== Ray head command (node ${MASTER_ADDR})"
   bringup_ray_head_cmd; launch_print_cmd "${RAY_CMD[@]}"
   echo "== Ray worker command (every other node)"

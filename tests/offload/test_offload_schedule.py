@@ -38,7 +38,7 @@ def test_our_peak_beats_the_baseline_by_what_the_reorder_saves():
     s_base.run_iteration(**d_base.hooks())
     P, G, O, F, R, K = sizes(d_ours)
     assert sizes(d_base) == (P, G, O, F, R, K)
-    # Expected from the sizes and the step lists of ALGORITHMS.md section 3 / verl 0.4.1:
+    # Expected from the sizes and the step lists of docs/DESIGN.md section 3 / verl 0.4.1:
     want_ours = max(P + G + O, P + R, R + K, F)        # update; reshard; generate; reference
     want_base = max(P + G + O, P + G + R + K, F)       # the reshard runs with everything awake
     assert s_ours.ledger.peak_bytes == want_ours

@@ -1,6 +1,8 @@
 """The recipe's Hydra configs composed with the real verl 0.4.1 config tree, and the layout checker.
 
-Expected values are RECIPE.md's reference hyperparameters and layouts; mutations show each check can fail.
+Layouts and the main hyperparameters of both runs are checked here, mutations show each check can fail;
+every setting of the reference's two runs is compared row by row in test_parity.py (docs/RECIPE.md,
+"Hyperparameter parity"), with nothing skipped.
 """
 
 import dataclasses
@@ -106,6 +108,7 @@ def test_true_weight_without_checkpoint_is_an_error(model):
     ("actor_rollout_ref.actor.ppo_mini_batch_size=256", "one optimizer step per batch"),
     ("actor_rollout_ref.rollout.free_cache_engine=True", "free_cache_engine=False"),
     ("trainer.nnodes=15", "world size"),
+    ("actor_rollout_ref.rollout.recipe.fixed_routing=yes", "fixed_routing must be true or false"),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "YaRN RoPE"),
 ])
 def test_each_layout_rule_can_fail(override, message, model):
@@ -125,7 +128,7 @@ def test_verl_strictness_new_keys_need_plus():
 def test_recipe_section_keys(random_init):
     rec = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.recipe)
     assert set(rec) == {"reshard_method", "tensor_cache", "dp_sync_on_device", "offload", "rollout_torch_compile",
-                        "vllm_dp", "megatron"}
+                        "fixed_routing", "device_memory_gib", "vllm_dp", "megatron"}
     # verl 0.4.1's own tree has no recipe section and no recompute_old_log_prob: both are ours.
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
@@ -149,7 +152,7 @@ def test_transformer_overrides_are_megatron_fields(random_init):
 def test_engine_kwargs_reach_vllm_and_vllm_ascend(random_init):
     from vllm.engine.arg_utils import EngineArgs
 
-    kw = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.engine_kwargs.vllm)
+    kw = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.engine_kwargs.vllm, resolve=True)
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     set_keys = {k for k, v in kw.items() if v is not None}
     assert set_keys <= fields, set_keys - fields
@@ -159,7 +162,8 @@ def test_engine_kwargs_reach_vllm_and_vllm_ascend(random_init):
 
     ac = AscendConfig(SimpleNamespace(additional_config=kw["additional_config"]))
     tg = ac.torchair_graph_config
-    assert tg.enabled and tg.enable_multistream_mla and tg.enable_multistream_moe and tg.enable_kv_nz
+    assert tg.enabled and tg.enable_multistream_mla and tg.enable_multistream_moe and not tg.enable_kv_nz
+    assert tg.graph_batch_sizes == [64] and not tg.use_cached_graph
     assert tg.enable_view_optimize is False
     assert ac.ascend_scheduler_config.enabled is True
 
@@ -191,3 +195,50 @@ def test_verl_trainer_accepts_the_config(name):
     bad = RC.compose(name, [*CKPT, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
     with pytest.raises(AssertionError, match="must be divisible"):
         RayPPOTrainer._validate_config(SimpleNamespace(config=bad, use_critic=False, use_reference_policy=True))
+
+
+GPU_RUNS = ("deepseekv3_128gpu_random_init", "deepseekv3_128gpu_true_weight")
+
+
+@pytest.mark.parametrize("name", GPU_RUNS)
+def test_the_nvidia_layout_validates_on_16_nodes_of_h200(name, model):
+    cfg = RC.compose(name, CKPT)
+    rep = RC.validate(cfg, model)
+    assert rep.errors == [] and cfg.trainer.device == "cuda"
+    lay = rep.layout
+    assert (lay["world"], lay["nnodes"], lay["devices_per_node"]) == (128, 16, 8)
+    t, r = lay["train"], lay["rollout"]
+    assert (t["tp"], t["pp"], t["ep"], t["etp"], t["dp"], t["experts_per_rank"]) == (8, 8, 16, 1, 2, 16)
+    assert (r["tp"], r["dp"], r["instances"], r["ep"], r["experts_per_rank"]) == (8, 16, 1, 128, 2)
+    if "memory" in lay:  # the full DeepSeek-V3 config (configs/model/deepseek_v3.json) has the sizes
+        assert lay["memory"]["device_memory_gib"] == 139 and 90 < lay["memory"]["training_state_gib"] < 139
+    # What only Ascend has is off: no MindSpeed kernels, no vLLM-Ascend options.
+    rec = cfg.actor_rollout_ref.rollout
+    assert rec.engine_kwargs.vllm.additional_config is None and not rec.recipe.megatron.swap_optimizer
+    assert RC.verl_validate(cfg) is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.nnodes=1", "world size 8 is not divisible by TP8 x PP8"),
+    ("actor_rollout_ref.rollout.recipe.device_memory_gib=79", "exceeds actor_rollout_ref.rollout.recipe.device_memory_gib=79"),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization=0.05", "rollout weights"),
+])
+def test_the_nvidia_layout_fails_by_name_on_one_node_and_on_h100(override, message, model):
+    if "memory" in override or "utilization" in override:
+        if not RC.DEFAULT_MODEL_CONFIG.is_file():
+            pytest.skip("needs the full model config for the memory estimate")
+    rep = RC.validate(RC.compose("deepseekv3_128gpu_random_init", [override]), model)
+    assert any(message in e for e in rep.errors), rep.errors
+
+
+def test_the_memory_estimate_counts_deepseek_v3():
+    from verl_patches.recipe_memory import estimate, model_params
+
+    cfg = RC.load_model_config(RC.DEFAULT_MODEL_CONFIG)
+    assert 670e9 < model_params(cfg).total < 672e9  # DeepSeek-V3's published 671B
+    npu = estimate(cfg, world=256, tp=4, pp=8, expert_group=32, layer_list=[7, 7, 8, 8, 8, 8, 8, 7], rollout_tp=2,
+                   rollout_ep=256)
+    # About 23 GB of rollout shard per die (docs/DESIGN.md section 2), 20.7 GiB.
+    assert 20 < npu.rollout_weights < 22 and 49 < npu.training_state < 52
+    assert estimate(cfg, world=256, tp=4, pp=8, expert_group=32, layer_list=None, rollout_tp=2, rollout_ep=256,
+                    optimizer_on_host=True).training_state < npu.training_state

@@ -89,6 +89,9 @@ def test_true_weight_dry_run_composes_and_validates(ckpt_dir, hooked):
     assert "trainer.total_training_steps=5" in out
     assert "== doctor" in out and "doctor (cuda" in out
     assert "prelude line present" in out and "complete torch_dist checkpoint" in out
+    # The runtime environment with where each value came from (scripts/cluster/recipe_env.sh).
+    assert "== runtime environment" in out and "CUDA_DEVICE_MAX_CONNECTIONS=1  [recipe default" in out
+    assert "VLLM_HOST_IP=" in out and "not set by the launcher" in out
     assert '"world": 256' in out and '"instances": 2' in out
     # The composed YAML shows the user override and the checkpoint path resolved.
     assert "total_training_steps: 5" in out and f"dist_checkpointing_path: {ckpt_dir}" in out
@@ -101,6 +104,7 @@ def test_random_init_dry_run_env_overrides_and_layout_error(hooked):
     assert "role worker" in r.stdout
     assert "--num-gpus 16" in r.stdout and "--address=10.0.0.1:7000" in r.stdout
     assert "trainer.device=cuda" in r.stdout and '"dp": 128' in r.stdout
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1  [recipe default" in r.stdout and "HCCL_OP_EXPANSION_MODE" not in r.stdout
     # One node of 8 GPUs cannot hold the 256-die layouts: named errors, not a ZeroDivisionError.
     r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NNODES="1", DEVICES_PER_NODE="8", PYTHONPATH=hooked)
     assert r.returncode == 1
@@ -285,3 +289,17 @@ launch_start head
             shell.kill()
         procs.kill_tree([p for p in tree if procs.alive(p)], grace=0)
         subprocess.run(["rm", "-rf", str(temp)])
+
+
+GPU_RANDOM_INIT = SCRIPTS / "train_deepseekv3_128gpu_random_init.sh"
+
+
+def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock():
+    r = _run(GPU_RANDOM_INIT, "--dry-run", NODE_RANK="0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "== deepseekv3_128gpu_random_init: role head" in out and "--num-gpus 8" in out
+    assert "trainer.device=cuda" in out and "trainer.n_gpus_per_node=8" in out
+    assert "VERL_PATCHES_LOCK=" in out and "upstream.cuda.lock.toml  [recipe default" in out
+    assert "doctor (cuda" in out and '"world": 128' in out and '"device_memory_gib": 139' in out
+    assert "HCCL_" not in out and "dry run OK" in out

@@ -102,8 +102,11 @@ def check_patch(patch: Patch, lock: dict[str, Component], platform: str, root: P
 
     comp = lock.get(patch.upstream)
     if comp is None:
+        # A lock for one accelerator (the CUDA variant) has no entry for another's packages; only a
+        # patch that applies here needs its upstream in the lock.
         return Finding(patch.id, patch.target, "missing",
-                       f"upstream {patch.upstream!r} is not in the lock", None, patch.versions, True)
+                       f"upstream {patch.upstream!r} is not in the lock", None, patch.versions,
+                       patch.applies_on(platform))
     required = comp.required_on(platform) and patch.applies_on(platform)
     loc = locate(comp.import_name or patch.module.split(".")[0], comp.package, root)
     if loc.path is None:

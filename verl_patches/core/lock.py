@@ -5,12 +5,17 @@ Read with the standard library only, so the doctor runs before anything else is 
 
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCK_PATH = REPO_ROOT / "configs" / "upstream.lock.toml"
+CUDA_LOCK_PATH = REPO_ROOT / "configs" / "upstream.cuda.lock.toml"
+# The lock a process is checked against when none is named: the launchers set it to the CUDA variant
+# on NVIDIA clusters (scripts/cluster/recipe_env.sh).
+LOCK_ENV = "VERL_PATCHES_LOCK"
 
 
 @dataclass(frozen=True)
@@ -24,13 +29,17 @@ class Component:
     platforms: tuple[str, ...] = ("any",)
     install: str = ""
     sdist_sha256: str | None = None
+    commit: str | None = None  # the commit the ref names, where the lock pins one
+    archive: str | None = None  # file name of a release archive (sources no registry carries)
+    archive_sha256: str | None = None
+    optional: bool = False  # reported by the doctor but never required (an optional accelerator backend)
 
     def required_on(self, device_type: str) -> bool:
-        return "any" in self.platforms or device_type in self.platforms
+        return not self.optional and ("any" in self.platforms or device_type in self.platforms)
 
 
 def load_lock(path: Path | None = None) -> dict[str, Component]:
-    path = Path(path or LOCK_PATH)
+    path = Path(path or os.environ.get(LOCK_ENV) or LOCK_PATH)
     if not path.is_file():
         raise FileNotFoundError(f"upstream lock not found: {path}")
     with open(path, "rb") as f:
@@ -50,5 +59,9 @@ def load_lock(path: Path | None = None) -> dict[str, Component]:
             platforms=(platforms,) if isinstance(platforms, str) else tuple(platforms),
             install=entry.get("install", ""),
             sdist_sha256=entry.get("sdist_sha256"),
+            commit=entry.get("commit"),
+            archive=entry.get("archive"),
+            archive_sha256=entry.get("archive_sha256"),
+            optional=bool(entry.get("optional", False)),
         )
     return comps

@@ -1,4 +1,4 @@
-"""Offload engine and the train/rollout switch schedule (ALGORITHMS.md section 3).
+"""Offload engine and the train/rollout switch schedule (docs/DESIGN.md section 3).
 
 Plain torch, every device call through verl_patches.accelerator; importing patches nothing.
 """

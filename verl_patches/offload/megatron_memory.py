@@ -1,5 +1,5 @@
 """A Megatron actor's and reference's device memory as offload groups: what the worker moves at each
-step of the switch schedule (ALGORITHMS.md section 3), with a ledger of what is resident.
+step of the switch schedule (docs/DESIGN.md section 3), with a ledger of what is resident.
 
 Where megatron-core 0.12.1 keeps things (see verl.utils.megatron_utils offload_megatron_model_to_cpu):
 a DDP chunk's ``buffers`` and ``expert_parallel_buffers`` each hold ``param_data`` (the params are

@@ -1,4 +1,4 @@
-"""The train/rollout switch as an explicit state machine (ALGORITHMS.md section 3), and
+"""The train/rollout switch as an explicit state machine (docs/DESIGN.md section 3), and
 upstream verl 0.4.1's order as a baseline run by the same machine and the same ledger.
 """
 
@@ -56,7 +56,7 @@ _DEV = Location.DEVICE
 
 
 def our_steps(*, keep_grads: bool = False, empty_cache: bool = True) -> tuple[StepSpec, ...]:
-    """ALGORITHMS.md section 3, steps 1-9. Training params move out once and in once per
+    """docs/DESIGN.md section 3, steps 1-9. Training params move out once and in once per
     iteration; rollout weights and KV cache are never copied; the reference model is copied
     to host once and afterwards only released. ``keep_grads`` copies grads instead of
     releasing them (only needed if gradients must survive the switch)."""

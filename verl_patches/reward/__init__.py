@@ -1,4 +1,4 @@
-"""Rule rewards for the recipe's data sets (ALGORITHMS.md section 7).
+"""Rule rewards for the recipe's data sets (docs/DESIGN.md section 7).
 
 Plain functions with verl's custom-reward signature; nothing here patches verl.
 """

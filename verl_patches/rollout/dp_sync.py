@@ -2,7 +2,7 @@
 
 Every decode step each DP rank asks "is any rank unfinished?" and "does any rank prefill, how many
 tokens does each run?". Upstream runs these on a gloo group (10-14 ms at 256 dies); on the device
-group (HCCL / NCCL) they take under 3 ms (RECIPE.md item 6). Same results, one collective each.
+group (HCCL / NCCL) they take under 3 ms (docs/RECIPE.md item 6). Same results, one collective each.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def shared_offload_engine() -> OffloadEngine:
 
 
 class RolloutMemoryActions(Protocol):
-    """What the switch schedule calls on a rollout (RECIPE.md item 2): each is idempotent."""
+    """What the switch schedule calls on a rollout (docs/RECIPE.md item 2): each is idempotent."""
 
     def onload_model_weights(self) -> int: ...
 

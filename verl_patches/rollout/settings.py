@@ -52,6 +52,9 @@ RECIPE_SCHEMA: dict[str, Any] = {
     "rollout_torch_compile": bool,
     "vllm_dp": {"dp_size": int, "instances": int, "master_port_base": int, "port_stride": int},
     "megatron": "megatron",
+    "fixed_routing": bool,
+    "device_memory_gib": float,  # a positive number (recipe_config checks the memory estimate against it)
+    "metrics_file": str,  # the run's JSONL record (verl_patches/report.py)
 }
 # Lower bounds of the integer keys (ports also have an upper one).
 _INT_MIN = {"dp_size": 1, "instances": 1, "port_stride": 1, "master_port_base": 1}
@@ -116,6 +119,12 @@ def recipe_problems(section: Any, where: str = SECTION) -> list[str]:
                 if not isinstance(value, bool):
                     hint = " (write true or false without quotes)" if isinstance(value, str) else ""
                     problems.append(f"{here} must be true or false, got {_describe(value)}{hint}")
+            elif rule is str:
+                if not isinstance(value, str):
+                    problems.append(f"{here} must be a string (a path), got {_describe(value)}")
+            elif rule is float:
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                    problems.append(f"{here} must be a positive number, got {_describe(value)}")
             elif rule is int:
                 if not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{here} must be an integer, got {_describe(value)}")

@@ -1,4 +1,4 @@
-"""TensorCache (ALGORITHMS.md section 5): stage outputs stay on the device between training stages
+"""TensorCache (docs/DESIGN.md section 5): stage outputs stay on the device between training stages
 and move between data-parallel layouts by one all-to-all. Plain torch; importing patches nothing.
 """
 

@@ -1,12 +1,11 @@
 """MindSpeed takes recipe.megatron's flags as its argument defaults (patch mindspeed.recipe_megatron_args, Ascend only).
 
-MindSpeed is not importable here (it is not on the package registry and needs torch_npu), so the
-patch cannot be applied and its target cannot be fingerprinted from an installed tree. What this
-checks instead: the record (NPU-only, the MindSpeed commit its fingerprint was computed from, the
-doctor's verdict off and on Ascend, a loud failure when applied without MindSpeed), and the wrapper
-on a real argparse parser with a stand-in process_args that adds MindSpeed's flags the way
-mindspeed/arguments.py does (store_true). The hand-over through the worker binding, with a stand-in
-MindSpeed package imported after the values are recorded, is in
+These run with or without MindSpeed installed: the record against the lock's release, the doctor's
+verdict where MindSpeed is absent (an empty upstream root stands for a machine without it), a loud
+failure when the patch is applied without MindSpeed (the import is blocked), and the wrapper's logic
+on a plain argparse parser with a stand-in process_args that adds flags the way
+mindspeed/arguments.py does (store_true). The same hand-over against the real MindSpeed release is
+in test_mindspeed_release.py; the binding that records the values, in
 tests/patches/verl/test_recipe_megatron_binding.py.
 """
 
@@ -22,7 +21,7 @@ from verl_patches import megatron_args as ma
 from verl_patches.core.apply import PatchError, apply_all
 from verl_patches.core.doctor import check_patch, run_doctor
 from verl_patches.core.lock import load_lock
-from verl_patches.patches.mindspeed.patch_arguments import PATCHES, SOURCE_COMMIT, wrap_process_args
+from verl_patches.patches.mindspeed.patch_arguments import PATCHES, RELEASE_COMMIT, RELEASE_TAG, wrap_process_args
 
 FLAGS = ("--moe-tp-extend-ep", "--moe-permutation-async-comm", "--swap-optimizer", "--use-flash-attn",
          "--use-fused-rotary-pos-emb", "--use-fused-swiglu")
@@ -43,33 +42,35 @@ def pending():
     ma.set_pending_mindspeed_args({})
 
 
-def test_mindspeed_is_not_importable_here():
-    assert importlib.util.find_spec("mindspeed") is None
-
-
-def test_the_record_is_ascend_only_and_names_its_source():
+def test_the_record_is_ascend_only_and_pins_the_locks_release():
     (p,) = PATCHES
+    comp = load_lock()["mindspeed"]
     assert p.target == "mindspeed.arguments:process_args" and p.upstream == "mindspeed"
     assert p.platforms == ("npu",) and p.applies_on("npu") and not p.applies_on("cpu") and not p.applies_on("cuda")
-    assert re.fullmatch(r"[0-9a-f]{40}", SOURCE_COMMIT) and p.extra["source_commit"] == SOURCE_COMMIT
+    assert (RELEASE_TAG, RELEASE_COMMIT) == (comp.ref, comp.commit) and p.extra["source_commit"] == comp.commit
+    assert re.fullmatch(r"[0-9a-f]{40}", RELEASE_COMMIT) and RELEASE_TAG in p.upstream_ref
+    # A real range: the release's own version, not ">=0".
+    assert p.versions == f"=={comp.version}"
     assert p.fingerprint.signature == "def process_args(parser)"
 
 
-def test_the_doctor_requires_it_only_on_ascend_and_leaves_an_absent_mindspeed_to_the_lock():
+def test_the_doctor_requires_it_only_on_ascend_and_leaves_an_absent_mindspeed_to_the_lock(tmp_path):
     (p,) = PATCHES
     lock = load_lock()
-    off = check_patch(p, lock, "cpu", None)
-    on = check_patch(p, lock, "npu", None)
+    off = check_patch(p, lock, "cpu", tmp_path)
+    on = check_patch(p, lock, "npu", tmp_path)
     assert off.status == on.status == "missing" and on.upstream_absent
     assert not off.required and on.required
     # Without MindSpeed there is nothing to compare the fingerprint with: the lock's mindspeed line
     # carries the failure, so --strict on Ascend fails and the patches-only check does not.
-    findings, strict_code = run_doctor([p], "npu", strict=True)
+    findings, strict_code = run_doctor([p], "npu", root=tmp_path, strict=True)
     failed = [f.id for f in findings if f.failed]
     assert strict_code == 1 and "lock:mindspeed" in failed and p.id not in failed
-    assert run_doctor([p], "npu", strict=False)[1] == 0
+    assert run_doctor([p], "npu", root=tmp_path, strict=False)[1] == 0
 
 
+@pytest.mark.skipif(importlib.util.find_spec("mindspeed") is not None,
+                    reason="MindSpeed is installed here: test_mindspeed_release.py applies the patch to it")
 def test_applying_without_mindspeed_fails_loudly():
     with pytest.raises(PatchError, match="cannot be imported"):
         apply_all(PATCHES)

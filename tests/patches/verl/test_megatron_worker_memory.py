@@ -1,4 +1,4 @@
-"""The switch schedule in verl 0.4.1's real Megatron worker bodies (ALGORITHMS.md section 3): a real
+"""The switch schedule in verl 0.4.1's real Megatron worker bodies (docs/DESIGN.md section 3): a real
 megatron-core 0.12.1 GPTModel in megatron-core's DDP on one gloo rank, driven through init_model,
 load_checkpoint, generate_sequences, compute_log_prob, save_checkpoint, update_actor and
 compute_ref_log_prob with all, none, and all-but-one of the overlay's patches; torch.compile restored for

@@ -72,3 +72,17 @@ def test_without_the_patch_verl_cannot_score_deepscaler():
     manager = NaiveRewardManager(tokenizer=CharTokenizer(), num_examine=0)
     with pytest.raises(NotImplementedError):
         manager(_batch(ROWS[:1]))
+
+
+def test_verls_legacy_scorer_passes_seven_positional_arguments_through_the_patch():
+    # verl.utils.reward_score._default_compute_score calls default_compute_score with all seven of its
+    # arguments positionally; a narrowed replacement raised TypeError there.
+    from verl.utils import reward_score as rs
+
+    ap.apply_all(reward_patch.PATCHES)
+    try:
+        assert rs._default_compute_score("deepscaler", r"\boxed{2}", "2", None, None, None, None) == 1.0
+        assert rs._default_compute_score("openai/gsm8k", "#### 2", "2", None, None, None, None) == 1.0
+        assert rs.default_compute_score("deepscaler", r"\boxed{3}", "2", None, sandbox_fusion_url=None) == 0.0
+    finally:
+        ap.undo()

@@ -134,8 +134,13 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
     assert kw["distributed_executor_backend"] == "external_launcher" and kw["load_format"] == "dummy"
     from omegaconf import OmegaConf
 
-    assert kw["additional_config"] == OmegaConf.to_container(cfg.engine_kwargs.vllm.additional_config)
+    assert kw["additional_config"] == OmegaConf.to_container(cfg.engine_kwargs.vllm.additional_config, resolve=True)
     assert kw["additional_config"]["torchair_graph_config"]["enable_view_optimize"] is False
+    # The reference's engine: prefix caching off (upstream hard-codes it on), 64 sequences per rank, one
+    # TorchAir graph of that batch size, and the memory share it ran with.
+    assert kw["enable_prefix_caching"] is False and kw["max_num_seqs"] == cfg.max_num_seqs == 64
+    assert kw["additional_config"]["torchair_graph_config"]["graph_batch_sizes"] == [64]
+    assert kw["gpu_memory_utilization"] == 0.8
     # The DP domain reached the environment vLLM reads, with the YAML's port base.
     assert os.environ["VLLM_DP_SIZE"] == "1" and os.environ["VLLM_DP_RANK"] == "0"
     assert os.environ["VLLM_DP_MASTER_PORT"] == str(cfg.recipe.vllm_dp.master_port_base)

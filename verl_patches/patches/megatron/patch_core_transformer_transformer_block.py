@@ -53,7 +53,7 @@ PATCHES = [
                                 source_sha="e9291a37802081ec"),
         replacement=f"{__name__}:wrap_get_num_layers_to_build",
         flag=FLAG,
-        why="The recipe's PP8 layout is 7,7,8,8,8,8,8,7 (RECIPE.md, Hardware and layout); megatron-core 0.12.1 "
+        why="The recipe's PP8 layout is 7,7,8,8,8,8,8,7 (docs/RECIPE.md, Hardware and layout); megatron-core 0.12.1 "
             "only supports an uneven first / last stage and asserts that 61 - 14 layers split evenly over the "
             "6 middle stages.",
         remove_when="megatron-core supports an arbitrary per-stage layer list (its later "

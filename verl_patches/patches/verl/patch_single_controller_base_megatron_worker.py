@@ -4,7 +4,8 @@ Upstream: verl/single_controller/base/megatron/worker.py:MegatronWorker._init_hf
 which the actor / reference build calls once, after the parallel groups exist and before any
 model or optimizer is built. We wrap it (only when the worker's config has
 rollout.recipe.megatron, i.e. ActorRolloutRefWorker):
-- before: parse the section (verl_patches.megatron_args); refuse uneven stages together with verl's
+- before: parse the section (verl_patches.megatron_args); set recipe.fixed_routing for the router
+  patches (verl_patches/fixed_routing.py); refuse uneven stages together with verl's
   HF-weight loader or HF saver (both assume equal stages); merge the values TransformerConfig has
   a field for under the user's override_transformer_config; on Ascend hand MindSpeed its
   arguments (moe_tp_extend_ep, swap_optimizer, use_flash_attn, use_fused_rotary_pos_emb,
@@ -30,7 +31,9 @@ from verl_patches.core.record import Patch
 
 logger = logging.getLogger(__name__)
 SECTION_IN_WORKER = "rollout.recipe.megatron"  # the worker's config is actor_rollout_ref
-_MINDSPEED_ONLY = ("swap_optimizer", "use_flash_attn", "use_fused_rotary_pos_emb")
+_MINDSPEED_ONLY = ("swap_optimizer", "use_flash_attn", "use_fused_rotary_pos_emb", "use_fused_rmsnorm",
+                   "moe_permutation_async_comm", "moe_alltoall_overlap_comm",
+                   "use_fused_moe_token_permute_and_unpermute", "gemm_gradient_accumulation_fusion")
 # The MindSpeed arguments this process imported MindSpeed's adaptor with (the actor and the
 # reference both pass through the binding; the second time is not a late import).
 _IMPORTED_BY_US: dict[str, Any] | None = None
@@ -104,11 +107,13 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
                             override_transformer_config, trust_remote_code)
         from megatron.core import parallel_state as mpu
 
-        from verl_patches import accelerator
+        from verl_patches import accelerator, fixed_routing
         from verl_patches import megatron_args as ma
         from verl_patches.patches.megatron.patch_core_transformer_transformer_block import LAYER_LIST_ATTR
 
         recipe = ma.parse(section)
+        # Before any model is built: the router patches (training and rollout) read it on every call.
+        fixed_routing.configure_from_worker_config(self.config)
         tp, ep = mpu.get_tensor_model_parallel_world_size(), mpu.get_expert_model_parallel_world_size()
         etp = mpu.get_expert_tensor_parallel_world_size()
         pp, vpp = mpu.get_pipeline_model_parallel_world_size(), mpu.get_virtual_pipeline_model_parallel_world_size()
@@ -152,7 +157,7 @@ PATCHES = [
             source_sha="004b4fc175a1c1c6"),
         replacement=f"{__name__}:wrap_init_hf_config_and_tf_config",
         flag="actor_rollout_ref.rollout.recipe.megatron (absent: upstream behaviour)",
-        why="recipe.megatron (uneven PP stages, moe_tp_extend_ep, swap optimizer, fused kernels; RECIPE.md "
+        why="recipe.megatron (uneven PP stages, moe_tp_extend_ep, swap optimizer, fused kernels; docs/RECIPE.md "
             "Hardware and layout) is read by nothing in verl 0.4.1; this is the last point before the model "
             "and optimizer are built where the worker's config, the parallel layout and the model's layer "
             "count are all known.",

@@ -1,5 +1,5 @@
 """Old log-prob reuse, loss side: inside the update, the policy loss takes log_prob.detach() as the
-old log-prob, so the importance ratio is exactly 1 in value and keeps its gradient (RECIPE.md item 3).
+old log-prob, so the importance ratio is exactly 1 in value and keeps its gradient (docs/RECIPE.md item 3).
 
 Upstream: verl/trainer/ppo/core_algos.py:compute_policy_loss(old_log_prob, log_prob, ...) computes
 ratio = exp(log_prob - old_log_prob). MegatronPPOActor's loss_func calls it by the name it imported
@@ -68,7 +68,7 @@ PATCHES = [
         flag="actor_rollout_ref.actor.recompute_old_log_prob=False (verl's key; default True = upstream behaviour)",
         why="verl 0.4.1 reads recompute_old_log_prob in MegatronPPOActor.compute_log_prob but then returns an "
             "unbound name, and its update always needs old_log_probs: without a forward pass the loss must take "
-            "log_prob.detach() as the old log-prob (ALGORITHMS.md section 4).",
+            "log_prob.detach() as the old log-prob (docs/DESIGN.md section 4).",
         remove_when="verl's actor computes the ratio against log_prob.detach() itself when the old log-prob is not "
                     "recomputed (later verl releases add an on-policy path to the policy loss).",
     ),

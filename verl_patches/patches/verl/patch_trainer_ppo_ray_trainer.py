@@ -277,7 +277,7 @@ PATCHES = [
         flag=f"{TENSOR_CACHE_KEY} (default {TENSOR_CACHE_DEFAULT}, the recipe's value)",
         why="verl 0.4.1's single controller sends every stage the whole batch through Ray, one worker after "
             "another (57-73 s apart on 256 dies in the reference run), and receives it back; with the cache the "
-            "driver sends only what it computed (advantages) and row ids (RECIPE.md item 4, ALGORITHMS.md 5).",
+            "driver sends only what it computed (advantages) and row ids (docs/RECIPE.md item 4, docs/DESIGN.md section 5).",
         remove_when="verl keeps stage outputs on the workers between stages (a data plane that passes device "
                     "tensors between worker groups instead of through the driver).",
     ),
@@ -289,7 +289,7 @@ PATCHES = [
         flag=f"{RECOMPUTE_KEY}=False (verl's key; default True = upstream behaviour)",
         why="verl 0.4.1's fit() always calls compute_log_prob (a full forward of the 671B actor), and with "
             "recompute_old_log_prob=False its Megatron actor fails on an unbound name; for on-policy GRPO the old "
-            "log-prob is the update's own, so the forward is skipped (RECIPE.md item 3: old log-prob 0 s).",
+            "log-prob is the update's own, so the forward is skipped (docs/RECIPE.md item 3: old log-prob 0 s).",
         remove_when="verl's trainer skips compute_log_prob itself for on-policy updates (one mini batch, one epoch).",
     ),
 ]

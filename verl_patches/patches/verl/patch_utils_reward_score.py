@@ -20,13 +20,17 @@ DEEPSCALER_SOURCES = frozenset({"deepscaler", "agentica-org/DeepScaleR-Preview-D
 
 
 def wrap_default_compute_score(original: Callable[..., Any]) -> Callable[..., Any]:
+    # Every call upstream accepts must still work: verl's own _default_compute_score passes all seven
+    # of upstream's arguments positionally (sandbox_fusion_url, concurrent_semaphore, memory_limit_mb),
+    # so the trailing ones travel on as they came (tests/core/test_call_shapes.py checks the shape).
     @functools.wraps(original)
-    def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, *args, **kwargs):
         if data_source in DEEPSCALER_SOURCES:
             from verl_patches.reward.deepscaler import compute_score
 
+            # The sandbox arguments are for code data sets; a boxed math answer needs none of them.
             return compute_score(data_source, solution_str, ground_truth, extra_info)
-        return original(data_source, solution_str, ground_truth, extra_info, **kwargs)
+        return original(data_source, solution_str, ground_truth, extra_info, *args, **kwargs)
 
     return default_compute_score
 
@@ -47,7 +51,7 @@ PATCHES = [
         replacement=f"{__name__}:wrap_default_compute_score",
         flag="data.train_files rows with data_source=deepscaler (no switch needed: other sources are untouched)",
         why="verl 0.4.1's default scorer has no deepscaler entry and raises NotImplementedError; the recipe "
-            "trains on deepscaler with a boxed-answer rule reward (ALGORITHMS.md section 7).",
+            "trains on deepscaler with a boxed-answer rule reward (docs/DESIGN.md section 7).",
         remove_when="verl's default_compute_score dispatches deepscaler to an equivalent math-verify based "
                     "scorer, or the recipe config points custom_reward_function at the reward module instead.",
     ),

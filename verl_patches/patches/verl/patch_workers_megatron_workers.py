@@ -14,7 +14,7 @@ patch_trainer_ppo_ray_trainer.py) is present, so a driver without the cache gets
   Their outputs (old_log_probs, ref_log_prob) are cached; update_actor empties the cache.
 Decorators (@register dispatch mode) survive: functools.wraps copies the function's attributes.
 
-Switch schedule, worker side (RECIPE.md item 2, ALGORITHMS.md section 3), with recipe.offload (default on).
+Switch schedule, worker side (docs/RECIPE.md item 2, docs/DESIGN.md section 3), with recipe.offload (default on).
 verl 0.4.1 offloads params *and* grads at the end of update_actor and its sharding manager loads both back
 for the reshard (load_megatron_model_to_gpu(load_grad=True)), then offloads them again: the params cross
 the link twice per step and the grads are allocated for nothing. Our order, on the offload engine
@@ -45,14 +45,12 @@ Left as upstream has it: with random init (load_weight=False) the reference is n
 Both constructors seed the same RNGs, then the trainer builds the reference first, so the actor's init
 draws from a later RNG state (the KL starts above zero; throughput is unaffected).
 
-torch.compile for the rollout only (RECIPE.md item 7). MindSpeed's features manager registers
-``torch.compile`` and ``torch.jit.script`` -> ``dummy_compile`` (a plain call-through,
-mindspeed/core/megatron_basic/requirements_basic.py) in RequirementsBasicFeature.te_adaptation,
-mindspeed/features_manager/megatron_basic/requirements_basic.py: read at Ascend/MindSpeed commit
-8abea92e4e88ddbf1cd7d54f41aeed214d0538b9 (the source index does not say which branch holds that commit;
-the lock's branch is 2.1.0_core_r0.12.1: check the clone). MindSpeed's patch manager also rebinds module
-aliases of the original; vLLM and vLLM-Ascend call torch.compile by attribute, so only that is swapped,
-and torch.jit.script is left as MindSpeed set it. vLLM compiles while the engine is built (_build_rollout)
+torch.compile for the rollout only (docs/RECIPE.md item 7). MindSpeed's features manager registers
+``torch.compile`` -> ``torch.jit.script`` in RequirementsBasicFeature.te_adaptation
+(mindspeed/features_manager/megatron_basic/requirements_basic.py at the lock's release
+v2.1.0_core_r0.12.1; tests/patches/mindspeed/test_mindspeed_release.py reads it from the installed
+release). MindSpeed's patch manager also rebinds module aliases of the original; vLLM and vLLM-Ascend
+call torch.compile by attribute, so only that is swapped. vLLM compiles while the engine is built (_build_rollout)
 and vLLM-Ascend compiles TorchAir graphs lazily per batch size while generating, so both run inside
 verl_patches.compile_context.real_torch_compile (the real function, saved by the prelude before MindSpeed's
 adaptor is imported), which puts MindSpeed's object back on exit.
@@ -269,7 +267,7 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
             sharding_manager = getattr(self, "sharding_manager", None)
             if sharding_manager is not None:
                 sharding_manager.actor_memory = self.actor_memory
-            # Every iteration starts where an update ends (ALGORITHMS.md section 3, step 1).
+            # Every iteration starts where an update ends (docs/DESIGN.md section 3, step 1).
             self.actor_memory.after_update()
         if self._is_ref:
             self.ref_memory = ReferenceMemory(self.ref_module, engine=_engine())
@@ -453,7 +451,7 @@ PATCHES = [
             "offload engine, hands the actor's to the sharding manager (which offloads the params right after the "
             "reshard), turns verl's own offload off so nothing moves twice, and starts at the end of an update.",
         remove_when="verl's Megatron worker offloads grads only after the update and lets the sharding manager "
-                    "offload params after the reshard (ALGORITHMS.md section 3).",
+                    "offload params after the reshard (docs/DESIGN.md section 3).",
         **_COMMON_OWN,
     ),
     Patch(

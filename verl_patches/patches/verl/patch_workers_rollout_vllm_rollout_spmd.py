@@ -108,6 +108,9 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
     from verl_patches.rollout.graph_safe import arm_for_build
 
     arm_for_build(enforce_eager=bool(config.enforce_eager), offload=settings.offload)
+    engine_kwargs = _engine_kwargs(config)
+    # Upstream hard-codes prefix caching on; the recipe's engine_kwargs may turn it off (the reference did).
+    prefix_caching = engine_kwargs.pop("enable_prefix_caching", True)
     # Looked up on verl's module at call time, where verl imported it.
     self.inference_engine = upstream.LLM(
         model=model_path,
@@ -124,11 +127,11 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
         disable_log_stats=config.disable_log_stats,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         enable_chunked_prefill=settings.enable_chunked_prefill,
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
         trust_remote_code=kwargs.get("trust_remote_code", False),
         seed=config.get("seed", 0),
         **self.lora_kwargs,
-        **_engine_kwargs(config),
+        **engine_kwargs,
     )
 
     # For the sharding manager, which receives the engine only (patch verl.sharding_manager.reshard).
@@ -181,7 +184,7 @@ PATCHES = [
             "(DP128 x TP2 = EP256), needs a distinct DP master port per DP group, frees weights and KV cache by "
             "offload instead of sleep mode (which does not free memory on multi-node NPU), and runs "
             "max_num_batched_tokens=1024 with chunked prefill, which upstream's constructor rejects "
-            "(RECIPE.md items 2, 5, 6, 8; ALGORITHMS.md section 6).",
+            "(docs/RECIPE.md items 2, 5, 6, 8; docs/DESIGN.md section 6).",
         remove_when="verl's vLLM rollout takes a data-parallel domain and chunked-prefill budgets below "
                     "max_model_len from its config, and offers offload/onload of weights and KV cache that frees "
                     "device memory on NPU (later verl releases move to vLLM's external-launcher DP).",

@@ -10,7 +10,7 @@ at engine build) stay those of the initial weights.
 
 Ours, for recipe.reshard_method direct (default) or recipe, with the rollout built by patch
 verl.vllm_rollout.recipe_engine (which leaves its settings on the engine), in the order of the
-switch schedule (ALGORITHMS.md section 3, steps 2 to 5):
+switch schedule (docs/DESIGN.md section 3, steps 2 to 5):
   wake the weights (= allocate, no copy, through patch vllm.llm.wake_up_to_onload), reshard from
   the actor's live parameters into them (verl_patches.reshard.binding: one plan for the run,
   every byte once), redo MLA's post-load processing, offload the training params (the worker's
@@ -171,7 +171,7 @@ PATCHES = [
             "from a training owner to the rollout rank that needs it, straight into vLLM's parameters, in the "
             "switch schedule's order (weights allocated, reshard, training params offloaded, then the KV cache), "
             "and redoes MLA's post-load processing, which upstream leaves stale after the weights change "
-            "(RECIPE.md item 1; ALGORITHMS.md sections 2 and 3).",
+            "(docs/RECIPE.md item 1; docs/DESIGN.md sections 2 and 3).",
         remove_when="verl's Megatron-to-vLLM weight sync sends each rollout rank only its shard (no full-tensor "
                     "gathers) and re-runs vLLM's process_weights_after_loading after updating weights.",
     ),

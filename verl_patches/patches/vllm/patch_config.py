@@ -47,8 +47,8 @@ PATCHES = [
         flag="actor_rollout_ref.rollout.recipe.dp_sync_on_device (default True; the rollout patch exports it "
              "as VERL_PATCHES_DP_SYNC_ON_DEVICE=0/1 for vLLM's engine loop)",
         why="Each decode step every DP rank all-reduces 'unfinished?' on a gloo group: 10-14 ms at 256 dies x "
-            "about 3000 steps. On the device communicator it is under 3 ms (rollout 385 -> 322 s; RECIPE.md "
-            "item 6, ALGORITHMS.md section 6).",
+            "about 3000 steps. On the device communicator it is under 3 ms (rollout 385 -> 322 s; docs/RECIPE.md "
+            "item 6, docs/DESIGN.md section 6).",
         remove_when="vLLM runs the DP 'unfinished' agreement on the device group itself (or lets the platform "
                     "choose the backend of the stateless DP group and has_unfinished_dp's tensor device).",
     ),

@@ -66,7 +66,7 @@ PATCHES = [
             "(DP128 x TP2 = EP256), built by vLLM's own initialize_model_parallel from VLLM_DP_*. A config "
             "without the domain or a DP rank out of place builds wrong groups silently (EP = TP, or token "
             "counts summed into the wrong DP slot) and the run hangs or diverges; the wrap checks the config "
-            "and the built DP / EP / TP groups against the domain (RECIPE.md item 5, ALGORITHMS.md section 6).",
+            "and the built DP / EP / TP groups against the domain (docs/RECIPE.md item 5, docs/DESIGN.md section 6).",
         remove_when="vLLM validates data_parallel_rank against its DP group and supports DP with the external "
                     "launcher natively (vLLM >= 0.10 has external-launcher DP), and verl sets the DP domain itself.",
     ),

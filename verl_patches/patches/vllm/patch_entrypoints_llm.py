@@ -104,7 +104,7 @@ PATCHES = [
         flag=_FLAG,
         why="verl's sharding manager puts the engine to sleep after generation; with the recipe's sleep mode off "
             "that frees nothing, so the call frees the KV cache and the rollout weights through the offload "
-            "engine instead (RECIPE.md item 2).",
+            "engine instead (docs/RECIPE.md item 2).",
         remove_when=_REMOVE,
     ),
     Patch(
@@ -120,7 +120,7 @@ PATCHES = [
         flag=_FLAG,
         why="verl's sharding manager wakes the engine's weights before resharding into them and its KV cache "
             "after; the recipe's weights and cache were freed by the offload engine, so these calls allocate "
-            "them again through it (RECIPE.md items 2 and 8).",
+            "them again through it (docs/RECIPE.md items 2 and 8).",
         remove_when=_REMOVE,
     ),
     # CPU platform: vLLM built for no device has no forward kernels (verl_patches/cpu/engine.py).

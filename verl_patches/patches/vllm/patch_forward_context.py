@@ -47,7 +47,7 @@ PATCHES = [
         flag="actor_rollout_ref.rollout.recipe.dp_sync_on_device (default True; exported as "
              "VERL_PATCHES_DP_SYNC_ON_DEVICE=0/1)",
         why="With DP > 1 every forward (each decode step) all-reduces the per-rank token counts on gloo; on the "
-            "device communicator the agreement costs a fraction (RECIPE.md item 6). This is the CUDA path; "
+            "device communicator the agreement costs a fraction (docs/RECIPE.md item 6). This is the CUDA path; "
             "vLLM-Ascend agrees in its model runner instead.",
         remove_when="vLLM performs the DP token-count agreement on the device group (later vLLM releases move "
                     "it to the device when the platform supports it).",

@@ -68,7 +68,7 @@ PATCHES = [
              "each step; keeping the configs costs nothing when it does not)",
         why="The rollout shares every die with training, so the KV cache must be freed after generation and "
             "re-created before the next one; vLLM's sleep mode does not free it on multi-node NPU, and vLLM 0.9.1 "
-            "drops the per-worker KV-cache configs needed to re-create it (RECIPE.md item 8).",
+            "drops the per-worker KV-cache configs needed to re-create it (docs/RECIPE.md item 8).",
         remove_when="vLLM keeps the KV-cache configs on the engine (or offers a free / re-initialise KV cache API "
                     "that releases device memory on every platform).",
     ),

@@ -68,7 +68,7 @@ PATCHES = [
              "VERL_PATCHES_DP_SYNC_ON_DEVICE=0/1)",
         why="vLLM-Ascend agrees on token counts and prefill/decode across DP ranks with a gloo all-reduce before "
             "every forward; on HCCL it drops from 10-14 ms to under 3 ms per decode step (rollout 385 -> 322 s, "
-            "RECIPE.md item 6, ALGORITHMS.md section 6).",
+            "docs/RECIPE.md item 6, docs/DESIGN.md section 6).",
         remove_when="vLLM-Ascend runs its DP forward-metadata agreement on the device group (its own TODO in "
                     "stateless_init_dp_group says it plans to), or exposes the group choice as a setting.",
         extra={"platforms": ("npu",)},

@@ -1,0 +1,106 @@
+"""Per-device memory of a recipe layout, estimated from the model config: the training state during the
+update and the rollout weights during generation, for the configuration check and docs/NVIDIA.md.
+
+Counts parameters from DeepSeek-V3's config (MLA attention, dense and MoE layers, shared experts, router,
+embedding and LM head) and places them as the layouts do (docs/DESIGN.md section 1). Activations, the KV
+cache and communication buffers are not counted: the check compares with what must fit besides them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    attention: int  # per layer
+    dense_mlp: int  # per dense layer
+    shared_experts: int  # per MoE layer
+    router: int  # per MoE layer
+    routed_experts: int  # per MoE layer, all experts
+    embedding: int
+    lm_head: int
+    layers: int
+    dense_layers: int
+
+    @property
+    def total(self) -> int:
+        moe = self.layers - self.dense_layers
+        return (self.attention * self.layers + self.dense_mlp * self.dense_layers
+                + (self.shared_experts + self.router + self.routed_experts) * moe + self.embedding + self.lm_head)
+
+
+def model_params(cfg: dict) -> ModelParams:
+    """Parameter counts of a DeepSeek-V3-shaped config (norms are a rounding error and left out)."""
+    h = cfg["hidden_size"]
+    heads = cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    q_lora = cfg.get("q_lora_rank")
+    q = h * q_lora + q_lora * heads * qk if q_lora else h * heads * qk
+    kv = h * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) + cfg["kv_lora_rank"] * heads * (
+        cfg["qk_nope_head_dim"] + cfg["v_head_dim"])
+    attention = q + kv + heads * cfg["v_head_dim"] * h
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    vocab = cfg["vocab_size"]
+    return ModelParams(
+        attention=attention,
+        dense_mlp=3 * h * cfg["intermediate_size"],
+        shared_experts=expert * cfg.get("n_shared_experts", 0),
+        router=h * cfg["n_routed_experts"],
+        routed_experts=expert * cfg["n_routed_experts"],
+        embedding=vocab * h,
+        lm_head=0 if cfg.get("tie_word_embeddings") else vocab * h,
+        layers=cfg["num_hidden_layers"],
+        dense_layers=cfg.get("first_k_dense_replace", 0),
+    )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    params: float  # GiB per device, the heaviest pipeline stage
+    grads: float
+    optimizer: float
+    rollout_weights: float
+    optimizer_on_host: bool
+
+    @property
+    def training_state(self) -> float:
+        return self.params + self.grads + (0.0 if self.optimizer_on_host else self.optimizer)
+
+    def as_dict(self) -> dict:
+        return {"params_gib": round(self.params, 1), "grads_gib": round(self.grads, 1),
+                "optimizer_gib": round(self.optimizer, 1), "optimizer_on_host": self.optimizer_on_host,
+                "training_state_gib": round(self.training_state, 1),
+                "rollout_weights_gib": round(self.rollout_weights, 1)}
+
+
+def estimate(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int, layer_list: list[int] | None,
+             rollout_tp: int, rollout_ep: int, optimizer_on_host: bool = False) -> MemoryEstimate:
+    """GiB per device: BF16 params, FP32 main grads (verl builds megatron's DDP with grads reduced in FP32),
+    FP32 master weights plus Adam's two moments sharded over each parameter's data-parallel replicas
+    (distributed optimizer), all on the heaviest stage; and the BF16 rollout weights of one rank (experts
+    over the rollout EP group, the rest split over its TP and replicated)."""
+    m = model_params(cfg)
+    stages = list(layer_list) if layer_list else [m.layers // pp + (1 if s < m.layers % pp else 0) for s in range(pp)]
+    dense_dp = world // (tp * pp)
+    expert_dp = max(world // (expert_group * pp), 1)
+    worst = None
+    first = 0
+    for s, n in enumerate(stages):
+        dense_layers = max(0, min(n, m.dense_layers - first))
+        moe_layers = n - dense_layers
+        first += n
+        dense = (m.attention * n + m.dense_mlp * dense_layers + (m.shared_experts + m.router) * moe_layers
+                 + (m.embedding if s == 0 else 0) + (m.lm_head if s == len(stages) - 1 else 0)) / tp
+        experts = m.routed_experts * moe_layers / expert_group
+        params = dense + experts
+        opt = 12 * (dense / dense_dp + experts / expert_dp)
+        if worst is None or 2 * params + 4 * params + opt > worst[0]:
+            worst = (6 * params + opt, params, opt)
+    _, params, opt = worst
+    moe_total = m.routed_experts * (m.layers - m.dense_layers)
+    rollout = moe_total / rollout_ep + (m.total - moe_total) / rollout_tp
+    return MemoryEstimate(params=2 * params / GIB, grads=4 * params / GIB, optimizer=opt / GIB,
+                          rollout_weights=2 * rollout / GIB, optimizer_on_host=optimizer_on_host)
