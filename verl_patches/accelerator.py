@@ -83,8 +83,16 @@ class _CpuDeviceModule(SimpleNamespace):
         return 0
 
     @staticmethod
+    def max_memory_reserved(device: Any = None) -> int:
+        return 0
+
+    @staticmethod
     def reset_peak_memory_stats(device: Any = None) -> None:
         return None
+
+    @staticmethod
+    def get_device_name(device: Any = None) -> str:
+        return "CPU"
 
     @staticmethod
     def current_device() -> int:

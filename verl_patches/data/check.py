@@ -2,7 +2,9 @@
 
 verl picks the scorer per row by ``data_source``; a source it has no scorer for fails the first
 training step, one whose scorer expects another answer format scores every answer 0. Each
-distinct source is tried with a correct ``\\boxed{}`` answer (what the prompts ask for).
+distinct source is tried with a correct ``\\boxed{}`` answer (what the prompts ask for), or with the
+answer a custom reward module names for it (``correct_answer(data_source, ground_truth)``, None for
+the boxed one). The recipe's reward patch is in place while probing, as in the trainer's driver.
 """
 
 from __future__ import annotations
@@ -20,16 +22,35 @@ PROBES_PER_SOURCE = 3
 
 def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
     """(scorer, description) for ``config``: its custom_reward_function when it names one (loaded
-    by verl's own loader), else verl's default scorer with the recipe's reward patch applied."""
+    by verl's own loader; it may call verl's default scorer, so the recipe's reward patch is applied
+    around each call), else verl's default scorer with that patch."""
+    from verl_patches.core.registry import get_patch
+
     if config is not None:
         custom = (config.get("custom_reward_function") or {}) if hasattr(config, "get") else {}
         if custom.get("path"):
+            import importlib.util
+
             from verl.trainer.ppo.reward import get_custom_reward_fn
 
-            return get_custom_reward_fn(config), f"custom_reward_function {custom.get('path')}:{custom.get('name')}"
-    from verl.utils.reward_score import default_compute_score
+            from verl_patches.core.apply import apply_all, undo
 
-    from verl_patches.core.registry import get_patch
+            fn = get_custom_reward_fn(config)
+            spec = importlib.util.spec_from_file_location("_reward_probe_module", custom["path"])
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            answer = getattr(module, "correct_answer", None)
+
+            def scorer(src, solution, gt, extra):
+                done = apply_all([get_patch(REWARD_PATCH)])
+                try:
+                    return fn(src, solution, gt, extra)
+                finally:
+                    undo(done)
+
+            scorer.correct_answer = answer  # type: ignore[attr-defined]
+            return scorer, f"custom_reward_function {custom.get('path')}:{custom.get('name')}"
+    from verl.utils.reward_score import default_compute_score
 
     wrap = get_patch(REWARD_PATCH).load_replacement()
     return wrap(default_compute_score), f"verl's default_compute_score with the patch {REWARD_PATCH}"
@@ -71,8 +92,10 @@ def unscorable(rows: Iterable[tuple[str, Any]], scorer: Callable[..., Any], wher
             if gt is None:
                 problems.append(f"{label}: a row has no reward_model.ground_truth")
                 break
+            named = getattr(scorer, "correct_answer", None)
+            answer = (named(src, gt) if named else None) or f"So the answer is \\boxed{{{gt}}}."
             try:
-                score = _score_value(scorer(src, f"So the answer is \\boxed{{{gt}}}.", gt, {}))
+                score = _score_value(scorer(src, answer, gt, {}))
             except NotImplementedError:
                 problems.append(f"{label}: the reward has no scorer for this data_source")
                 break
@@ -80,7 +103,7 @@ def unscorable(rows: Iterable[tuple[str, Any]], scorer: Callable[..., Any], wher
                 problems.append(f"{label}: the reward fails on it: {type(e).__name__}: {e}")
                 break
             if score != 1.0:
-                problems.append(f"{label}: a correct \\boxed{{{gt}}} answer scores {score!r}, not 1.0: this "
+                problems.append(f"{label}: a correct answer ({answer!r}) scores {score!r}, not 1.0: this "
                                 "scorer expects another answer format than the prompts ask for")
                 break
     return problems

@@ -18,6 +18,11 @@ def digit_share(text: str) -> float:
     return sum(c.isdigit() for c in visible) / len(visible) if visible else 0.0
 
 
+def correct_answer(data_source: str, ground_truth: Any) -> str | None:
+    """A full-score answer for the data check (python -m verl_patches.data.check); None: a boxed one."""
+    return "1234567890" if data_source == TOY_SOURCE else None
+
+
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> float:
     if data_source == TOY_SOURCE:
         return digit_share(solution_str)
