@@ -23,8 +23,10 @@ TINY_OUT="${TINY_OUT:-$ROOT/out/tiny}"
 mkdir -p "$TINY_OUT"
 TINY_OUT="$(cd "$TINY_OUT" && pwd)"
 
-# The model directory and data: generated, deterministic, offline.
-"$PY" -m verl_patches.tiny.assets "$TINY_OUT/assets" >/dev/null
+# The model directory, its Megatron checkpoint and the data: generated, deterministic, offline, built
+# once (TINY_ASSETS: a build to share between runs).
+TINY_ASSETS="${TINY_ASSETS:-$TINY_OUT/assets}"
+"$PY" -m verl_patches.tiny.assets "$TINY_ASSETS" >/dev/null
 
 # The one line, as on the cluster: verl's worker module imports the overlay's prelude. The venv's
 # verl is left as installed; a copy of it with the hook line goes first on PYTHONPATH
@@ -34,8 +36,8 @@ UPSTREAM_ROOT="$TINY_OUT/upstream"
 
 export RECIPE_ROOT="$ROOT" UPSTREAM_ROOT PYTHON="$PY" RAY_BIN="$VENV/bin/ray"
 export DEVICE="${DEVICE:-cpu}" NNODES=1 DEVICES_PER_NODE="${DEVICES_PER_NODE:-4}" MASTER_ADDR=127.0.0.1
-export MODEL_PATH="$TINY_OUT/assets/model" TRAIN_FILES="$TINY_OUT/assets/data/train.parquet"
-export VAL_FILES="$TINY_OUT/assets/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-$TINY_OUT/checkpoints}"
+export MODEL_PATH="$TINY_ASSETS/model" TRAIN_FILES="$TINY_ASSETS/data/train.parquet"
+export VAL_FILES="$TINY_ASSETS/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-$TINY_OUT/checkpoints}"
 export LOG_DIR="${LOG_DIR:-$TINY_OUT/logs}" WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}"
 # A Ray of its own: a free port between Ray's own worker ports (10002-19999) and the kernel's
 # ephemeral range, a short private temp dir (Ray's socket paths are limited to 107 characters).
@@ -55,7 +57,7 @@ launch_run_hook() {
   # shellcheck disable=SC2034  # appended to the trainer command by launch_build_trainer_cmd
   LAUNCH_RUN_OVERRIDES=(
     "custom_reward_function.path=${ROOT}/verl_patches/tiny/reward.py"
-    "actor_rollout_ref.actor.megatron.dist_checkpointing_path=${TINY_OUT}/assets/dist_ckpt"
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path=${TINY_ASSETS}/dist_ckpt"
     "actor_rollout_ref.rollout.recipe.vllm_dp.master_port_base=${VLLM_DP_PORT}"
     "actor_rollout_ref.rollout.recipe.metrics_file=${TINY_OUT}/metrics.jsonl"
   )

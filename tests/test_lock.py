@@ -114,7 +114,7 @@ def test_the_cuda_lock_differs_only_where_it_says_and_matches_vllms_cuda_build()
 
     base, cuda = load_lock(), load_lock(CUDA_LOCK_PATH)
     # The same releases of everything both stacks share.
-    for key in ("verl", "vllm", "megatron_core", "transformers", "ray", "hydra_core"):
+    for key in ("verl", "vllm", "megatron_core", "transformers", "ray", "hydra_core", "numpy"):
         assert (cuda[key].version, cuda[key].ref) == (base[key].version, base[key].ref), key
     assert not {"torch_npu", "cann", "vllm_ascend", "mindspeed"} & cuda.keys()
     assert cuda["torch_memory_saver"].optional and not cuda["torch_memory_saver"].required_on("cuda")

@@ -50,6 +50,7 @@ def copied_verl(tmp_path_factory):
 def test_importing_the_package_changes_nothing():
     r = run_py(r"""
 import importlib, pkgutil, verl.utils.reward_score as rs
+import vllm  # as in every process of the run: vLLM itself loads the CPU platform module it names
 before = rs.default_compute_score
 import verl_patches
 for m in pkgutil.walk_packages(verl_patches.__path__, "verl_patches."):

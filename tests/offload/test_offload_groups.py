@@ -91,6 +91,24 @@ def test_optimizer_group_and_claim_conflict():
         optimizer_state_group(eng, opt, name="opt2")
 
 
+def test_a_tensor_whose_data_was_replaced_is_refused_before_anything_moves():
+    """megatron-core's router does ``expert_bias.data = expert_bias.data.to(float32)`` at its first
+    forward. A group made before that would copy and free the old bf16 storage's size of the new
+    fp32 one (the reference's expert bias came back half garbage, a silently wrong KL), and its
+    registry key would be a dead storage's address that a new storage can reuse."""
+    eng = engine()
+    bias = torch.zeros(16, dtype=torch.bfloat16, device=device())
+    bias.add_(torch.arange(16, dtype=torch.bfloat16, device=device()))
+    g = TensorGroup(eng, "ref_params", [bias], read_only=True)
+    bias.data = bias.data.to(torch.float32)
+    with pytest.raises(GroupStateError, match=r"shape \(16,\) \(torch.float32\) holds another storage.*replaced its \.data"):
+        g.offload()
+    with pytest.raises(GroupStateError, match="replaced its .data"):
+        g.release()
+    assert bias.untyped_storage().nbytes() == 64 and torch.equal(bias, torch.arange(16, dtype=torch.float32,
+                                                                                   device=device()))
+
+
 def test_group_rejects_what_it_cannot_free():
     eng = engine()
     with pytest.raises(ValueError, match="no tensor with allocated storage"):

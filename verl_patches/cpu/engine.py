@@ -126,7 +126,8 @@ def llm_init(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "a
     self.llm_engine = SimpleNamespace(model_executor=core.model_executor,
                                       engine_core=SimpleNamespace(engine_core=core))
     self._cpu_generator = _Generator(vllm_config, vllm_model)
-    logger.info("vLLM engine on the CPU platform: generation by %s", STAND_IN)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(f"verl_patches: vLLM engine on the CPU platform: generation by the stand-in, {STAND_IN}", flush=True)
 
 
 def llm_generate(self, prompts: Any = None, sampling_params: Any = None, prompt_token_ids: Any = None,
@@ -190,7 +191,10 @@ class _Generator:
                    if k not in ("architectures", "transformers_version", "torch_dtype")}
             config = DeepseekV3Config(**cfg)
             config._attn_implementation = "eager"
-            self._hf = DeepseekV3ForCausalLM(config).to(dtype).eval()
+            # Its random initialisation (overwritten right away) must not draw from the generation's
+            # random stream, or the first generation after a resume would sample differently.
+            with torch.random.fork_rng(devices=[]):
+                self._hf = DeepseekV3ForCausalLM(config).to(dtype).eval()
         missing = sorted(set(dict(self._hf.named_parameters())) - set(state))
         if missing:
             raise CpuEngineError(f"the rollout shards do not cover transformers' parameters {missing[:4]}")

@@ -12,7 +12,14 @@ from __future__ import annotations
 import sys
 import types
 
-from vllm.platforms.cpu import CpuPlatform
+if "vllm" not in sys.modules:
+    # Importing vLLM resolves its platform, and the plugin names this module: begun from here, the
+    # resolution would find this module half-built and vLLM would fail with an unrelated-looking
+    # "cannot import name 'current_platform'".
+    raise ImportError("verl_patches.cpu.vllm_host_platform is loaded by vLLM itself when it resolves its "
+                      "platform: import vllm first")
+
+from vllm.platforms.cpu import CpuPlatform  # noqa: E402
 from vllm.platforms.interface import PlatformEnum
 
 _TRITON_FA = "vllm.attention.ops.triton_flash_attention"

@@ -218,6 +218,7 @@ class TensorGroup(OffloadGroup):
         if watch is not None and region is None:
             raise ValueError(f"offload group {name!r}: watch needs a region (resized storages move anyway)")
         self._anchors = list(anchors.values())
+        self._keys = list(anchors)
         self._sizes = [int(t.untyped_storage().nbytes()) for t in self._anchors]
         self._offsets: list[int] = []
         off = 0
@@ -227,7 +228,12 @@ class TensorGroup(OffloadGroup):
         self._host_nbytes = off
         self.memory = _Resize() if region is None else _Stable(region, watch)
         self.memory.bind(self)
-        engine.claim(name, anchors.keys())
+        try:
+            engine.claim(name, anchors.keys())
+        except ValueError as e:
+            owned = [t for k, t in anchors.items() if engine.owner(k) not in (None, name)]
+            what = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in owned[:3])
+            raise ValueError(f"{e} [the shared tensor(s): {what}]") from None
         self.location = Location.DEVICE
         self._host_valid = False
 
@@ -286,11 +292,25 @@ class TensorGroup(OffloadGroup):
     def _alloc(self, indices: Sequence[int], bucket: int) -> None:
         self.memory.alloc(self, indices, bucket)
 
+    def check_storages(self) -> None:
+        """Every tensor must still hold the storage (and size) it was registered with. An owner that
+        rebinds ``.data`` (megatron-core turns the router's expert_bias into a new fp32 tensor at its
+        first forward) leaves the group copying and freeing a storage that is not the tensor's any
+        more: the tensor would come back short or stale. Refused, naming the tensor."""
+        for t, key, size in zip(self._anchors, self._keys, self._sizes):
+            st = t.untyped_storage()
+            if _storage_key(t) != key or st.nbytes() not in (0, size):
+                raise GroupStateError(
+                    f"offload group {self.name!r}: a tensor of shape {tuple(t.shape)} ({t.dtype}) holds another "
+                    f"storage than when the group was made ({st.nbytes()} bytes, registered {size}): its owner "
+                    "replaced its .data; build the group after the owner's tensors take their final form")
+
     def offload(self, force_copy: bool = False) -> int:
         if self.location is Location.HOST:
             return 0
         if self.location is Location.RELEASED:
             raise GroupStateError(f"offload group {self.name!r} is released: there is no data to offload")
+        self.check_storages()
         if self.read_only and self._host_valid and not force_copy:
             self._free_all()
             self.location = Location.HOST
@@ -332,6 +352,7 @@ class TensorGroup(OffloadGroup):
     def release(self) -> int:
         if self.location is not Location.DEVICE:
             return 0
+        self.check_storages()
         self._free_all()
         if self.read_only and self._host_valid:
             self.location = Location.HOST

@@ -225,6 +225,12 @@ class ReferenceMemory(_Tracked):
         if not isinstance(engine, OffloadEngine):
             raise TypeError(f"engine must be an OffloadEngine, got {type(engine).__name__}")
         self.modules = _chunks(modules)
+        for chunk in self.modules:
+            for m in chunk.modules():
+                # megatron-core's router turns its expert bias into a new fp32 tensor at its first forward
+                # (Float16Module made it bf16); done now, the group registers the tensor it will keep.
+                if hasattr(m, "_maintain_float32_expert_bias"):
+                    m._maintain_float32_expert_bias()
         tensors = param_tensors(self.modules)
         for chunk in self.modules:  # rotary and router buffers: read-only too (nn.Module.buffers, not DDP's list)
             tensors += list(torch.nn.Module.buffers(chunk))

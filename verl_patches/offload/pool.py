@@ -311,6 +311,10 @@ class OffloadEngine:
             self._owners[k] = group
         self._names.add(group)
 
+    def owner(self, storage_key: int) -> str | None:
+        """The group that claimed this storage, if any."""
+        return self._owners.get(storage_key)
+
     def unclaim(self, group: str) -> None:
         self._names.discard(group)
         for k in [k for k, g in self._owners.items() if g == group]:

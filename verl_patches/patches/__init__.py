@@ -19,6 +19,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.megatron.patch_core_pipeline_parallel_schedules",
     "verl_patches.patches.megatron.patch_core_optimizer",
     "verl_patches.patches.verl.patch_utils_reward_score",
+    "verl_patches.patches.verl.patch_utils_model",
     "verl_patches.patches.verl.patch_utils_tracking",
     "verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd",
     "verl_patches.patches.verl.patch_trainer_ppo_core_algos",
@@ -42,5 +43,6 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.megatron.patch_core_transformer_transformer_block",
     "verl_patches.patches.megatron.patch_core_transformer_transformer_layer",
     "verl_patches.patches.megatron.patch_core_transformer_moe_router",
+    "verl_patches.patches.megatron.patch_core_optimizer_distrib_optimizer",
     "verl_patches.patches.mindspeed.patch_arguments",
 )

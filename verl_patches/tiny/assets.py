@@ -136,8 +136,16 @@ def toy_records(n: int = TOY_PROMPTS, seed: int = 0) -> list[dict]:
     return rows
 
 
+def write_parquet(records: list[dict], path: Path) -> None:
+    # pyarrow directly (not pandas): the nested schema and the bytes are the same on every run.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), str(path))
+
+
 def write_data(out: Path) -> tuple[Path, Path]:
-    from verl_patches.data.prepare import SAMPLES, load_examples, to_record, write_parquet
+    from verl_patches.data.prepare import SAMPLES, load_examples, to_record
 
     out.mkdir(parents=True, exist_ok=True)
     train, val = out / "train.parquet", out / "val.parquet"
@@ -147,30 +155,47 @@ def write_data(out: Path) -> tuple[Path, Path]:
     return train, val
 
 
-def build(out_dir: Path) -> dict[str, Path]:
-    """Everything, rebuilt only when missing (the run and the tests reuse one build)."""
-    out_dir = Path(out_dir)
-    model, ckpt, data = out_dir / "model", out_dir / "dist_ckpt", out_dir / "data"
-    done = out_dir / ".complete"
-    if not done.is_file():
-        import shutil
+class AssetsError(RuntimeError):
+    """The output directory holds something this tool did not write."""
 
-        for d in (model, ckpt, data):
-            shutil.rmtree(d, ignore_errors=True)
-        write_model(model)
-        write_weights(model)
-        write_checkpoint(model, ckpt)
-        write_data(data)
-        done.write_text("model, dist_ckpt and data written\n")
-    return {"MODEL_PATH": model, "DIST_CKPT_PATH": ckpt, "TRAIN_FILES": data / "train.parquet",
-            "VAL_FILES": data / "val.parquet"}
+
+def build(out_dir: Path) -> dict[str, Path]:
+    """Everything, built once: written under ``out_dir/.partial`` and moved in whole, so a finished
+    build is reused by later runs and tests, and an interrupted one never passes for finished."""
+    import shutil
+
+    out_dir = Path(out_dir)
+    done = out_dir / ".complete"
+    parts = ("model", "dist_ckpt", "data")
+    if not done.is_file():
+        foreign = [p for p in parts if (out_dir / p).exists()]
+        if foreign:
+            raise AssetsError(f"{out_dir} holds {foreign} but no finished build of this tool: choose another "
+                              "directory, or remove those yourself")
+        partial = out_dir / ".partial"
+        shutil.rmtree(partial, ignore_errors=True)  # ours: only this tool writes there
+        write_model(partial / "model")
+        write_weights(partial / "model")
+        write_checkpoint(partial / "model", partial / "dist_ckpt")
+        write_data(partial / "data")
+        for p in parts:
+            (partial / p).rename(out_dir / p)
+        partial.rmdir()
+        done.write_text("model, dist_ckpt and data written by python -m verl_patches.tiny.assets\n")
+    return {"MODEL_PATH": out_dir / "model", "DIST_CKPT_PATH": out_dir / "dist_ckpt",
+            "TRAIN_FILES": out_dir / "data" / "train.parquet", "VAL_FILES": out_dir / "data" / "val.parquet"}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.assets", description=__doc__.split("\n")[0])
     p.add_argument("out_dir", type=Path)
     args = p.parse_args(argv)
-    for key, path in build(args.out_dir).items():
+    try:
+        paths = build(args.out_dir)
+    except AssetsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for key, path in paths.items():
         print(f"{key}={path}")
     return 0
 

@@ -529,7 +529,7 @@ def run_all(rank: int, world: int) -> dict:
         engine_memory._SHARED = None  # a fresh process engine per scenario (each builds its own models)
         try:
             results[name] = fn()
-        except Exception as e:  # noqa: BLE001 - reported to the test, which names the scenario
+        except Exception:  # noqa: BLE001 - reported to the test, which names the scenario
             import traceback
 
             results[name] = {"exception": traceback.format_exc()}

@@ -100,7 +100,6 @@ class _Group:
         self.world_size = dist.get_world_size()
 
     def _gather(self, out):
-        from verl.protocol import DataProto
 
         outs = [None] * self.world_size
         dist.all_gather_object(outs, out)

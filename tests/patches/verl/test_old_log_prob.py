@@ -188,7 +188,6 @@ def _stub_trainer(cfg):
 
 
 def test_driver_skips_the_forward_for_the_recipe_config():
-    from verl.protocol import DataProto
     from verl.trainer.ppo.core_algos import agg_loss
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 

@@ -45,7 +45,7 @@ FLAG = ("actor_rollout_ref.rollout.enforce_eager=False with actor_rollout_ref.ro
         "VERL_PATCHES_STABLE_MEMORY chooses the backend (auto | torch_memory_saver | vllm_cumem | none)")
 WHY = ("The recipe releases the rollout weights and KV cache after every generation and allocates them again before "
        "the next; graphs captured at engine build read the old addresses, so both must live in an address-stable "
-       "region from the first build (ALGORITHMS.md section 3, address stability).")
+       "region from the first build (docs/DESIGN.md section 3, address stability).")
 REMOVE_WHEN = ("vLLM (and vLLM-Ascend) can release and re-map the weights and the KV cache per tag at the same "
                "addresses without sleep mode's host copy, or the recipe's offload moves onto sleep mode.")
 
