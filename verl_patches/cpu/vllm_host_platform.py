@@ -32,3 +32,12 @@ if _TRITON_FA not in sys.modules:
 
 class HostPlatform(CpuPlatform):
     _enum = PlatformEnum.OOT
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        # A VllmConfig without a model (vLLM's parallel-state setup, the DP-domain checks) has nothing
+        # for the CPU platform's model and cache checks, which read model_config unguarded; vLLM's
+        # CUDA platform skips them the same way.
+        if vllm_config.model_config is None:
+            return
+        super().check_and_update_config(vllm_config)
