@@ -290,6 +290,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.workers != TP * PP * 2:
         p.error(f"--workers must be {TP * PP * 2} (TP{TP} x PP{PP} x DP2)")
+    for name in ("prompts", "n", "prompt_len", "response_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.prompts % args.workers:
+        # verl's dispatch splits the prompts into one equal chunk per worker before they are repeated.
+        p.error(f"--prompts {args.prompts} must be a multiple of --workers {args.workers}")
     res = measure(args)
     same = res["upstream"]["digest"] == res["tensor_cache"]["digest"]
     up, tc = sum(res["upstream"]["bytes"].values()), sum(res["tensor_cache"]["bytes"].values())

@@ -1,12 +1,13 @@
 """`python -m verl_patches preflight`: the default run passes; a corrupted shard fails it, named."""
 
 import json
+import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import cli
+from tests.helpers import REPO, cli
 from verl_patches.preflight.hf_check import to_hf
 from verl_patches.reshard.layout import (ModelConfig, RolloutLayout, TrainLayout, build_placements,
                                          hf_expert_names, is_expert_stack)
@@ -16,7 +17,9 @@ from verl_patches.reshard.layout import (ModelConfig, RolloutLayout, TrainLayout
 def test_default_preflight_passes_and_ours_receives_least(tmp_path):
     out = tmp_path / "pf.json"
     dump = tmp_path / "dump"
-    r = cli("preflight", "--json", str(out), "--dump", str(dump))
+    # Through the README's command (scripts/preflight.sh: environment check, then the CLI).
+    r = subprocess.run(["bash", str(REPO / "scripts" / "preflight.sh"), "--json", str(out), "--dump", str(dump)],
+                       capture_output=True, text=True, timeout=600, cwd=str(REPO))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "preflight passed" in r.stdout and "logit check" in r.stdout
     data = json.loads(out.read_text())

@@ -318,3 +318,13 @@ def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock(h
     assert "VERL_PATCHES_LOCK=" in out and "upstream.cuda.lock.toml  [recipe default" in out
     assert "doctor (cuda" in out and '"world": 128' in out and '"device_memory_gib": 139' in out
     assert "HCCL_" not in out
+
+
+def test_the_nvidia_true_weight_launcher_dry_run(ckpt_dir, hooked):
+    r = _run(SCRIPTS / "train_deepseekv3_128gpu_true_weight.sh", "--dry-run", DIST_CKPT_PATH=str(ckpt_dir),
+             NODE_RANK="0", PYTHONPATH=hooked)
+    _fails_only_for_cuda_components(r)
+    out = r.stdout
+    assert "== deepseekv3_128gpu_true_weight: role head" in out and "--num-gpus 8" in out
+    assert f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={ckpt_dir}" in out
+    assert "complete torch_dist checkpoint" in out and '"world": 128' in out

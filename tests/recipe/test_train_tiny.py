@@ -24,7 +24,7 @@ from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
 
-STEPS, SAVE_AT = 10, 5
+STEPS, SAVE_AT = 8, 5
 # What must agree between the runs: every metric but the clocks and the switch's own figures
 # (the upstream reshard moves other bytes by design).
 NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "switch/", "global_seqlen/", "val-")
@@ -51,7 +51,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("tiny")
     assets = base / "assets"
     a = _run(base / "a", assets, f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_AT}",
-             f"trainer.test_freq={STEPS}")
+             "trainer.val_before_train=False", f"trainer.test_freq={STEPS}")
     assert a.returncode == 0, a.stdout[-6000:] + a.stderr[-6000:]
     ckpt = base / "a" / "checkpoints" / f"global_step_{SAVE_AT}"
     b = _run(base / "b", assets, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1",
@@ -72,8 +72,15 @@ def test_the_run_logs_every_step_without_nan_and_ends_with_a_summary(runs):
     assert "switch " in out and "mean time per step: gen " in out
     # The stand-in is named in the run's output (CPU platform).
     assert "generation by the stand-in" in a.stdout + a.stderr
-    # Every patch applied through the prelude, as on the cluster: the workers' report says so.
-    assert "patch(es) for the worker phase on the cpu platform" in a.stdout + a.stderr
+    # Every patch of each phase applied through the prelude line in verl's worker module, in the
+    # driver (verl's TaskRunner actor) and in each of the 4 worker-group actors, as on the cluster
+    # (the applier is strict: a patch that cannot bind stops the process).
+    from verl_patches.prelude import patches_for
+
+    for phase, processes in (("driver", 1), ("worker", 4)):
+        line = (f"verl_patches: applied {len(patches_for(phase, device_type='cpu'))} patch(es) for the {phase} "
+                "phase on the cpu platform")
+        assert (a.stdout + a.stderr).count(line) == processes, line
 
 
 def test_the_toy_reward_rises(runs):
