@@ -133,3 +133,25 @@ def test_npu_only_patch_is_skipped_off_ascend_but_still_fingerprinted():
     assert rows[pid]["status"] == "ok" and rows[pid]["required"] is False
     rows = {r["id"]: r for r in json.loads(cli("doctor", "--json", "--platform", "npu").stdout)}
     assert rows[pid]["required"] is True
+
+
+def test_the_doctor_in_a_python_without_the_stack_reports_it_missing(tmp_path):
+    """A bare Python (site-packages off) holding only the overlay and its one dependency, packaging:
+    the doctor reads the catalogue without importing torch or any upstream, and reports them absent."""
+    import os
+    import subprocess
+    import sys
+
+    import packaging
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "packaging").symlink_to(packaging.__path__[0])
+    r = subprocess.run([sys.executable, "-S", "-m", "verl_patches", "doctor", "--platform", "cpu"],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{site}"})
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith("missing") and "lock:torch " in ln for ln in lines), r.stdout
+    assert "doctor: " in r.stderr and "lock:torch" in r.stderr

@@ -24,11 +24,11 @@ from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
 
-STEPS, SAVE_AT = 8, 5
+STEPS, SAVE_AT = 6, 4
 # What must agree between the runs: every metric but the clocks and the switch's own figures
 # (the upstream reshard moves other bytes by design).
 NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "switch/", "global_seqlen/", "val-")
-REWARD_RISE = 0.15  # mean reward of the last 3 steps over the first 3, on the toy task
+REWARD_RISE = 0.15  # mean reward of the last 2 steps over the first 2, on the toy task
 
 
 def _run(out: Path, assets: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -86,7 +86,7 @@ def test_the_run_logs_every_step_without_nan_and_ends_with_a_summary(runs):
 def test_the_toy_reward_rises(runs):
     _, ma, _, _ = runs
     rewards = [ma[s]["critic/score/mean"] for s in range(1, STEPS + 1)]
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + REWARD_RISE, rewards
 
 

@@ -1,22 +1,34 @@
 """Offload engine and the train/rollout switch schedule (docs/DESIGN.md section 3).
 
 Plain torch, every device call through verl_patches.accelerator; importing patches nothing.
+Names are loaded on first use.
 """
 
-from verl_patches.offload.groups import (CallbackGroup, GroupStateError, Location, OffloadGroup, TensorGroup,
-                                         grads_group, kv_cache_group, optimizer_state_group, reference_group,
-                                         rollout_weights_group, train_params_group)
-from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
-from verl_patches.offload.pool import (CopyEngine, HostBufferPool, HostMemoryError, OffloadEngine,
-                                       segment_sizes)
-from verl_patches.offload.stable import AddressMovedError, Region, StableBackend, StableMemoryError
-from verl_patches.offload.schedule import (BASELINE_INITIAL, HOOKS, OUR_INITIAL, ROLES, Action, ScheduleError,
-                                           StepSpec, SwitchSchedule, baseline, baseline_steps, our_steps, ours)
+from __future__ import annotations
 
-__all__ = [
-    "AddressMovedError", "Region", "StableBackend", "StableMemoryError", "BASELINE_INITIAL", "HOOKS", "OUR_INITIAL", "ROLES", "Action", "CallbackGroup", "CopyEngine", "GroupStateError", "HostBufferPool", "HostMemoryError",
-    "LedgerEntry", "Location", "MemoryLedger", "OffloadEngine", "OffloadGroup", "ScheduleError", "StepSpec",
-    "SwitchSchedule", "TensorGroup", "baseline", "baseline_steps", "grads_group", "kv_cache_group",
-    "optimizer_state_group", "our_steps", "ours", "reference_group", "rollout_weights_group",
-    "segment_sizes", "train_params_group",
-]
+import importlib
+from typing import Any
+
+# Each name and the module it lives in: imported on first use (PEP 562), so that reading the patch
+# catalogue (the doctor) needs no torch.
+_WHERE = {
+    **dict.fromkeys(['CallbackGroup', 'GroupStateError', 'Location', 'OffloadGroup', 'TensorGroup', 'grads_group', 'kv_cache_group', 'optimizer_state_group', 'reference_group', 'rollout_weights_group', 'train_params_group'], 'verl_patches.offload.groups'),
+    **dict.fromkeys(['LedgerEntry', 'MemoryLedger'], 'verl_patches.offload.ledger'),
+    **dict.fromkeys(['CopyEngine', 'HostBufferPool', 'HostMemoryError', 'OffloadEngine', 'segment_sizes'], 'verl_patches.offload.pool'),
+    **dict.fromkeys(['AddressMovedError', 'Region', 'StableBackend', 'StableMemoryError'], 'verl_patches.offload.stable'),
+    **dict.fromkeys(['Action', 'BASELINE_INITIAL', 'HOOKS', 'OUR_INITIAL', 'ROLES', 'ScheduleError', 'StepSpec', 'SwitchSchedule', 'baseline', 'baseline_steps', 'our_steps', 'ours'], 'verl_patches.offload.schedule'),
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

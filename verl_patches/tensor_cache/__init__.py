@@ -1,13 +1,31 @@
 """TensorCache (docs/DESIGN.md section 5): stage outputs stay on the device between training stages
 and move between data-parallel layouts by one all-to-all. Plain torch; importing patches nothing.
+Names are loaded on first use.
 """
 
-from verl_patches.tensor_cache.cache import CacheError, TensorCache, process_cache
-from verl_patches.tensor_cache.exchange import MoveStats, apply_plan, gather_layouts, relayout
-from verl_patches.tensor_cache.layout import (ExchangePlan, LayoutError, generation_rows, megatron_dp_rows,
-                                              plan_exchange)
+from __future__ import annotations
 
-__all__ = [
-    "CacheError", "ExchangePlan", "LayoutError", "MoveStats", "TensorCache", "apply_plan", "gather_layouts",
-    "generation_rows", "megatron_dp_rows", "plan_exchange", "process_cache", "relayout",
-]
+import importlib
+from typing import Any
+
+# Each name and the module it lives in: imported on first use (PEP 562), so that reading the patch
+# catalogue (the doctor) needs no torch.
+_WHERE = {
+    **dict.fromkeys(['CacheError', 'TensorCache', 'process_cache'], 'verl_patches.tensor_cache.cache'),
+    **dict.fromkeys(['MoveStats', 'apply_plan', 'gather_layouts', 'relayout'], 'verl_patches.tensor_cache.exchange'),
+    **dict.fromkeys(['ExchangePlan', 'LayoutError', 'generation_rows', 'megatron_dp_rows', 'plan_exchange'], 'verl_patches.tensor_cache.layout'),
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

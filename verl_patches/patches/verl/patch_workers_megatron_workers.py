@@ -64,7 +64,6 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-from verl_patches.offload.groups import Location
 from verl_patches.tensor_cache.protocol import META_KEY, ROW_KEY
 
 logger = logging.getLogger(__name__)
@@ -321,6 +320,8 @@ def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[...,
         memory = getattr(self, "actor_memory", None)
         if memory is None:
             return original(self, data)
+        from verl_patches.offload.groups import Location
+
         was_off = memory.params.location is not Location.DEVICE
         memory.onload_params()
         out = original(self, data)
@@ -352,6 +353,8 @@ def _wrap_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
         memory = getattr(self, "actor_memory", None)
         if memory is None:
             return original(self, *args, **kwargs)
+        from verl_patches.offload.groups import Location
+
         params_off = memory.params.location is not Location.DEVICE
         opt_off = memory.opt is not None and memory.opt.location is not Location.DEVICE
         memory.onload_params()
