@@ -47,7 +47,7 @@ def citations(text: str) -> list[tuple[int, str]]:
 
 
 def resolves(path: str, citing: Path) -> bool:
-    """The cited file exists inside the repository (a path that leaves it, like ../shared/..., does not count
+    """The cited file exists inside the repository (a path that leaves it, like ../elsewhere/..., does not count
     even when the development machine happens to have it)."""
     root = REPO.resolve()
     for base in (REPO, citing.parent, REPO / "docs"):
@@ -82,10 +82,10 @@ def test_no_tracked_file_names_a_development_machines_path():
 
 def test_the_checks_catch_what_they_are_for():
     citing = REPO / "verl_patches" / "x.py"
-    cited = [p for _, p in citations("see RECIPE.md item 3, docs/DESIGN.md section 2 and ../shared/spec/PERF.md; "
+    cited = [p for _, p in citations("see RECIPE.md item 3, docs/DESIGN.md section 2 and ../elsewhere/NOTES.md; "
                                      "self.md = 1; https://example.org/README.md `benchmarks.md`")]
-    assert sorted(cited) == ["../shared/spec/PERF.md", "RECIPE.md", "benchmarks.md", "docs/DESIGN.md"]
+    assert sorted(cited) == ["../elsewhere/NOTES.md", "RECIPE.md", "benchmarks.md", "docs/DESIGN.md"]
     assert resolves("docs/DESIGN.md", citing) and resolves("benchmarks.md", citing)
-    assert not resolves("../shared/spec/PERF.md", citing) and not resolves("ALGORITHMS.md", citing)
-    assert MACHINE_PATH.search("# from " + "/work" + "/shared/spec") and MACHINE_PATH.search("/home" + "/alice/x")
+    assert not resolves("../elsewhere/NOTES.md", citing) and not resolves("NOWHERE.md", citing)
+    assert MACHINE_PATH.search("# from " + "/work" + "/elsewhere/spec") and MACHINE_PATH.search("/home" + "/alice/x")
     assert not MACHINE_PATH.search("${HOME}/models /opt/recipe /usr/local/Ascend /tmp/ray_recipe")
