@@ -62,7 +62,6 @@ def cmd_patches(args: argparse.Namespace) -> int:
             d = asdict(p)
             d["fingerprint"] = {"signature": p.fingerprint.signature, "source_sha": p.fingerprint.source_sha}
             d.pop("extra", None)
-            d["platforms"] = list(p.platforms) if p.platforms else None
             rows.append(d)
         print(json.dumps(rows, indent=2))
         return 0

@@ -16,6 +16,8 @@ from verl_patches.core.fingerprint import Fingerprint
 # (external launcher), so engine-core patches list "worker" too where that is where they run.
 PHASES = ("driver", "worker", "engine_core")
 KINDS = ("replace", "wrap")
+# Accelerators a record may be restricted to (None on the record: all of them).
+PLATFORMS = ("cpu", "cuda", "npu")
 
 
 class PatchDefinitionError(ValueError):
@@ -36,6 +38,9 @@ class Patch:
     remove_when: str
     flag: str = ""  # config key or environment variable that turns the behaviour on/off
     upstream_ref: str = ""  # issue / PR / commit that motivates or would remove it
+    feature: str = ""  # the recipe feature it belongs to (verl_patches.core.features.FEATURES)
+    requires: tuple[str, ...] = ()  # ids of patches that must be applied (earlier) for this one to work
+    platforms: tuple[str, ...] | None = None  # accelerators it applies on; None: all of them
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -51,6 +56,12 @@ class Patch:
             problems.append(f"phases {self.phases!r} must be a non-empty subset of {PHASES}")
         if not self.why.strip() or not self.remove_when.strip():
             problems.append("why and remove_when are required")
+        if self.platforms is not None:
+            wrong = [x for x in self.platforms if x not in PLATFORMS]
+            if not self.platforms or wrong or not isinstance(self.platforms, tuple):
+                problems.append(f"platforms {self.platforms!r} must be None or a non-empty tuple from {PLATFORMS}")
+        if not isinstance(self.requires, tuple) or self.id in self.requires:
+            problems.append(f"requires {self.requires!r} must be a tuple of other patch ids")
         if problems:
             raise PatchDefinitionError(f"patch {self.id!r}: " + "; ".join(problems))
 
@@ -61,12 +72,6 @@ class Patch:
     @property
     def qualname(self) -> str:
         return self.target.split(":", 1)[1]
-
-    @property
-    def platforms(self) -> tuple[str, ...] | None:
-        """Accelerators the patch applies on (extra["platforms"]); None: all of them."""
-        plats = self.extra.get("platforms")
-        return tuple(plats) if plats else None
 
     def applies_on(self, device_type: str) -> bool:
         return self.platforms is None or device_type in self.platforms

@@ -28,7 +28,7 @@ def _installed_file() -> Path:
 def test_record_matches_the_installed_source():
     (patch,) = PATCHES
     assert fingerprint_file(_installed_file(), patch.qualname) == patch.fingerprint
-    assert patch.extra["platforms"] == ("npu",)
+    assert patch.platforms == ("npu",)
 
 
 def test_applying_off_ascend_fails_loudly_not_silently():

@@ -35,6 +35,6 @@ PATCHES = [
         why="Without Transformer Engine megatron-core 0.12.1's fp8 cast raises on every optimizer step, even with "
             "no fp8 parameter, so the distributed optimizer cannot step on the host.",
         remove_when="megatron-core skips the fp8 cast when there are no fp8 parameters (it does in later releases).",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

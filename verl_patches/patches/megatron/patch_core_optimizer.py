@@ -154,6 +154,6 @@ PATCHES = [
             "recipe's distributed optimizer cannot be built or stepped on the host otherwise.",
         remove_when="megatron-core's optimizers allocate on the parameters' device and check dtypes, not CUDA "
                     "type names.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

@@ -40,6 +40,6 @@ PATCHES = [
         why="megatron-core's pipeline schedules make tensors with .cuda() whatever the device, which raises "
             "without a GPU; verl's Megatron actor runs every forward and backward through them.",
         remove_when="megatron-core's schedules allocate on the model's device.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

@@ -35,6 +35,6 @@ PATCHES = [
         why="Without a CUDA driver the upstream defers the generator change forever and returns, so the RNG "
             "tracker's forks (per-rank initialisation and dropout streams) would silently not fork.",
         remove_when="megatron-core's RNG tracker takes its generator from an accelerator abstraction.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

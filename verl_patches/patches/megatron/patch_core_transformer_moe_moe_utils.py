@@ -36,6 +36,6 @@ PATCHES = [
         why="The alltoall token dispatcher (the recipe's) needs its split sizes as host arrays; upstream converts "
             "only GPU tensors, so on the host the all-to-all gets tensors and raises.",
         remove_when="megatron-core converts host tensors too (a one-line condition).",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

@@ -40,6 +40,6 @@ PATCHES = [
         why="verl's DeepSeek-V3 config overlaps the shared experts with the dispatcher on a CUDA stream made in the "
             "constructor, which raises without a GPU.",
         remove_when="megatron-core creates the shared experts' stream through an accelerator abstraction.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

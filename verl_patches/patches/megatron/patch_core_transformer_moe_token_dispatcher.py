@@ -42,6 +42,6 @@ PATCHES = [
         why="The recipe's alltoall token dispatcher makes a CUDA side stream in its constructor, which raises "
             "without a GPU; on the host the program order is the stream.",
         remove_when="megatron-core creates the dispatcher's side stream through an accelerator abstraction.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

@@ -59,6 +59,6 @@ PATCHES = [
         remove_when="MindSpeed's repatch(dict) (later branches) is called by verl with these values, or "
                     "MindSpeed reads a config object instead of the command line.",
         upstream_ref=f"MindSpeed {RELEASE_TAG} ({RELEASE_COMMIT})",
-        extra={"platforms": ("npu",), "source_commit": RELEASE_COMMIT},
+        platforms=("npu",), extra={"source_commit": RELEASE_COMMIT},
     ),
 ]

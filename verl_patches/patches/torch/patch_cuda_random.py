@@ -40,7 +40,7 @@ def _record(name: str, signature: str, sha: str) -> Patch:
                  why="megatron-core's RNG tracker reads and sets the CUDA generator whatever the device, which "
                      "raises without a GPU; on the host the default generator is the one every op uses.",
                  remove_when="megatron-core's RNG tracker takes its generator from an accelerator abstraction.",
-                 extra={"platforms": ("cpu",)})
+                 platforms=("cpu",))
 
 
 PATCHES = [

@@ -35,6 +35,6 @@ PATCHES = [
             "the host spec keeps TE's structure and names so the reshard, verl's converter and checkpoints see the "
             "model they see on a GPU.",
         remove_when="megatron-core ships a spec with host kernels for MLA, fused norms and grouped experts.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

@@ -37,6 +37,6 @@ PATCHES = [
         flag="the CPU platform (gloo)",
         why="gloo has no AVG reduction, so every generation step of verl's Megatron worker fails on the host.",
         remove_when="verl averages its timings with SUM / world size, or gloo implements AVG.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

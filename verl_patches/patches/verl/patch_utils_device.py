@@ -58,7 +58,7 @@ PATCHES = [
         why="verl's Megatron worker initialises torch.distributed with get_nccl_backend(), which raises without "
             "CUDA or NPU; on the host the workers join over gloo.",
         remove_when=_REMOVE,
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
     Patch(
         id="cpu.verl.device_id",
@@ -73,7 +73,7 @@ PATCHES = [
         why="verl moves batches with .to(get_device_id()); the device module's index 0 would mean cuda:0, which "
             "does not exist on the host.",
         remove_when=_REMOVE,
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
     Patch(
         id="cpu.verl.device_module",
@@ -88,6 +88,6 @@ PATCHES = [
         why="verl's worker, sharding manager and checkpoint manager ask the device module for RNG state, memory "
             "statistics and empty_cache; torch.cpu has none of them in torch 2.5.1.",
         remove_when=_REMOVE,
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

@@ -140,7 +140,7 @@ PATCHES = [
             "builds vLLM's engine config, distributed groups, model and KV cache as vLLM's worker does, so the "
             "recipe's rollout constructor, DP domain, reshard and offload run against the real vLLM model.",
         remove_when="vLLM's CPU backend runs DeepSeek-V3 (MLA and fused MoE) on the host.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
     Patch(
         id="cpu.vllm.llm_generate",
@@ -155,6 +155,6 @@ PATCHES = [
         why="Generation on the host: transformers' DeepseekV3 loaded with exactly the tensors the reshard wrote "
             "into vLLM's parameters on every rank, returning vLLM's RequestOutputs to verl's rollout.",
         remove_when="vLLM's CPU backend runs DeepSeek-V3 (MLA and fused MoE) on the host.",
-        extra={"platforms": ("cpu",)},
+        platforms=("cpu",),
     ),
 ]

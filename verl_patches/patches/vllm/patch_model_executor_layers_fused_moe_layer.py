@@ -53,6 +53,6 @@ PATCHES = [
         why="The random-init benchmark compares generation throughput with every expert equally loaded, as the "
             "reference measured it; vLLM 0.9.1 has no switch for a forced balanced assignment.",
         remove_when="vLLM offers a forced-balance routing option that the rollout settings can set.",
-        extra={"platforms": ("cuda", "cpu")},
+        platforms=("cuda", "cpu"),
     ),
 ]

@@ -62,7 +62,7 @@ PATCHES = [
         flag=FLAG,
         why=WHY,
         remove_when=REMOVE_WHEN,
-        extra={"platforms": ("cuda",)},
+        platforms=("cuda",),
     ),
     Patch(
         id="vllm.worker.stable_kv_cache_region",
@@ -77,6 +77,6 @@ PATCHES = [
         flag=FLAG,
         why=WHY,
         remove_when=REMOVE_WHEN,
-        extra={"platforms": ("cuda",)},
+        platforms=("cuda",),
     ),
 ]

@@ -60,6 +60,6 @@ PATCHES = [
             "250 TPS/card; vLLM-Ascend 0.9.1 has the mechanism (enable_force_load_balance) but turns it on only "
             "for its profile run.",
         remove_when="vLLM-Ascend exposes the forced balance as an engine option the rollout settings can set.",
-        extra={"platforms": ("npu",)},
+        platforms=("npu",),
     ),
 ]

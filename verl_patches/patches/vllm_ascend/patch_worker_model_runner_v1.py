@@ -71,6 +71,6 @@ PATCHES = [
             "docs/RECIPE.md item 6, docs/DESIGN.md section 6).",
         remove_when="vLLM-Ascend runs its DP forward-metadata agreement on the device group (its own TODO in "
                     "stateless_init_dp_group says it plans to), or exposes the group choice as a setting.",
-        extra={"platforms": ("npu",)},
+        platforms=("npu",),
     ),
 ]

@@ -52,7 +52,7 @@ PATCHES = [
         flag=FLAG,
         why=WHY,
         remove_when=REMOVE_WHEN,
-        extra={"platforms": ("npu",)},
+        platforms=("npu",),
     ),
     Patch(
         id="vllm_ascend.worker.stable_kv_cache_region",
@@ -67,6 +67,6 @@ PATCHES = [
         flag=FLAG,
         why=WHY,
         remove_when=REMOVE_WHEN,
-        extra={"platforms": ("npu",)},
+        platforms=("npu",),
     ),
 ]
