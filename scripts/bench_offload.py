@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -194,8 +195,9 @@ def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
     flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=accelerator.pin_memory_supported())
     # (its host buffer exists before the measurement starts: no host-memory figure)
-    run("pinned", lambda: host.copy_(flat, non_blocking=True), lambda: flat.copy_(host, non_blocking=True),
-        check=False, measure_host=False)
+    # partial binds the tensors now (a closure would read names deleted below)
+    run("pinned", functools.partial(host.copy_, flat, non_blocking=True),
+        functools.partial(flat.copy_, host, non_blocking=True), check=False, measure_host=False)
     del flat, host
     return results, nbytes
 
@@ -221,8 +223,9 @@ def bench_schedules(unit_bytes: int, iterations: int = 2) -> dict:
             for v in rw.storage_views():
                 v[: src.numel()].copy_(src[: v.numel()])
 
-        hooks = dict(reshard=reshard, generate=lambda: ts["kv_cache"][0].fill_(2),
-                     ref_forward=lambda: ts["ref_params"][0].sum(), train=lambda: ts["train_params"][0].add_(1))
+        hooks = dict(reshard=reshard, generate=functools.partial(torch.Tensor.fill_, ts["kv_cache"][0], 2),
+                     ref_forward=functools.partial(torch.Tensor.sum, ts["ref_params"][0]),
+                     train=functools.partial(torch.Tensor.add_, ts["train_params"][0], 1))
         s = make(groups, ledger=MemoryLedger())
         s.prepare()
         for _ in range(iterations):
@@ -328,8 +331,9 @@ def bench_switch_regions(unit_bytes: int, iterations: int = 3) -> dict:
             for v in rw.storage_views():
                 v[: src.numel()].copy_(src[: v.numel()])
 
-        hooks = dict(reshard=reshard, generate=lambda: ts["kv_cache"][0].fill_(2),
-                     ref_forward=lambda: ts["ref_params"][0].sum(), train=lambda: ts["train_params"][0].add_(1))
+        hooks = dict(reshard=reshard, generate=functools.partial(torch.Tensor.fill_, ts["kv_cache"][0], 2),
+                     ref_forward=functools.partial(torch.Tensor.sum, ts["ref_params"][0]),
+                     train=functools.partial(torch.Tensor.add_, ts["train_params"][0], 1))
         s = ours(groups, ledger=MemoryLedger())
         s.prepare()
         peak_used = 0
