@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install MindSpeed at the lock's release (configs/upstream.lock.toml) into a Python environment,
 # without its dependencies. MindSpeed is on no package registry, so the source is, in this order:
-#   1. the release archive (`git archive` of the tag) in VERL_PATCHES_UPSTREAM_DIR (default: the
-#      folder of upstream archives beside the checkout, ../shared/upstream), checked against the
-#      lock's sha256;
+#   1. the release archive (`git archive` of the tag), checked against the lock's sha256, in
+#      VERL_PATCHES_UPSTREAM_DIR when it is set; otherwise in a folder named `upstream` inside the
+#      checkout (ignored by git) or inside a sibling folder of the checkout (an offline machine's
+#      folder of upstream archives), the first that holds it;
 #   2. the git tag, checked against the lock's commit;
 #   3. neither reachable (a CI machine with registry access only): a note, nothing installed, exit 0.
 #
@@ -32,7 +33,14 @@ EOF
 }
 REPO=$(lock_field repo); REF=$(lock_field ref); COMMIT=$(lock_field commit)
 ARCHIVE=$(lock_field archive); ARCHIVE_SHA=$(lock_field archive_sha256); VERSION=$(lock_field version)
-UPSTREAM_DIR=${VERL_PATCHES_UPSTREAM_DIR:-$ROOT/../shared/upstream}
+if [[ -n "${VERL_PATCHES_UPSTREAM_DIR:-}" ]]; then
+  UPSTREAM_DIRS=("$VERL_PATCHES_UPSTREAM_DIR")
+else
+  UPSTREAM_DIRS=("$ROOT/upstream")
+  for d in "$ROOT"/../*/upstream; do
+    [[ -d "$d" ]] && UPSTREAM_DIRS+=("$(cd "$d" && pwd)")
+  done
+fi
 
 # The tag's commit on the remote (the peeled commit for an annotated tag), or nothing.
 remote_commit() {
@@ -43,8 +51,11 @@ remote_commit() {
 }
 
 choose_source() {
-  local path="$UPSTREAM_DIR/$ARCHIVE"
-  if [[ -f "$path" ]]; then
+  local path="" d
+  for d in "${UPSTREAM_DIRS[@]}"; do
+    if [[ -f "$d/$ARCHIVE" ]]; then path="$d/$ARCHIVE"; break; fi
+  done
+  if [[ -n "$path" ]]; then
     local sha
     sha=$(sha256sum "$path" | cut -d' ' -f1)
     if [[ "$sha" != "$ARCHIVE_SHA" ]]; then
@@ -64,7 +75,7 @@ choose_source() {
     SOURCE="git $REPO@$REF"
     return 0
   fi
-  SOURCE="skip: no $ARCHIVE in $UPSTREAM_DIR (set VERL_PATCHES_UPSTREAM_DIR) and tag $REF of $REPO not reachable"
+  SOURCE="skip: no $ARCHIVE in ${UPSTREAM_DIRS[*]} (set VERL_PATCHES_UPSTREAM_DIR) and tag $REF of $REPO not reachable"
 }
 
 choose_source

@@ -92,7 +92,7 @@ log "megatron-core $MCORE_V and vllm-ascend $VASC_V without dependencies"
 pipq install -q --no-deps "megatron-core==$MCORE_V" "vllm-ascend==$VASC_V"
 
 # 3b. MindSpeed at the lock's release, without dependencies (no registry carries it): from the
-#     release archive beside the checkout (VERL_PATCHES_UPSTREAM_DIR), else the git tag, else skipped
+#     release archive (VERL_PATCHES_UPSTREAM_DIR, else upstream/ in or beside the checkout), else the git tag, else skipped
 #     with a note. Its argument and feature modules import on CPU; its NPU kernels are never loaded.
 log "mindspeed: $MINDSPEED_SOURCE"
 bash "$ROOT/scripts/install_mindspeed.sh" "$VENV/bin/python"

@@ -93,10 +93,36 @@ def test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_
     (tmp_path / load_lock()["mindspeed"].archive).write_bytes(b"not the release")
     r = _mindspeed_source(tmp_path, tmp_path, GIT="false")
     assert r.returncode == 2 and "has sha256" in r.stderr and load_lock()["mindspeed"].archive_sha256 in r.stderr
-    default_dir = REPO.parent / "shared" / "upstream"
-    if (default_dir / load_lock()["mindspeed"].archive).is_file():  # the release archive beside the checkout
-        r = _mindspeed_source(tmp_path, default_dir, GIT="false")
-        assert r.returncode == 0 and r.stdout.startswith("archive ") and r.stdout.strip().endswith(".tar.gz")
+
+
+def test_install_mindspeed_without_a_folder_named_looks_inside_and_beside_the_checkout(tmp_path):
+    """No VERL_PATCHES_UPSTREAM_DIR: `upstream/` in the checkout wins over a sibling folder's `upstream/`."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    archive = load_lock()["mindspeed"].archive
+    checkout = tmp_path / "checkout"
+    (checkout / "scripts").mkdir(parents=True)
+    (checkout / "configs").mkdir()
+    shutil.copy(REPO / "scripts" / "install_mindspeed.sh", checkout / "scripts")
+    shutil.copy(REPO / "configs" / "upstream.lock.toml", checkout / "configs")
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PATCHES_UPSTREAM_DIR"}
+
+    def source():
+        return subprocess.run(["bash", str(checkout / "scripts" / "install_mindspeed.sh"), "--print", sys.executable],
+                              env=dict(env, GIT="false"), capture_output=True, text=True, timeout=60)
+
+    assert source().stdout.startswith("skip: no ")
+    (tmp_path / "archives" / "upstream").mkdir(parents=True)
+    (tmp_path / "archives" / "upstream" / archive).write_bytes(b"beside")
+    r = source()  # found beside the checkout (and refused: not the release's bytes)
+    assert r.returncode == 2 and str(tmp_path / "archives" / "upstream" / archive) in r.stderr
+    (checkout / "upstream").mkdir()
+    (checkout / "upstream" / archive).write_bytes(b"inside")
+    r = source()
+    assert r.returncode == 2 and f"checkout/upstream/{archive}" in r.stderr
 
 
 def test_the_mindspeed_record_names_the_locks_release():
