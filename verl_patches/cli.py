@@ -53,6 +53,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_patches(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from verl_patches.core.docs import upstream_lines
     from verl_patches.core.registry import load_registry
 
     patches = load_registry()
@@ -62,13 +63,15 @@ def cmd_patches(args: argparse.Namespace) -> int:
             d = asdict(p)
             d["fingerprint"] = {"signature": p.fingerprint.signature, "source_sha": p.fingerprint.source_sha}
             d.pop("extra", None)
+            d["upstream_lines"] = upstream_lines(p)
             rows.append(d)
         print(json.dumps(rows, indent=2))
         return 0
     if not patches:
         print("no patches registered")
     for p in patches:
-        print(f"{p.id:<34} {p.kind:<8} {','.join(p.phases):<18} {p.target}")
+        deps = f"  (requires {', '.join(p.requires)})" if p.requires else ""
+        print(f"{p.id:<40} {p.feature:<18} {p.kind:<8} {','.join(p.phases):<18} {p.target}{deps}")
     return 0
 
 

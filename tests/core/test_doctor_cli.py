@@ -1,6 +1,7 @@
 """`python -m verl_patches doctor|patches|diff|docs|fingerprint` against the real installed upstream."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -70,7 +71,18 @@ def test_patches_listing_and_json():
     ids = [p["id"] for p in rows]
     assert "verl.reward_score.deepscaler" in ids
     for p in rows:
-        assert {"id", "target", "kind", "phases", "upstream", "versions", "fingerprint", "why", "remove_when"} <= p.keys()
+        assert {"id", "target", "kind", "phases", "upstream", "versions", "fingerprint", "why", "remove_when",
+                "feature", "requires", "after", "platforms", "upstream_lines"} <= p.keys()
+        # The upstream lines come from the installed release: every target is found here (MindSpeed
+        # only where its release archive was available: scripts/install_mindspeed.sh).
+        if not (p["upstream"] == "mindspeed" and p["upstream_lines"].endswith("(not installed here)")):
+            assert re.fullmatch(r"\S+ \S+ \S+\.py#L\d+-L\d+", p["upstream_lines"]), p
+    by_id = {p["id"]: p for p in rows}
+    assert by_id["verl.old_log_prob.update_policy"]["requires"] == ["verl.old_log_prob.policy_loss",
+                                                                   "verl.old_log_prob.minibatch"]
+    text = cli("patches").stdout
+    assert any(ln.startswith("verl.old_log_prob.update_policy") and "old_log_prob_reuse" in ln and "requires" in ln
+               for ln in text.splitlines())
 
 
 def test_diff_shows_upstream_next_to_ours():

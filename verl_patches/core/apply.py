@@ -144,12 +144,25 @@ def _rebind_aliases(original: Any, new: Any, skip: Any) -> list[tuple[types.Modu
     return rebound
 
 
+def _check_order(patch: Patch) -> None:
+    """``requires``: applied before, in this process. ``after``: no patch that must wrap outside
+    this one is in place yet (else this wrapper would end up outside it)."""
+    missing = [dep for dep in patch.requires if dep not in _APPLIED]
+    if missing:
+        raise _error(patch, f"requires {missing}, not applied in this process (disabled, skipped or failed); "
+                            f"apply them first, or disable {patch.id!r} too")
+    outer = [q.patch.id for q in _APPLIED.values() if patch.id in q.patch.after]
+    if outer:
+        raise _error(patch, f"must be applied before {outer} (their after= lists it): apply in catalogue order")
+
+
 def apply_one(patch: Patch) -> bool:
     """Apply one patch; return False if it was already in place (no change)."""
     owner, attr = _resolve_owner(patch)
     raw = vars(owner)[attr]
     if patch.id in _chain_ids(_unwrap_descriptor(raw)):
         return False  # already applied (maybe under another patch's wrapper), here or in a forked parent
+    _check_order(patch)
     ok, v = _version_ok(patch)
     if not ok:
         raise _error(patch, f"version {v} is outside the supported range {patch.versions!r}")

@@ -1,11 +1,40 @@
-"""docs/PATCHES.md, generated from the registry (a test fails when the file is stale)."""
+"""docs/PATCHES.md, generated from the registry (a test fails when the file is stale): the patches
+grouped by feature, in the order the prelude applies them, with what each needs and the upstream
+lines it answers."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from verl_patches.core.features import FEATURES
 from verl_patches.core.lock import REPO_ROOT
 from verl_patches.core.record import Patch
 
 PATCHES_MD = REPO_ROOT / "docs" / "PATCHES.md"
+
+
+def upstream_lines(patch: Patch, root: Path | None = None) -> str:
+    """``<component> <locked version> <path in the package>#L<first>-L<last>``: the definition the
+    patch replaces or wraps, read from the installed upstream (the fingerprint pins its text)."""
+    from verl_patches.core.fingerprint import TargetNotFound, source_span
+    from verl_patches.core.lock import load_lock
+    from verl_patches.core.upstream import module_file
+
+    comp = load_lock().get(patch.upstream)
+    version = comp.version if comp else "?"
+    path = module_file(patch.module, root)
+    if path is None:
+        return f"{patch.upstream} {version} (not installed here)"
+    rel = patch.module.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
+    try:
+        span = source_span(path, patch.qualname)
+    except TargetNotFound:
+        return f"{patch.upstream} {version} {rel} (target not found: `python -m verl_patches doctor`)"
+    return f"{patch.upstream} {version} {rel}#L{span.first_line}-L{span.last_line}"
+
+
+def _ids(ids: tuple[str, ...]) -> str:
+    return ", ".join(f"[{i}](#{i})" for i in ids) if ids else "-"
 
 
 def render_patches_md(patches: list[Patch]) -> str:
@@ -14,29 +43,49 @@ def render_patches_md(patches: list[Patch]) -> str:
         "",
         "Generated from the registry by `python -m verl_patches docs --write`; do not edit by hand.",
         "`python -m verl_patches diff ID` shows each replacement next to the upstream original.",
+        "Grouped by feature; within a feature, in the order the prelude applies them. *requires*: patches",
+        "that must be applied (earlier, in the same process) for this one to work; *after*: patches this",
+        "one is applied after when they apply too (it then wraps outside them). The applier refuses a",
+        "patch whose requirements were not applied. *upstream lines*: the definition it replaces or",
+        "wraps in the locked release.",
         "",
     ]
     if not patches:
         out += ["No patches are registered yet.", ""]
         return "\n".join(out)
-    out += ["| id | target | kind | phases | upstream | flag |", "|---|---|---|---|---|---|"]
-    for p in patches:
-        out.append(f"| [{p.id}](#{p.id}) | `{p.target}` | {p.kind} | {', '.join(p.phases)} "
-                   f"| {p.upstream} {p.versions} | {f'`{p.flag}`' if p.flag else '-'} |")
+    groups = {f: [p for p in patches if p.feature == f] for f in FEATURES}
+    out += ["| feature | patches | what |", "|---|---|---|"]
+    for f, ps in groups.items():
+        if ps:
+            out.append(f"| [{f}](#feature-{f}) | {len(ps)} | {FEATURES[f]} |")
     out.append("")
-    for p in patches:
-        out += [
-            f"## {p.id}",
-            "",
-            f"- **target**: `{p.target}` ({p.kind}, applied in: {', '.join(p.phases)}"
-            + (f"; only on: {', '.join(p.platforms)})" if p.platforms else ")"),
-            f"- **upstream**: {p.upstream} {p.versions}; fingerprint `{p.fingerprint}`",
-            f"- **ours**: `{p.replacement}`",
-            f"- **flag**: {f'`{p.flag}`' if p.flag else 'always on when the prelude runs'}",
-            f"- **why**: {p.why}",
-            f"- **remove when**: {p.remove_when}",
-        ]
-        if p.upstream_ref:
-            out.append(f"- **upstream reference**: {p.upstream_ref}")
+    for f, ps in groups.items():
+        if not ps:
+            continue
+        out += [f"## Feature: {f}", "", FEATURES[f], "",
+                "| id | target | kind | phases | requires | after | flag |", "|---|---|---|---|---|---|---|"]
+        for p in ps:
+            out.append(f"| [{p.id}](#{p.id}) | `{p.target}` | {p.kind} | {', '.join(p.phases)} "
+                       f"| {_ids(p.requires)} | {_ids(p.after)} | {f'`{p.flag}`' if p.flag else '-'} |")
         out.append("")
+        for p in ps:
+            out += [
+                f"### {p.id}",
+                "",
+                f"- **target**: `{p.target}` ({p.kind}, applied in: {', '.join(p.phases)}"
+                + (f"; only on: {', '.join(p.platforms)})" if p.platforms else ")"),
+                f"- **upstream**: {p.upstream} {p.versions}; fingerprint `{p.fingerprint}`",
+                f"- **upstream lines**: {upstream_lines(p)}",
+            ]
+            if p.upstream_ref:
+                out.append(f"- **upstream reference**: {p.upstream_ref}")
+            if p.requires or p.after:
+                out.append(f"- **requires**: {_ids(p.requires)}; **after**: {_ids(p.after)}")
+            out += [
+                f"- **ours**: `{p.replacement}`",
+                f"- **flag**: {f'`{p.flag}`' if p.flag else 'always on when the prelude runs'}",
+                f"- **why**: {p.why}",
+                f"- **remove when**: {p.remove_when}",
+                "",
+            ]
     return "\n".join(out)

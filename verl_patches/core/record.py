@@ -40,6 +40,7 @@ class Patch:
     upstream_ref: str = ""  # issue / PR / commit that motivates or would remove it
     feature: str = ""  # the recipe feature it belongs to (verl_patches.core.features.FEATURES)
     requires: tuple[str, ...] = ()  # ids of patches that must be applied (earlier) for this one to work
+    after: tuple[str, ...] = ()  # ids it must be applied after when those apply too (wrapping order)
     platforms: tuple[str, ...] | None = None  # accelerators it applies on; None: all of them
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -56,12 +57,16 @@ class Patch:
             problems.append(f"phases {self.phases!r} must be a non-empty subset of {PHASES}")
         if not self.why.strip() or not self.remove_when.strip():
             problems.append("why and remove_when are required")
+        if not self.feature:
+            problems.append("feature is required (one of verl_patches/core/features.py's FEATURES)")
         if self.platforms is not None:
             wrong = [x for x in self.platforms if x not in PLATFORMS]
             if not self.platforms or wrong or not isinstance(self.platforms, tuple):
                 problems.append(f"platforms {self.platforms!r} must be None or a non-empty tuple from {PLATFORMS}")
-        if not isinstance(self.requires, tuple) or self.id in self.requires:
-            problems.append(f"requires {self.requires!r} must be a tuple of other patch ids")
+        for key in ("requires", "after"):
+            ids = getattr(self, key)
+            if not isinstance(ids, tuple) or self.id in ids or not all(isinstance(i, str) for i in ids):
+                problems.append(f"{key} {ids!r} must be a tuple of other patch ids")
         if problems:
             raise PatchDefinitionError(f"patch {self.id!r}: " + "; ".join(problems))
 

@@ -35,7 +35,48 @@ def load_registry(modules: tuple[str, ...] | None = None) -> list[Patch]:
                     f"patch {p.id!r}: replacement {p.replacement!r} must live in its own module {name}")
             seen[p.id] = name
             out.append(p)
+    check_catalogue(out)
     return out
+
+
+def check_catalogue(patches: list[Patch]) -> None:
+    """What no single record can check: features exist, ``requires`` and ``after`` name earlier
+    records, a required record applies wherever its requirer does (same process, earlier), and
+    the records that wrap one upstream object are in a declared order."""
+    from verl_patches.core.features import FEATURES
+
+    problems = []
+    position = {p.id: i for i, p in enumerate(patches)}
+    by_id = {p.id: p for p in patches}
+    for i, p in enumerate(patches):
+        if p.feature not in FEATURES:
+            problems.append(f"patch {p.id!r}: feature {p.feature!r} is not one of {sorted(FEATURES)} "
+                            "(verl_patches/core/features.py)")
+        for key in ("requires", "after"):
+            for dep in getattr(p, key):
+                if dep not in position:
+                    problems.append(f"patch {p.id!r}: {key} names {dep!r}, which is no patch")
+                elif position[dep] > i:
+                    problems.append(f"patch {p.id!r}: {key} names {dep!r}, which comes later in the catalogue; "
+                                    "move one of them (verl_patches/patches/__init__.py)")
+        for dep in p.requires:
+            q = by_id.get(dep)
+            if q is None:
+                continue
+            phases = set(p.phases) - set(q.phases)
+            if phases:
+                problems.append(f"patch {p.id!r} requires {dep!r}, which is not applied in {sorted(phases)}")
+            if q.platforms is not None and (p.platforms is None or set(p.platforms) - set(q.platforms)):
+                problems.append(f"patch {p.id!r} requires {dep!r}, which applies only on {list(q.platforms)}")
+    earlier: dict[str, list[Patch]] = {}
+    for p in patches:
+        for q in earlier.get(p.target, []):
+            if q.id not in p.requires + p.after:
+                problems.append(f"patches {q.id!r} and {p.id!r} both wrap {p.target}: {p.id!r} must list "
+                                f"{q.id!r} in after= (or requires=) to declare the wrapping order")
+        earlier.setdefault(p.target, []).append(p)
+    if problems:
+        raise PatchDefinitionError("the patch catalogue is inconsistent:\n  " + "\n  ".join(problems))
 
 
 def get_patch(patch_id: str) -> Patch:

@@ -22,6 +22,7 @@ def quantize_param_shard(model_params, main_params, start_offsets, data_parallel
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.megatron.fp8_quantize_without_te",
         target="megatron.core.fp8_utils:quantize_param_shard",
         kind="replace",

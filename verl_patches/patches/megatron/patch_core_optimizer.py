@@ -138,6 +138,7 @@ def wrap_get_megatron_optimizer(original: Callable[..., Any]) -> Callable[..., A
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.megatron.optimizer_on_host",
         target="megatron.core.optimizer:get_megatron_optimizer",
         kind="wrap",

@@ -78,7 +78,8 @@ def wrap_load_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
-        id="megatron.optimizer.param_groups_by_key",
+        feature="checkpoint",
+        id="megatron.optimizer.param_groups_by_key", upstream_ref="https://github.com/NVIDIA/Megatron-LM/issues/1515",
         target="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict",
         kind="wrap",
         phases=("worker",),

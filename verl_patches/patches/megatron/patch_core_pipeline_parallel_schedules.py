@@ -28,6 +28,7 @@ def wrap_get_forward_backward_func(original: Callable[..., Any]) -> Callable[...
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.megatron.schedules_on_host",
         target="megatron.core.pipeline_parallel.schedules:get_forward_backward_func",
         kind="wrap",

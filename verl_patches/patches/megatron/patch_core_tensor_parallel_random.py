@@ -22,6 +22,7 @@ def set_cuda_rng_state(new_state, device=-1, graph_safe=False):
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.megatron.rng_tracker_set_state",
         target="megatron.core.tensor_parallel.random:_set_cuda_rng_state",
         kind="replace",

@@ -23,6 +23,7 @@ def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.megatron.moe_host_split_sizes",
         target="megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
         kind="replace",

@@ -39,6 +39,7 @@ def wrap_routing(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="fixed_routing",
         id="megatron.fixed_routing.router",
         target="megatron.core.transformer.moe.router:TopKRouter.routing",
         kind="wrap",

@@ -27,6 +27,7 @@ def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.megatron.shared_experts_host_stream",
         target="megatron.core.transformer.moe.shared_experts:SharedExpertMLP.__init__",
         kind="wrap",

@@ -29,6 +29,7 @@ def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.megatron.alltoall_dispatcher_host_stream",
         target="megatron.core.transformer.moe.token_dispatcher:MoEAlltoAllTokenDispatcher.__init__",
         kind="wrap",

@@ -43,6 +43,7 @@ def wrap_get_num_layers_to_build(original: Callable[..., Any]) -> Callable[..., 
 
 PATCHES = [
     Patch(
+        feature="model_layout",
         id="megatron.num_layer_list.layers_to_build",
         target="megatron.core.transformer.transformer_block:get_num_layers_to_build",
         kind="wrap",

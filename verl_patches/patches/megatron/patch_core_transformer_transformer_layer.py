@@ -34,7 +34,8 @@ def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[
 
 PATCHES = [
     Patch(
-        id="megatron.num_layer_list.layer_offset",
+        feature="model_layout",
+        id="megatron.num_layer_list.layer_offset", requires=("megatron.num_layer_list.layers_to_build",),
         target="megatron.core.transformer.transformer_layer:get_transformer_layer_offset",
         kind="wrap",
         phases=("worker",),

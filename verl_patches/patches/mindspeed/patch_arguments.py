@@ -42,6 +42,7 @@ def wrap_process_args(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="model_layout",
         id="mindspeed.recipe_megatron_args",
         target="mindspeed.arguments:process_args",
         kind="wrap",

@@ -40,7 +40,7 @@ _REMOVE = "megatron-core takes its device and streams from an accelerator abstra
 
 
 def _record(name: str, signature: str, sha: str, what: str) -> Patch:
-    return Patch(id=f"cpu.torch.cuda_{name}", target=f"torch.cuda:{name}", kind="replace", phases=("worker",),
+    return Patch(feature="cpu_platform", id=f"cpu.torch.cuda_{name}", target=f"torch.cuda:{name}", kind="replace", phases=("worker",),
                  upstream="torch", versions="==2.5.1", fingerprint=Fingerprint(signature, sha),
                  replacement=f"{__name__}:{name}", flag="the CPU platform (no accelerator)",
                  why=_WHY.format(what=what), remove_when=_REMOVE, platforms=("cpu",))

@@ -34,7 +34,7 @@ def manual_seed(seed):
 
 
 def _record(name: str, signature: str, sha: str) -> Patch:
-    return Patch(id=f"cpu.torch.cuda_{name}", target=f"torch.cuda.random:{name}", kind="replace",
+    return Patch(feature="cpu_platform", id=f"cpu.torch.cuda_{name}", target=f"torch.cuda.random:{name}", kind="replace",
                  phases=("worker",), upstream="torch", versions="==2.5.1", fingerprint=Fingerprint(signature, sha),
                  replacement=f"{__name__}:{name}", flag="the CPU platform (no accelerator)",
                  why="megatron-core's RNG tracker reads and sets the CUDA generator whatever the device, which "

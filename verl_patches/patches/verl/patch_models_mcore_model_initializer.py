@@ -22,6 +22,7 @@ def get_transformer_layer_spec(self):
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.verl.deepseek_v3_host_layer_spec",
         target="verl.models.mcore.model_initializer:DeepseekV3Model.get_transformer_layer_spec",
         kind="replace",

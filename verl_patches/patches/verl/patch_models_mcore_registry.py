@@ -36,6 +36,7 @@ def wrap_hf_to_mcore_config(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="model_layout",
         id="verl.mcore_config.deepseek_v3",
         target="verl.models.mcore.registry:hf_to_mcore_config",
         kind="wrap",

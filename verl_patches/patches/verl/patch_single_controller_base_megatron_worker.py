@@ -145,6 +145,7 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
 
 PATCHES = [
     Patch(
+        feature="model_layout",
         id="verl.recipe_megatron.binding",
         target="verl.single_controller.base.megatron.worker:MegatronWorker._init_hf_config_and_tf_config",
         kind="wrap",

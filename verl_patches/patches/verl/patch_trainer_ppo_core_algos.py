@@ -53,6 +53,7 @@ def wrap_compute_policy_loss(original: Callable[..., Any]) -> Callable[..., Any]
 
 PATCHES = [
     Patch(
+        feature="old_log_prob_reuse",
         id="verl.old_log_prob.policy_loss",
         target="verl.trainer.ppo.core_algos:compute_policy_loss",
         kind="wrap",

@@ -270,6 +270,7 @@ def wrap_init_workers_tensor_cache(original: Callable[..., Any]) -> Callable[...
 
 PATCHES = [
     Patch(
+        feature="tensor_cache",
         id="verl.tensor_cache.driver",
         target="verl.trainer.ppo.ray_trainer:RayPPOTrainer.init_workers", kind="wrap", phases=("driver",),
         upstream="verl", versions="==0.4.1", fingerprint=_INIT_WORKERS_FP,
@@ -282,6 +283,7 @@ PATCHES = [
                     "tensors between worker groups instead of through the driver).",
     ),
     Patch(
+        feature="old_log_prob_reuse",
         id="verl.old_log_prob.skip_forward",
         target="verl.trainer.ppo.ray_trainer:RayPPOTrainer.fit", kind="wrap", phases=("driver",),
         upstream="verl", versions="==0.4.1", fingerprint=_FIT_FP,

@@ -25,6 +25,7 @@ def reduce_timing(timing_raw):
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.verl.reduce_timing",
         target="verl.utils.debug.performance:reduce_timing",
         kind="replace",

@@ -46,6 +46,7 @@ _REMOVE = "verl's device helpers support a CPU device (gloo, a torch.cpu with th
 
 PATCHES = [
     Patch(
+        feature="cpu_platform",
         id="cpu.verl.dist_backend",
         target="verl.utils.device:get_nccl_backend",
         kind="replace",
@@ -61,6 +62,7 @@ PATCHES = [
         platforms=("cpu",),
     ),
     Patch(
+        feature="cpu_platform",
         id="cpu.verl.device_id",
         target="verl.utils.device:get_device_id",
         kind="replace",
@@ -76,6 +78,7 @@ PATCHES = [
         platforms=("cpu",),
     ),
     Patch(
+        feature="cpu_platform",
         id="cpu.verl.device_module",
         target="verl.utils.device:get_torch_device",
         kind="replace",

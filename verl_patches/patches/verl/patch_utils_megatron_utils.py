@@ -58,6 +58,7 @@ def wrap_init_megatron_optim_config(original: Callable[..., Any]) -> Callable[..
 
 PATCHES = [
     Patch(
+        feature="model_layout",
         id="verl.num_layer_list.layer_offset",
         target="verl.utils.megatron_utils:get_transformer_layer_offset",
         kind="wrap",
@@ -74,6 +75,7 @@ PATCHES = [
         remove_when="verl derives the offset from megatron's own layout (or passes a per-stage layer list).",
     ),
     Patch(
+        feature="model_layout",
         id="verl.optim.adam_betas",
         target="verl.utils.megatron_utils:init_megatron_optim_config",
         kind="wrap",

@@ -43,6 +43,7 @@ def wrap_load_mcore_dist_weights(original: Callable[..., Any]) -> Callable[..., 
 
 PATCHES = [
     Patch(
+        feature="checkpoint",
         id="verl.model.expert_bias_fp32_load",
         target="verl.utils.model:load_mcore_dist_weights",
         kind="wrap",

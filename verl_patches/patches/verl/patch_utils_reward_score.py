@@ -37,6 +37,7 @@ def wrap_default_compute_score(original: Callable[..., Any]) -> Callable[..., An
 
 PATCHES = [
     Patch(
+        feature="reward",
         id="verl.reward_score.deepscaler",
         target="verl.utils.reward_score:default_compute_score",
         kind="wrap",

@@ -66,6 +66,7 @@ _COMMON = dict(kind="wrap", phases=("driver",), upstream="verl", versions="==0.4
 
 PATCHES = [
     Patch(
+        feature="observability",
         id="verl.tracking.report_init",
         target="verl.utils.tracking:Tracking.__init__",
         fingerprint=Fingerprint("def __init__(self, project_name, experiment_name, default_backend: Union[str, "
@@ -76,6 +77,7 @@ PATCHES = [
         **_COMMON,
     ),
     Patch(
+        feature="observability",
         id="verl.tracking.report",
         target="verl.utils.tracking:Tracking.log",
         fingerprint=Fingerprint("def log(self, data, step, backend=None)", "67d78900cdce5f62"),

@@ -76,7 +76,8 @@ _COMMON = dict(kind="wrap", phases=("worker",), upstream="verl", versions="==0.4
 
 PATCHES = [
     Patch(
-        id="verl.old_log_prob.minibatch",
+        feature="old_log_prob_reuse",
+        id="verl.old_log_prob.minibatch", requires=("verl.old_log_prob.policy_loss",),
         target="verl.workers.actor.megatron_actor:MegatronPPOActor.make_minibatch_iterator",
         fingerprint=Fingerprint(signature="def make_minibatch_iterator(self, data: DataProto) -> Iterable[DataProto]",
                                 source_sha="51133b35874dbcb5"),
@@ -88,7 +89,8 @@ PATCHES = [
         **_COMMON,
     ),
     Patch(
-        id="verl.old_log_prob.update_policy",
+        feature="old_log_prob_reuse",
+        id="verl.old_log_prob.update_policy", requires=("verl.old_log_prob.policy_loss", "verl.old_log_prob.minibatch"),
         target="verl.workers.actor.megatron_actor:MegatronPPOActor.update_policy",
         fingerprint=Fingerprint(signature="def update_policy(self, dataloader: Iterable[DataProto]) -> Dict",
                                 source_sha="64d3665802aee83a"),

@@ -452,6 +452,7 @@ _COMMON_OWN = dict(kind="wrap", phases=("worker",), upstream="verl", versions="=
 
 PATCHES = [
     Patch(
+        feature="tensor_cache",
         id="verl.tensor_cache.generate",
         target=_W + "generate_sequences",
         fingerprint=Fingerprint(signature="def generate_sequences(self, prompts: DataProto)", source_sha="9f3b8f496926ac8f"),
@@ -461,6 +462,7 @@ PATCHES = [
         **_COMMON,
     ),
     Patch(
+        feature="tensor_cache",
         id="verl.tensor_cache.compute_log_prob",
         target=_W + "compute_log_prob",
         fingerprint=Fingerprint(signature="def compute_log_prob(self, data: DataProto)", source_sha="46d3720f4e27860a"),
@@ -470,6 +472,7 @@ PATCHES = [
         **_COMMON,
     ),
     Patch(
+        feature="tensor_cache",
         id="verl.tensor_cache.compute_ref_log_prob",
         target=_W + "compute_ref_log_prob",
         fingerprint=Fingerprint(signature="def compute_ref_log_prob(self, data: DataProto)", source_sha="410e0c571e22e384"),
@@ -478,6 +481,7 @@ PATCHES = [
         **_COMMON,
     ),
     Patch(
+        feature="tensor_cache",
         id="verl.tensor_cache.update_actor",
         target=_W + "update_actor",
         fingerprint=Fingerprint(signature="def update_actor(self, data: DataProto)", source_sha="f8b46c040fd851f0"),
@@ -487,6 +491,7 @@ PATCHES = [
         **_COMMON,
     ),
     Patch(
+        feature="model_layout",
         id="verl.megatron_worker.ref_shares_actor_groups",
         target=_W + "init_model",
         fingerprint=Fingerprint(signature="def init_model(self)", source_sha="b43dfa697a54895c"),
@@ -502,7 +507,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.offload_init",
+        feature="switch",
+        id="verl.megatron_worker.offload_init", after=("verl.megatron_worker.ref_shares_actor_groups",),
         target=_W + "init_model",
         fingerprint=Fingerprint(signature="def init_model(self)", source_sha="b43dfa697a54895c"),
         replacement=f"{__name__}:wrap_init_model_offload",
@@ -515,7 +521,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.update_offload",
+        feature="switch",
+        id="verl.megatron_worker.update_offload", after=("verl.tensor_cache.update_actor",),
         target=_W + "update_actor",
         fingerprint=Fingerprint(signature="def update_actor(self, data: DataProto)", source_sha="f8b46c040fd851f0"),
         replacement=f"{__name__}:wrap_update_actor_offload",
@@ -527,7 +534,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.generate_offload",
+        feature="switch",
+        id="verl.megatron_worker.generate_offload", after=("verl.tensor_cache.generate",),
         target=_W + "generate_sequences",
         fingerprint=Fingerprint(signature="def generate_sequences(self, prompts: DataProto)", source_sha="9f3b8f496926ac8f"),
         replacement=f"{__name__}:wrap_generate_sequences_offload",
@@ -539,7 +547,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.log_prob_onload",
+        feature="switch",
+        id="verl.megatron_worker.log_prob_onload", after=("verl.tensor_cache.compute_log_prob",),
         target=_W + "compute_log_prob",
         fingerprint=Fingerprint(signature="def compute_log_prob(self, data: DataProto)", source_sha="46d3720f4e27860a"),
         replacement=f"{__name__}:wrap_compute_log_prob_offload",
@@ -550,7 +559,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.ref_offload",
+        feature="switch",
+        id="verl.megatron_worker.ref_offload", after=("verl.tensor_cache.compute_ref_log_prob",),
         target=_W + "compute_ref_log_prob",
         fingerprint=Fingerprint(signature="def compute_ref_log_prob(self, data: DataProto)", source_sha="410e0c571e22e384"),
         replacement=f"{__name__}:wrap_compute_ref_log_prob_offload",
@@ -561,6 +571,7 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
+        feature="switch",
         id="verl.megatron_worker.save_checkpoint_onload",
         target=_W + "save_checkpoint",
         fingerprint=Fingerprint(signature="def save_checkpoint(self, checkpoint_path, hdfs_path=None, global_step=0, "
@@ -573,6 +584,7 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
+        feature="switch",
         id="verl.megatron_worker.load_checkpoint_onload",
         target=_W + "load_checkpoint",
         fingerprint=Fingerprint(signature="def load_checkpoint(self, checkpoint_path, hdfs_path=None, "
@@ -584,7 +596,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.rollout_rng_save",
+        feature="checkpoint",
+        id="verl.megatron_worker.rollout_rng_save", after=("verl.megatron_worker.save_checkpoint_onload",),
         target=_W + "save_checkpoint",
         fingerprint=Fingerprint(signature="def save_checkpoint(self, checkpoint_path, hdfs_path=None, global_step=0, "
                                           "max_ckpt_to_keep=None)", source_sha="e3c3ea587fd6141e"),
@@ -596,7 +609,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.rollout_rng_load",
+        feature="checkpoint",
+        id="verl.megatron_worker.rollout_rng_load", requires=("verl.megatron_worker.rollout_rng_save",), after=("verl.megatron_worker.load_checkpoint_onload",),
         target=_W + "load_checkpoint",
         fingerprint=Fingerprint(signature="def load_checkpoint(self, checkpoint_path, hdfs_path=None, "
                                           "del_local_after_load=True)", source_sha="34a4720a7cba80e9"),
@@ -608,6 +622,7 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
+        feature="rollout_engine",
         id="verl.megatron_worker.build_rollout_compile",
         target=_W + "_build_rollout",
         fingerprint=Fingerprint(signature="def _build_rollout(self, trust_remote_code=False)", source_sha="b1844e84e961641b"),
@@ -620,7 +635,8 @@ PATCHES = [
         **_COMMON_OWN,
     ),
     Patch(
-        id="verl.megatron_worker.generate_compile",
+        feature="rollout_engine",
+        id="verl.megatron_worker.generate_compile", after=("verl.tensor_cache.generate", "verl.megatron_worker.generate_offload"),
         target=_W + "generate_sequences",
         fingerprint=Fingerprint(signature="def generate_sequences(self, prompts: DataProto)", source_sha="9f3b8f496926ac8f"),
         replacement=f"{__name__}:wrap_generate_sequences_compile",

@@ -166,6 +166,7 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
 
 PATCHES = [
     Patch(
+        feature="rollout_engine",
         id="verl.vllm_rollout.recipe_engine",
         target="verl.workers.rollout.vllm_rollout.vllm_rollout_spmd:vLLMRollout.__init__",
         kind="replace",

@@ -156,6 +156,7 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="reshard",
         id="verl.sharding_manager.reshard",
         target="verl.workers.sharding_manager.megatron_vllm:MegatronVLLMShardingManager.__enter__",
         kind="wrap",

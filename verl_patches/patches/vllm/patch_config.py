@@ -33,6 +33,7 @@ def wrap_has_unfinished_dp(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="dp_domain",
         id="vllm.dp_sync.unfinished_on_device",
         target="vllm.config:ParallelConfig.has_unfinished_dp",
         kind="wrap",

@@ -48,6 +48,7 @@ def wrap_initialize_model_parallel(original: Callable[..., Any]) -> Callable[...
 
 PATCHES = [
     Patch(
+        feature="dp_domain",
         id="vllm.parallel_state.dp_domain",
         target="vllm.distributed.parallel_state:initialize_model_parallel",
         kind="wrap",

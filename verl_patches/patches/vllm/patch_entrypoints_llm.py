@@ -93,6 +93,7 @@ _LLM_GENERATE_SIGNATURE = (
 
 PATCHES = [
     Patch(
+        feature="switch",
         id="vllm.llm.sleep_to_offload",
         target="vllm.entrypoints.llm:LLM.sleep",
         kind="wrap",
@@ -108,7 +109,8 @@ PATCHES = [
         remove_when=_REMOVE,
     ),
     Patch(
-        id="vllm.llm.wake_up_to_onload",
+        feature="switch",
+        id="vllm.llm.wake_up_to_onload", requires=("vllm.llm.sleep_to_offload",),
         target="vllm.entrypoints.llm:LLM.wake_up",
         kind="wrap",
         phases=("worker",),
@@ -125,6 +127,7 @@ PATCHES = [
     ),
     # CPU platform: vLLM built for no device has no forward kernels (verl_patches/cpu/engine.py).
     Patch(
+        feature="cpu_platform",
         id="cpu.vllm.llm_engine",
         target="vllm.entrypoints.llm:LLM.__init__",
         kind="replace",
@@ -143,6 +146,7 @@ PATCHES = [
         platforms=("cpu",),
     ),
     Patch(
+        feature="cpu_platform",
         id="cpu.vllm.llm_generate",
         target="vllm.entrypoints.llm:LLM.generate",
         kind="replace",

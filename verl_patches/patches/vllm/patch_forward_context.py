@@ -32,6 +32,7 @@ def wrap_num_tokens_across_dp(original: Callable[..., Any]) -> Callable[..., Any
 
 PATCHES = [
     Patch(
+        feature="dp_domain",
         id="vllm.dp_sync.tokens_on_device",
         target="vllm.forward_context:DPMetadata.num_tokens_across_dp",
         kind="wrap",

@@ -35,6 +35,7 @@ def wrap_select_experts(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="fixed_routing",
         id="vllm.fixed_routing.select_experts",
         target="vllm.model_executor.layers.fused_moe.layer:FusedMoE.select_experts",
         kind="wrap",

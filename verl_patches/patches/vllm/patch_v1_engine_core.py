@@ -53,6 +53,7 @@ def wrap_initialize_kv_caches(original: Callable[..., Any]) -> Callable[..., Any
 
 PATCHES = [
     Patch(
+        feature="switch",
         id="vllm.engine_core.keep_kv_cache_configs",
         target="vllm.v1.engine.core:EngineCore._initialize_kv_caches",
         kind="wrap",

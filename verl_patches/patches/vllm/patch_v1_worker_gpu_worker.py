@@ -51,6 +51,7 @@ REMOVE_WHEN = ("vLLM (and vLLM-Ascend) can release and re-map the weights and th
 
 PATCHES = [
     Patch(
+        feature="graph_safe_switch",
         id="vllm.worker.stable_regions",
         target="vllm.v1.worker.gpu_worker:Worker.load_model",
         kind="wrap",
@@ -65,6 +66,7 @@ PATCHES = [
         platforms=("cuda",),
     ),
     Patch(
+        feature="graph_safe_switch",
         id="vllm.worker.stable_kv_cache_region",
         target="vllm.v1.worker.gpu_worker:Worker.initialize_from_config",
         kind="wrap",

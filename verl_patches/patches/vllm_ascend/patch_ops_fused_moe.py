@@ -42,6 +42,7 @@ def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES = [
     Patch(
+        feature="fixed_routing",
         id="vllm_ascend.fixed_routing.force_load_balance",
         target="vllm_ascend.ops.fused_moe:AscendFusedMoE.forward",
         kind="wrap",

@@ -51,6 +51,7 @@ def wrap_get_forward_metadata_across_dp(original: Callable[..., Any]) -> Callabl
 
 PATCHES = [
     Patch(
+        feature="dp_domain",
         id="vllm_ascend.dp_sync.forward_metadata_on_device",
         target="vllm_ascend.worker.model_runner_v1:NPUModelRunner._get_forward_metadata_across_dp",
         kind="wrap",

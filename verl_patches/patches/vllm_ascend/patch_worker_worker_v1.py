@@ -41,6 +41,7 @@ def wrap_initialize_from_config(original: Callable[..., Any]) -> Callable[..., A
 
 PATCHES = [
     Patch(
+        feature="graph_safe_switch",
         id="vllm_ascend.worker.stable_regions",
         target="vllm_ascend.worker.worker_v1:NPUWorker.load_model",
         kind="wrap",
@@ -55,6 +56,7 @@ PATCHES = [
         platforms=("npu",),
     ),
     Patch(
+        feature="graph_safe_switch",
         id="vllm_ascend.worker.stable_kv_cache_region",
         target="vllm_ascend.worker.worker_v1:NPUWorker.initialize_from_config",
         kind="wrap",

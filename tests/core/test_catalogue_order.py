@@ -1,0 +1,82 @@
+"""Features, dependencies and wrapping order between patch records: the registry refuses an
+inconsistent catalogue, and the applier refuses a patch whose requirements are not in place."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.fixtures import fixture_patches as fx
+from verl_patches.core import apply as A
+from verl_patches.core.record import Patch, PatchDefinitionError
+from verl_patches.core.registry import check_catalogue, load_registry
+
+
+def _rec(pid: str, **over) -> Patch:
+    return fx.make(pid, "tests.fixtures.fixture_patches", **over)
+
+
+def test_the_real_catalogue_is_consistent_and_every_record_has_a_feature():
+    patches = load_registry()  # runs check_catalogue
+    assert all(p.feature for p in patches)
+    # Every method wrapped by several records has a declared order.
+    by_target: dict[str, list[Patch]] = {}
+    for p in patches:
+        by_target.setdefault(p.target, []).append(p)
+    chains = [ps for ps in by_target.values() if len(ps) > 1]
+    assert chains and all(set(q.id for q in ps[:-1]) <= set(ps[-1].after + ps[-1].requires) for ps in chains)
+
+
+@pytest.mark.parametrize("records,expected", [
+    ([_rec("a", feature="no_such_feature")], "feature 'no_such_feature' is not one of"),
+    ([_rec("a", requires=("ghost",))], "requires names 'ghost', which is no patch"),
+    ([_rec("a", after=("b",)), _rec("b", after=())], "after names 'b', which comes later"),
+    ([_rec("b", phases=("driver",)), _rec("a", phases=("driver", "worker"), requires=("b",), after=())],
+     "requires 'b', which is not applied in ['worker']"),
+    ([_rec("b", platforms=("npu",)), _rec("a", requires=("b",), after=())], "which applies only on ['npu']"),
+    ([_rec("b", after=()), _rec("a", after=())], "must list 'b' in after="),
+])
+def test_an_inconsistent_catalogue_is_refused_naming_the_problem(records, expected):
+    with pytest.raises(PatchDefinitionError, match=None) as e:
+        check_catalogue(records)
+    assert expected in str(e.value)
+
+
+def test_a_record_without_a_feature_or_with_bad_dependencies_is_refused():
+    with pytest.raises(PatchDefinitionError, match="feature is required"):
+        _rec("a", feature="")
+    with pytest.raises(PatchDefinitionError, match="requires"):
+        _rec("a", requires=("a",))
+    with pytest.raises(PatchDefinitionError, match="after"):
+        _rec("a", after=["b"])
+
+
+def test_the_applier_refuses_a_patch_whose_requirement_was_not_applied_and_binds_nothing():
+    import verl.utils.reward_score as rs
+
+    before = rs.default_compute_score
+    needs = dataclasses.replace(fx.GOOD, id="fixture.needs_good", requires=(fx.GOOD.id,), after=())
+    with pytest.raises(A.PatchError, match=r"requires \['fixture.count_calls'\], not applied in this process"):
+        A.apply_one(needs)
+    assert rs.default_compute_score is before
+    try:
+        assert A.apply_one(fx.GOOD) and A.apply_one(needs)
+        # Undo in reverse order restores the original exactly.
+    finally:
+        A.undo([needs.id, fx.GOOD.id])
+    assert rs.default_compute_score is before
+
+
+def test_the_applier_refuses_to_wrap_inside_out():
+    import verl.utils.reward_score as rs
+
+    before = rs.default_compute_score
+    outer = dataclasses.replace(fx.GOOD, id="fixture.outer", after=(fx.GOOD.id,))
+    try:
+        assert A.apply_one(outer)
+        with pytest.raises(A.PatchError, match=r"must be applied before \['fixture.outer'\]"):
+            A.apply_one(fx.GOOD)
+    finally:
+        A.undo([outer.id])
+    assert rs.default_compute_score is before
