@@ -11,7 +11,7 @@ Methods, same tensors, side by side after warm-up (medians of --reps):
   pinned    : ceiling: one copy_ between one device buffer and one pinned buffer of the same bytes
 Then ours vs baseline schedule on a die-ratio model: ledger peak and allocator peak.
 Then graph mode's cost: release + allocate per GiB in an address-stable region (the backend of
-verl_patches.accelerator.stable_memory()) against today's storage resize, and the same switch
+verl_patches.stable_memory()) against today's storage resize, and the same switch
 schedule with the rollout weights and KV cache in regions vs resized: the share of one switch
 their release + allocate take, and the switch's peak device memory as the driver sees it.
 
@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from verl_patches import accelerator  # noqa: E402
+from verl_patches.offload.stable import stable_memory  # noqa: E402
 from verl_patches.offload import (HostBufferPool, MemoryLedger, OffloadEngine, Region, TensorGroup,  # noqa: E402
                                   baseline, ours)
 
@@ -255,7 +256,7 @@ def bench_release_allocate(nbytes: int, reps: int, pieces: int = 16) -> dict:
     allocator's cached blocks, and after empty_cache, as the switch empties it) vs an
     address-stable region (allocate alone, and allocate + zero as the KV cache does)."""
     dev = accelerator.current_device()
-    backend, why = accelerator.stable_memory()
+    backend, why = stable_memory()
     sizes = [nbytes // pieces] * pieces
     out: dict = {"bytes": nbytes, "backend": backend.name if backend else None, "backend_reason": why}
 
@@ -301,7 +302,7 @@ def bench_switch_regions(unit_bytes: int, iterations: int = 3) -> dict:
     (everything but generation, reference forward and update), and the peak device memory the
     driver reports after each step (with freed cached blocks returned, so both paths are comparable)."""
     dev = accelerator.current_device()
-    backend, why = accelerator.stable_memory()
+    backend, why = stable_memory()
     ratio = {"train_params": 5.2, "grads": 10.4, "optimizer": 3.9, "ref_params": 5.2,
              "rollout_weights": 23.0, "kv_cache": 30.0}
     ours_steps = ("alloc_rollout_weights", "init_kv_cache", "free_kv_cache", "release_rollout_weights")

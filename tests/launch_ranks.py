@@ -1,4 +1,4 @@
-"""Per-rank bodies for test_dist.py (next to it): spawned processes import them by name."""
+"""Per-rank bodies for test_launch.py (next to it): spawned processes import them by name."""
 
 from __future__ import annotations
 

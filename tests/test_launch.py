@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from verl_patches import ports
-from verl_patches.testing import dist as rd
+from verl_patches import launch as rd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the bodies by name
-from dist_ranks import echo, one_rank_raises, one_rank_sleeps  # noqa: E402
+from launch_ranks import echo, one_rank_raises, one_rank_sleeps  # noqa: E402
 
 
 def test_results_come_back_by_rank():

@@ -87,8 +87,8 @@ def test_sigterm_to_the_preflight_parent_stops_every_rank(tmp_path):
 
 def _runner(tmp_path: Path) -> subprocess.Popen:
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from dist_ranks import report_pid_and_wait\n"
-            "from verl_patches.testing.dist import run_distributed\n"
+            "from launch_ranks import report_pid_and_wait\n"
+            "from verl_patches.launch import run_distributed\n"
             "run_distributed(report_pid_and_wait, 2, %r, timeout=600)\n") % (str(HERE), str(tmp_path))
     return subprocess.Popen([sys.executable, "-c", code], env=_env(), cwd=str(REPO),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -291,12 +291,3 @@ def describe() -> dict[str, Any]:
         out["device_count"] = int(mod.device_count())
         out["device_name"] = str(mod.get_device_name(mod.current_device()))
     return out
-
-
-def stable_memory() -> tuple[Any, str]:
-    """The address-stable allocator graph mode needs (verl_patches.offload.stable), or None, and a
-    sentence saying which one or why none: torch_memory_saver or vLLM's CuMemAllocator on CUDA,
-    vLLM-Ascend's CaMemAllocator on NPU, none on CPU. One per process."""
-    from verl_patches.offload.stable import select
-
-    return select(device_type())

@@ -17,7 +17,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
 RUN_CONFIGS = ("deepseekv3_256die_random_init", "deepseekv3_256die_true_weight")
-RESHARD_METHODS = ("direct", "recipe", "upstream")
 # The one section that holds the recipe's own keys (configs/README.md).
 RECIPE_SECTION = "actor_rollout_ref.rollout.recipe"
 

@@ -67,7 +67,7 @@ def transformer_configs(configs):
 
     from verl_patches.core import apply as ap
     from verl_patches.patches.verl.patch_models_mcore_registry import PATCHES as ROUTING
-    from verl_patches.testing.dist import free_port
+    from verl_patches.launch import free_port
 
     hf = AutoConfig.for_model(**RC.load_model_config(RC.DEFAULT_MODEL_CONFIG))
     ours = not dist.is_initialized()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from verl_patches.reshard.baselines import recipe_stats, upstream_stats
-from verl_patches.reshard.selfcheck import check_plans, make_plan
-from verl_patches.testing.dist import run_distributed
+from verl_patches.testing.selfcheck import check_plans, make_plan
+from verl_patches.launch import run_distributed
 
 MODEL = json.loads((Path(__file__).resolve().parents[2] / "configs/model/tiny_deepseek_v3.json").read_text())
 W = 8

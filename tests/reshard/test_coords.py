@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from verl_patches.reshard.layout import RolloutLayout, rollout_coords, train_coords, vllm_expert_range
-from verl_patches.testing.dist import run_distributed
+from verl_patches.launch import run_distributed
 
-from verl_patches.reshard.groupcheck import upstream_groups
+from verl_patches.testing.groupcheck import upstream_groups
 
 W = 8
 MCASES = [(2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4), (1, 2, 4)]

@@ -11,7 +11,8 @@ import pytest
 
 from verl_patches.reshard.cli import main as plan_main
 from verl_patches.reshard.layout import LayoutError, ModelConfig, RolloutLayout, TrainLayout, build_placements
-from verl_patches.reshard.planner import build_plan, split_box
+from verl_patches.reshard.box import split_box
+from verl_patches.reshard.planner import build_plan
 from verl_patches.reshard.summary import plan_summaries
 
 REPO = Path(__file__).resolve().parents[2]

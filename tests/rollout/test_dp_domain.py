@@ -13,7 +13,7 @@ import torch
 from verl_patches.rollout.dp_domain import (DOMAIN_ENV, DPDomainError, DPSpec, check_vllm_config, check_vllm_groups,
                                             derive_dp_domain, master_addr_of)
 from verl_patches.rollout.dp_sync import FLAG_ENV, dp_sync_on_device
-from verl_patches.testing.dist import free_port_block, run_distributed
+from verl_patches.launch import free_port_block, run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
 from dp_domain_ranks import setup_free_then_taken  # noqa: E402

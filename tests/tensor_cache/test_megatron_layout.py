@@ -5,7 +5,7 @@ import pytest
 
 import tc_workers  # noqa: F401  (tests/tensor_cache is put on sys.path below)
 
-from verl_patches.testing.dist import run_distributed
+from verl_patches.launch import run_distributed
 
 
 WORLD, TP, PP, BATCH = 8, 2, 2, 32

@@ -1,7 +1,7 @@
 """Address-stable device memory for graph mode: tagged regions whose physical memory is given back
 and mapped again at the same virtual addresses, over the platforms' maintained allocators.
 
-Backends (chosen by verl_patches.accelerator.stable_memory(); docs/GRAPH_MODE.md says why):
+Backends (chosen by stable_memory() below; docs/GRAPH_MODE.md says why):
 - CUDA: torch_memory_saver (its in-process "torch" hook mode: a pluggable allocator behind a
   torch MemPool per tag), else vLLM's own sleep-mode CuMemAllocator where a CUDA build of vLLM
   ships its cumem extension;
@@ -214,6 +214,13 @@ def _camem() -> tuple[StableBackend | None, str]:
         return None, "vLLM-Ascend was built without its vllm_ascend_C extension (CaMemAllocator unavailable)"
     return (VmmAllocatorBackend("vllm_ascend_camem", camem, camem.CaMemAllocator.get_instance()),
             "vLLM-Ascend's CaMemAllocator (ACL virtual memory): unmap / map per tag")
+
+
+def stable_memory() -> tuple[StableBackend | None, str]:
+    """The address-stable allocator graph mode needs on this process's accelerator, or None, and a
+    sentence saying which one or why none: torch_memory_saver or vLLM's CuMemAllocator on CUDA,
+    vLLM-Ascend's CaMemAllocator on NPU, none on CPU. One per process."""
+    return select(accelerator.device_type())
 
 
 def select(device_type: str) -> tuple[StableBackend | None, str]:

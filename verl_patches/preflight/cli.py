@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_patches.core.lock import REPO_ROOT
+from verl_patches.reshard.methods import METHODS
 
 MODELS = {"tiny": REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json",
           "deepseek_v3": REPO_ROOT / "configs" / "model" / "deepseek_v3.json"}
@@ -49,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--model", default="tiny", help="tiny | deepseek_v3 | PATH to a HF config.json")
     p.add_argument("--train", default=None, help="e.g. tp=2,pp=2,ep=2,layers=1,3")
     p.add_argument("--rollout", default=None, help="e.g. tp=2,dp=4[,instances=1]")
-    p.add_argument("--method", default="all", choices=("direct", "recipe", "upstream", "all"))
+    p.add_argument("--method", default="all", choices=(*METHODS, "all"))
     p.add_argument("--steps", type=int, default=2, help="switch iterations per method (>= 2 to check leaks)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -122,7 +123,7 @@ def _options(a: argparse.Namespace, world: int) -> Any:
             corrupt = (int(r), name, m)
         except ValueError:
             raise PreflightInputError(f"--corrupt {a.corrupt!r}: expected RANK:PARAM:METHOD") from None
-    methods = ("direct", "recipe", "upstream") if a.method == "all" else (a.method,)
+    methods = METHODS if a.method == "all" else (a.method,)
     check_layouts(model, train, rollout, world)
     n_params = _count_params(model)
     return Options(model=model, train=train, rollout=rollout, methods=methods, steps=a.steps, seed=a.seed,
@@ -365,7 +366,7 @@ def _main(argv: list[str]) -> int:
     print(f"preflight: {world} local processes, backend {a.backend}, model {a.model}, "
           f"train {opts.train}, rollout {opts.rollout}, methods {', '.join(opts.methods)}, steps {opts.steps}",
           flush=True)
-    from verl_patches.testing.dist import run_distributed
+    from verl_patches.launch import run_distributed
 
     results = run_distributed(_rank_entry, world, opts, backend=a.backend,
                               env={"VERL_PATCHES_DEVICE": os.environ["VERL_PATCHES_DEVICE"]}, timeout=3600)

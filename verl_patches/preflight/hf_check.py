@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from verl_patches.preflight.values import box_values
-from verl_patches.reshard.layout import Placements, full_box, hf_expert_names, is_expert_stack
+from verl_patches.reshard.box import full_box
+from verl_patches.reshard.layout import Placements, hf_expert_names, is_expert_stack
 
 
 class LogitCheckError(AssertionError):

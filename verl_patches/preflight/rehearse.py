@@ -15,6 +15,7 @@ import torch.distributed as dist
 from verl_patches import accelerator
 from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
                                   rollout_weights_group, train_params_group)
+from verl_patches.offload.stable import stable_memory
 from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
 from verl_patches.reshard.executor import execute, prepare
 from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
@@ -96,7 +97,7 @@ def _regions(opts: Options, method: str):
 
     if accelerator.device_type() != "cuda":
         raise ValueError(f"--graph-check captures CUDA graphs; this rank's device is {accelerator.device_type()!r}")
-    backend, why = accelerator.stable_memory()
+    backend, why = stable_memory()
     if backend is None:
         from verl_patches.offload.stable import install_hint
 

@@ -20,8 +20,10 @@ import torch.distributed as dist
 
 from verl_patches import accelerator
 from verl_patches.reshard.copyops import copy_into
-from verl_patches.reshard.layout import Logical, Placements, box_numel
-from verl_patches.reshard.planner import Plan, RankStats, _intersect
+from verl_patches.reshard.box import box_numel, intersect
+from verl_patches.reshard.layout import Logical, Placements
+from verl_patches.reshard.planner import Plan, RankStats
+from verl_patches.reshard.stats import ExecStats, zero_padding
 
 # --------------------------------------------------------------------------------------
 # Units: one Megatron parameter of one stage (what upstream iterates over)
@@ -155,9 +157,7 @@ def _stage_shard(P: Placements, G: Any, u: Any, my_stage: int, train: dict[str, 
 
 
 def execute_upstream(plan: Plan, rank: int, train: dict[str, torch.Tensor],
-                     roll: dict[str, torch.Tensor]) -> Any:
-    from verl_patches.reshard.executor import ExecStats, zero_padding
-
+                     roll: dict[str, torch.Tensor]) -> ExecStats:
     P = plan.placements
     G = make_groups(P, rank)
     tc = P.tcoords
@@ -241,7 +241,7 @@ def _expert_exchange(P: Placements, u: Unit, G: Groups, me_idx: int) -> list[lis
         for k, dst in enumerate(G.ep_ranks):
             for rp in _needs(P, dst).get(tid, []):
                 for tp_ in mine:
-                    inter = _intersect(rp.box, tp_.box)
+                    inter = intersect(rp.box, tp_.box)
                     if inter is not None:
                         out[k].append((tid, inter))
     return out
@@ -249,8 +249,6 @@ def _expert_exchange(P: Placements, u: Unit, G: Groups, me_idx: int) -> list[lis
 
 def execute_recipe(plan: Plan, rank: int, train: dict[str, torch.Tensor],
                    roll: dict[str, torch.Tensor]) -> Any:
-    from verl_patches.reshard.executor import ExecStats, zero_padding
-
     P = plan.placements
     G = make_groups(P, rank)
     tc = P.tcoords

@@ -9,33 +9,20 @@ fusion happen in those two copies). Nothing is ever materialised as a full tenso
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from verl_patches import accelerator
 from verl_patches.reshard.copyops import copy_into
-from verl_patches.reshard.layout import Box, Part, Placements
+from verl_patches.reshard.box import Box
+from verl_patches.reshard.layout import Part, Placements
+from verl_patches.reshard.baselines import execute_recipe, execute_upstream
+from verl_patches.reshard.methods import METHODS
 from verl_patches.reshard.planner import Plan, RankProgram, Transfer, rank_program
+from verl_patches.reshard.stats import ExecStats, zero_padding
 
-METHODS = ("direct", "recipe", "upstream")
-
-
-@dataclass
-class ExecStats:
-    """What one rank did: bytes it received / sent over the links, collectives issued, and the
-    largest transient buffer set it held (bytes, counted from the buffers it allocated)."""
-
-    method: str
-    recv_bytes: int = 0
-    sent_bytes: int = 0
-    local_bytes: int = 0
-    collectives: int = 0
-    peak_extra_bytes: int = 0
-    seconds: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _rel(box: Box, part: Part) -> tuple[slice, ...]:
@@ -50,13 +37,13 @@ def _find(parts: list[Part], box: Box) -> Part:
 
 
 def src_view(P: Placements, tr: Transfer, train: dict[str, torch.Tensor]) -> torch.Tensor:
-    part = _find(P.tensors[tr[0]].train, tr[1])
-    return part.slot.view(train[part.slot.name])[_rel(tr[1], part)]
+    part = _find(P.tensors[tr.tensor].train, tr.box)
+    return part.slot.view(train[part.slot.name])[_rel(tr.box, part)]
 
 
 def dst_view(P: Placements, tr: Transfer, roll: dict[str, torch.Tensor]) -> torch.Tensor:
-    part = _find(P.tensors[tr[0]].rollout, tr[1])
-    return part.slot.view(roll[part.slot.name])[_rel(tr[1], part)]
+    part = _find(P.tensors[tr.tensor].rollout, tr.box)
+    return part.slot.view(roll[part.slot.name])[_rel(tr.box, part)]
 
 
 def _shape(box: Box) -> tuple[int, ...]:
@@ -73,12 +60,6 @@ def _program(plan: Plan, rank: int) -> RankProgram:
 def prepare(plan: Plan, rank: int) -> None:
     """Build this rank's transfer program now (plan once per run, outside any timed region)."""
     _program(plan, rank)
-
-
-def zero_padding(P: Placements, rank: int, roll: dict[str, torch.Tensor]) -> None:
-    """vLLM zero-fills the vocab rows past the real vocabulary; do the same (no traffic)."""
-    for slot in P.rollout_zero[rank]:
-        slot.view(roll[slot.name]).zero_()
 
 
 def check_inputs(P: Placements, rank: int, train: dict[str, torch.Tensor],
@@ -109,15 +90,7 @@ def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor],
     if method != "direct" and P.train.expert_storage != "grouped":
         raise ValueError(f"method {method!r} emulates its reference on GroupedMLP storage; this training "
                          f"layout stores experts as {P.train.expert_storage!r}: use method 'direct'")
-    if method == "upstream":
-        from verl_patches.reshard.baselines import execute_upstream
-
-        return execute_upstream(plan, rank, train_shards, rollout_params)
-    if method == "recipe":
-        from verl_patches.reshard.baselines import execute_recipe
-
-        return execute_recipe(plan, rank, train_shards, rollout_params)
-    return _execute_direct(plan, rank, train_shards, rollout_params, group)
+    return _RUNNERS[method](plan, rank, train_shards, rollout_params, group)
 
 
 def pack(plan: Plan, rank: int, bucket: int, train: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -131,8 +104,8 @@ def pack(plan: Plan, rank: int, bucket: int, train: dict[str, torch.Tensor], dty
     sbuf = torch.empty(n_all, dtype=dtype, device=device) if out is None else out[:n_all]
     off = 0
     for tr in send:
-        n = tr[4]
-        copy_into(sbuf[off:off + n].view(_shape(tr[1])), src_view(P, tr, train))
+        n = tr.numel
+        copy_into(sbuf[off:off + n].view(_shape(tr.box)), src_view(P, tr, train))
         off += n
     return sbuf, ssplit
 
@@ -143,8 +116,8 @@ def unpack(plan: Plan, rank: int, bucket: int, rbuf: torch.Tensor, roll: dict[st
     _, _, _, recv = _program(plan, rank).buckets[bucket]
     off = 0
     for tr in recv:
-        n = tr[4]
-        copy_into(dst_view(P, tr, roll), rbuf[off:off + n].view(_shape(tr[1])))
+        n = tr.numel
+        copy_into(dst_view(P, tr, roll), rbuf[off:off + n].view(_shape(tr.box)))
         off += n
 
 
@@ -154,7 +127,7 @@ def copy_local(plan: Plan, rank: int, train: dict[str, torch.Tensor], roll: dict
     n = 0
     for tr in _program(plan, rank).local:
         copy_into(dst_view(P, tr, roll), src_view(P, tr, train))
-        n += tr[4]
+        n += tr.numel
     return n
 
 
@@ -162,12 +135,12 @@ def _local_chunks(local: list[Transfer], n: int) -> list[list[Transfer]]:
     """Local copies cut into n groups of about equal bytes, one issued per bucket so that they
     run while the links are busy."""
     n = max(1, n)
-    total = sum(t[4] for t in local) or 1
+    total = sum(t.numel for t in local) or 1
     out: list[list[Transfer]] = [[] for _ in range(n)]
     acc = 0
     for t in local:
         out[min(n - 1, acc * n // total)].append(t)
-        acc += t[4]
+        acc += t.numel
     return out
 
 
@@ -220,7 +193,16 @@ def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
             copy_into(dst_view(P, tr, roll), src_view(P, tr, train))
     while inflight:
         retire()
-    st.local_bytes = sum(t[4] for t in prog.local) * es
+    st.local_bytes = sum(t.numel for t in prog.local) * es
     accelerator.synchronize()
     st.seconds = time.perf_counter() - t0
     return st
+
+
+# The method registry: names (and what each is) in verl_patches.reshard.methods, runners here.
+_RUNNERS: dict[str, Callable[..., ExecStats]] = {
+    "direct": _execute_direct,
+    "recipe": lambda plan, rank, train, roll, group: execute_recipe(plan, rank, train, roll),
+    "upstream": lambda plan, rank, train, roll, group: execute_upstream(plan, rank, train, roll),
+}
+assert tuple(_RUNNERS) == METHODS, "verl_patches.reshard.methods.METHODS and the runners must agree"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-Box = tuple[tuple[int, int], ...]
+from verl_patches.reshard.box import Box, box_numel, full_box
 
 
 class LayoutError(ValueError):
@@ -337,14 +337,6 @@ class Placements:
 
     def by_name(self) -> dict[str, Logical]:
         return {t.name: t for t in self.tensors}
-
-
-def box_numel(box: Box) -> int:
-    return math.prod(b - a for a, b in box)
-
-
-def full_box(shape: Iterable[int]) -> Box:
-    return tuple((0, n) for n in shape)
 
 
 def _split(shape: tuple[int, ...], dim: int, n: int, what: str, side: str) -> list[Box]:

@@ -8,17 +8,24 @@ locally; among replicas the sender with the fewest bytes so far is chosen.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from verl_patches.reshard.layout import (Box, LayoutError, ModelConfig, Placements, RolloutLayout,
-                                         TrainLayout, box_numel, build_placements)
+from verl_patches.reshard.box import Box, box_numel, intersect, split_box
+from verl_patches.reshard.layout import (LayoutError, ModelConfig, Placements, RolloutLayout, TrainLayout,
+                                         build_placements)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
-# (tensor index, box, src rank, dst rank, elements)
-Transfer = tuple[int, Box, int, int, int]
+class Transfer(NamedTuple):
+    """One box of one tensor moving from a training holder to a rollout holder (src == dst: a
+    local copy)."""
+
+    tensor: int  # index into Placements.tensors
+    box: Box
+    src: int
+    dst: int
+    numel: int
 
 
 @dataclass
@@ -61,34 +68,6 @@ def summarize(method: str, ranks: list[RankStats]) -> dict[str, Any]:
     }
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = []
-    for (a0, a1), (b0, b1) in zip(a, b):
-        lo, hi = max(a0, b0), min(a1, b1)
-        if hi <= lo:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
-
-
-def split_box(box: Box, max_elems: int) -> list[Box]:
-    """Cut a box into boxes of at most max_elems elements along its leading dims, so that a
-    slice larger than a bucket (a vocab shard, a big expert stack) streams through buckets."""
-    n = box_numel(box)
-    if n <= max_elems:
-        return [box]
-    for d, (a, b) in enumerate(box):
-        inner = math.prod(y - x for x, y in box[d + 1:])
-        if b - a > 1 and inner <= max_elems:
-            step = max(1, max_elems // inner)
-            return [box[:d] + ((i, min(i + step, b)),) + box[d + 1:] for i in range(a, b, step)]
-        if b - a > 1:
-            # even one index of this dim is too big: split every index further
-            return [piece for i in range(a, b)
-                    for piece in split_box(box[:d] + ((i, i + 1),) + box[d + 1:], max_elems)]
-    raise LayoutError(f"cannot split box {box} to {max_elems} elements")  # pragma: no cover
-
-
 def as_model(model: ModelConfig | dict | str) -> ModelConfig:
     if isinstance(model, ModelConfig):
         return model
@@ -125,7 +104,7 @@ def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollou
             covered = 0
             pieces = []
             for qbox, qranks, qset in holders:
-                inter = _intersect(part.box, qbox)
+                inter = intersect(part.box, qbox)
                 if inter is not None:
                     pieces.append((inter, qranks, qset))
                     covered += box_numel(inter)
@@ -138,7 +117,7 @@ def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollou
                 for inter, qranks, qset in pieces:
                     n = box_numel(inter)
                     if dst in qset:
-                        local.append((tid, inter, dst, dst, n))
+                        local.append(Transfer(tid, inter, dst, dst, n))
                         stats[dst].local_bytes += n * es
                         continue
                     src = min(qranks, key=sent.__getitem__)
@@ -146,7 +125,7 @@ def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollou
                     # pieces of at most a quarter bucket, so a bucket can carry traffic in both
                     # directions of a link at once (links are full duplex)
                     for sub in split_box(inter, max(1, cap // 4)):
-                        pair_q.setdefault((src, dst), []).append((tid, sub, src, dst, box_numel(sub)))
+                        pair_q.setdefault((src, dst), []).append(Transfer(tid, sub, src, dst, box_numel(sub)))
     # Round-robin over (src, dst) pairs: every bucket then mixes all pairs and directions
     # instead of, say, stage 0 sending in the first buckets and stage 1 in the last ones.
     remote: list[Transfer] = []
@@ -168,7 +147,7 @@ def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollou
     ptr = [0] * W
     full = cap - max(1, cap // 16)
     for tr in remote:
-        _, _, src, dst, n = tr
+        src, dst, n = tr.src, tr.dst, tr.numel
         b = max(ptr[src], ptr[dst])
         while True:
             if b == len(buckets):
@@ -213,16 +192,16 @@ class RankProgram:
 
 def rank_program(plan: Plan, rank: int) -> RankProgram:
     W = plan.world
-    local = [t for t in plan.local if t[3] == rank]
+    local = [t for t in plan.local if t.dst == rank]
     out = []
     for bucket in plan.buckets:
-        send = sorted((t for t in bucket if t[2] == rank), key=lambda t: t[3])  # stable: plan order
-        recv = sorted((t for t in bucket if t[3] == rank), key=lambda t: t[2])
+        send = sorted((t for t in bucket if t.src == rank), key=lambda t: t.dst)  # stable: plan order
+        recv = sorted((t for t in bucket if t.dst == rank), key=lambda t: t.src)
         ssplit = [0] * W
         rsplit = [0] * W
         for t in send:
-            ssplit[t[3]] += t[4]
+            ssplit[t.dst] += t.numel
         for t in recv:
-            rsplit[t[2]] += t[4]
+            rsplit[t.src] += t.numel
         out.append((ssplit, rsplit, send, recv))
     return RankProgram(local, out)

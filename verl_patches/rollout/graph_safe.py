@@ -17,7 +17,7 @@ import torch
 
 from verl_patches import accelerator
 from verl_patches.offload.stable import (Region, StableBackend, StableMemoryError, describe, inside, install_hint,
-                                         live_tensors_in, storage_key, storage_span)
+                                         live_tensors_in, stable_memory, storage_key, storage_span)
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def arm_for_build(*, enforce_eager: bool, offload: bool, backend: StableBackend 
         return None
     reason = "given"
     if backend is None:
-        backend, reason = accelerator.stable_memory()
+        backend, reason = stable_memory()
     if backend is None:
         dev = accelerator.device_type()
         raise GraphModeError(

@@ -121,13 +121,14 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
     from verl_patches import accelerator
     from verl_patches.offload import (OffloadEngine, Region, TensorGroup, kv_cache_group, ours, reference_group,
                                       rollout_weights_group, train_params_group)
+    from verl_patches.offload.stable import stable_memory
     from verl_patches.preflight.graph_check import GraphCheck
     from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
     from verl_patches.reshard.executor import execute, prepare
     from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
     from verl_patches.reshard.planner import build_plan
     from verl_patches.rollout.mla import rewrite_in_place
-    from verl_patches.testing.dist import free_port
+    from verl_patches.launch import free_port
 
     cfg = json.loads(MODEL.read_text())
     device = accelerator.set_device(0)
@@ -138,7 +139,7 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
     prepare(plan, 0)
     backend = None
     if mode == "stable":
-        backend, why = accelerator.stable_memory()
+        backend, why = stable_memory()
         if backend is None:
             raise RuntimeError(f"no address-stable backend: {why}")
     weights_region = Region(backend, "graph_switch_weights") if backend else None

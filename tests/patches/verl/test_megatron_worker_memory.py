@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megatron_worker_rank as mwr  # noqa: E402
 
-from verl_patches.testing.dist import run_distributed  # noqa: E402
+from verl_patches.launch import run_distributed  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from verl_patches.testing.binding_check import sharding_manager_rank
-from verl_patches.testing.dist import run_distributed
+from verl_patches.launch import run_distributed
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs/model/tiny_deepseek_v3.json"
 SCHEDULE = ["wake_up:weights", "offload_params", "wake_up:kv_cache", "generate", "sleep:1"]
