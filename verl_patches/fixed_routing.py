@@ -29,10 +29,12 @@ def configure(on: bool) -> None:
 
 def configure_from_worker_config(worker_config) -> bool:
     """Set the switch from a worker's config (actor_rollout_ref: the key sits at rollout.recipe.fixed_routing)."""
-    from omegaconf import OmegaConf
+    from verl_patches import settings
 
-    value = OmegaConf.select(worker_config, "rollout.recipe.fixed_routing", default=False)
-    configure(False if value is None else value)
+    try:
+        configure(settings.from_worker(worker_config, "fixed_routing"))
+    except settings.SettingsError as e:
+        raise FixedRoutingError(str(e)) from None
     return enabled()
 
 

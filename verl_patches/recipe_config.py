@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from verl_patches import settings
+from verl_patches.core.lock import REPO_ROOT
+
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
 RUN_CONFIGS = ("deepseekv3_256die_random_init", "deepseekv3_256die_true_weight")
 # The one section that holds the recipe's own keys (configs/README.md).
-RECIPE_SECTION = "actor_rollout_ref.rollout.recipe"
+RECIPE_SECTION = settings.SECTION
 
 
 def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), config_dir: Path = CONFIG_DIR):
@@ -211,7 +213,7 @@ def validate(cfg, model: dict) -> Report:
     rep.check(adv == "grpo", f"algorithm.adv_estimator must be grpo, got {adv!r}")
 
     # Fixed routing is a benchmark switch: with real weights it would train on routing the model never chose.
-    fixed = recipe.get("fixed_routing", False)
+    fixed = recipe.get("fixed_routing", settings.KEYS["fixed_routing"].default)
     if rep.check(isinstance(fixed, bool), f"{RECIPE_SECTION}.fixed_routing must be true or false, got {fixed!r}") \
             and fixed:
         loaded = [w for w in ("actor", "ref") if _select(cfg, f"actor_rollout_ref.{w}.load_weight")]

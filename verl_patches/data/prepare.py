@@ -17,8 +17,8 @@ from pathlib import Path
 
 from verl_patches import atomic
 from verl_patches.patches.verl.patch_utils_reward_score import DEEPSCALER_SOURCES
+from verl_patches.core.lock import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = {
     "deepscaler": REPO_ROOT / "data" / "sample" / "deepscaler_sample.json",
     "gsm8k": REPO_ROOT / "data" / "sample" / "gsm8k_sample.jsonl",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from verl_patches import settings
 from verl_patches.reshard.methods import METHODS
 from verl_patches.rollout.dp_domain import DEFAULT_MASTER_PORT_BASE, DEFAULT_PORT_STRIDE, DPDomainError, DPSpec
 
@@ -33,7 +34,7 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 def _bool(value: Any, name: str) -> bool:
     if isinstance(value, bool):
         return value
-    raise ValueError(f"rollout.{RECIPE_KEY}.{name} must be true or false, got {value!r}")
+    raise ValueError(f"rollout.{name} must be true or false, got {value!r}")
 
 
 def _int(value: Any, name: str) -> int:
@@ -45,29 +46,18 @@ def _int(value: Any, name: str) -> int:
 # The recipe's own keys (configs/README.md): name -> a type, a tuple of allowed values, or a
 # nested section. ``megatron`` is checked by verl_patches.megatron_args.parse.
 SECTION = f"actor_rollout_ref.rollout.{RECIPE_KEY}"
+# The types come from verl_patches/settings.py (each key and default written once); the sections
+# are walked here.
 RECIPE_SCHEMA: dict[str, Any] = {
-    "reshard_method": RESHARD_METHODS,
-    "tensor_cache": bool,
-    "dp_sync_on_device": bool,
-    "offload": bool,
-    "rollout_torch_compile": bool,
+    **{name: key.kind for name, key in settings.KEYS.items() if key.kind != "section"},
     "vllm_dp": {"dp_size": int, "instances": int, "master_port_base": int, "port_stride": int},
     "megatron": "megatron",
-    "fixed_routing": bool,
-    "device_memory_gib": float,  # a positive number (recipe_config checks the memory estimate against it)
-    "metrics_file": str,  # the run's JSONL record (verl_patches/report.py)
 }
 # Lower bounds of the integer keys (ports also have an upper one).
 _INT_MIN = {"dp_size": 1, "instances": 1, "port_stride": 1, "master_port_base": 1}
 
 
-def plain(section: Any) -> Any:
-    """``section`` as plain dicts and lists (an OmegaConf node resolved, '???' kept as is)."""
-    if type(section).__name__ in ("DictConfig", "ListConfig"):
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(section, resolve=True, throw_on_missing=False)
-    return section
+plain = settings.plain  # an OmegaConf node as plain containers (one implementation)
 
 
 def _describe(value: Any) -> str:
@@ -144,7 +134,7 @@ class RolloutSettings:
     dp: DPSpec
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
-    reshard_method: str = "direct"  # recipe.reshard_method
+    reshard_method: str = settings.KEYS["reshard_method"].default
     num_layer_list: tuple[int, ...] = ()  # recipe.megatron.num_layer_list (() = even split)
 
     @classmethod
@@ -168,16 +158,14 @@ class RolloutSettings:
         tokens = _int(_get(config, "max_num_batched_tokens", 8192), "rollout.max_num_batched_tokens")
         if tokens < 1:
             raise ValueError(f"rollout.max_num_batched_tokens must be positive, got {tokens}")
-        method = str(_get(recipe, "reshard_method", "direct"))
-        if method not in RESHARD_METHODS:
-            raise ValueError(f"rollout.{RECIPE_KEY}.reshard_method must be one of {RESHARD_METHODS}, got {method!r}")
+        method = settings.read(recipe, "reshard_method")
         from verl_patches.megatron_args import parse as parse_megatron
 
         section = _get(recipe, "megatron", None)
         layers = parse_megatron(dict(section) if section is not None else None).num_layer_list or ()
-        return cls(offload=_bool(_get(recipe, "offload", True), "offload"),
+        return cls(offload=settings.read(recipe, "offload"),
                    reshard_method=method, num_layer_list=layers,
-                   dp_sync_on_device=_bool(_get(recipe, "dp_sync_on_device", True), "dp_sync_on_device"),
+                   dp_sync_on_device=settings.read(recipe, "dp_sync_on_device"),
                    dp=spec, max_num_batched_tokens=tokens,
                    enable_chunked_prefill=_bool(_get(config, "enable_chunked_prefill", True), "enable_chunked_prefill"))
 

@@ -27,7 +27,8 @@ import string
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from verl_patches.core.lock import REPO_ROOT
+
 MODEL_CONFIG = REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json"
 TOY_SOURCE = "tiny_digits"
 SPECIAL = ("<bos>", "<eos>", "<pad>", "<unk>")

@@ -9,6 +9,7 @@ loss_func does (the module-level compute_policy_loss name of megatron_actor, sam
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -22,6 +23,10 @@ from verl_patches.patches.verl import patch_workers_actor_megatron_actor as acto
 
 B, P, R, V, H = 6, 3, 5, 11, 4  # sequences, prompt, response, vocab, hidden
 ALL = loss_patch.PATCHES + actor_patch.PATCHES
+
+
+def _without_requirement(patch, dep):
+    return dataclasses.replace(patch, requires=tuple(r for r in patch.requires if r != dep))
 
 
 @pytest.fixture
@@ -133,8 +138,12 @@ def test_reuse_gives_the_recomputed_loss_and_gradients(patched):
 def test_without_the_patches_the_update_cannot_run_or_gives_nan():
     with pytest.raises(KeyError, match="old_log_probs"):
         _update(False, _batch())
-    # Placeholder and switch without the loss substitution: the NaN placeholder reaches the loss.
-    ap.apply_all(actor_patch.PATCHES)
+    # The actor-side patches require the loss substitution, and the applier says so.
+    with pytest.raises(ap.PatchError, match="verl.old_log_prob.policy_loss"):
+        ap.apply_all(actor_patch.PATCHES)
+    # The requirement is real: placeholder and switch without the substitution (the declaration
+    # dropped by hand) let the NaN placeholder reach the loss.
+    ap.apply_all([_without_requirement(p, "verl.old_log_prob.policy_loss") for p in actor_patch.PATCHES])
     try:
         loss, _, _ = _update(False, _batch())
     finally:
@@ -245,7 +254,13 @@ def test_recompute_true_is_upstream():
 
 @pytest.mark.parametrize("left_out", [p.id for p in ALL])
 def test_each_actor_side_patch_is_needed(left_out):
-    ap.apply_all([p for p in ALL if p.id != left_out])
+    subset = [p for p in ALL if p.id != left_out]
+    if any(left_out in p.requires for p in subset):
+        # Declared: the applier refuses the subset, naming the missing patch.
+        with pytest.raises(ap.PatchError, match=left_out.replace(".", r"\.")):
+            ap.apply_all(subset)
+    # And real: with the declaration dropped by hand, the update fails or gives NaN.
+    ap.apply_all([_without_requirement(p, left_out) for p in subset])
     try:
         try:
             loss, _, _ = _update(False, _batch())

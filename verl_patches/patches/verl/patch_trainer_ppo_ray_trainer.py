@@ -31,8 +31,6 @@ from verl_patches.tensor_cache.protocol import (HOST_KEYS_FROM_GENERATION, META_
 
 TENSOR_CACHE_KEY = "actor_rollout_ref.rollout.recipe.tensor_cache"
 RECOMPUTE_KEY = "actor_rollout_ref.actor.recompute_old_log_prob"
-# configs/deepseekv3_256die_common.yaml sets the cache on; a config without the key gets the recipe's value.
-TENSOR_CACHE_DEFAULT = True
 # verl 0.4.1's own default (MegatronPPOActor reads the key with .get(..., True)).
 RECOMPUTE_DEFAULT = True
 LOCAL_ATTR = "__verl_patches_local_call__"  # marks a replacement that never calls the workers
@@ -122,7 +120,9 @@ def wrap_fit_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------
 
 def tensor_cache_on(config: Any) -> bool:
-    return bool(_select(config, TENSOR_CACHE_KEY, TENSOR_CACHE_DEFAULT))
+    from verl_patches import settings
+
+    return settings.from_trainer(config, "tensor_cache")
 
 
 def check_tensor_cache_config(trainer: Any) -> None:
@@ -275,7 +275,7 @@ PATCHES = [
         target="verl.trainer.ppo.ray_trainer:RayPPOTrainer.init_workers", kind="wrap", phases=("driver",),
         upstream="verl", versions="==0.4.1", fingerprint=_INIT_WORKERS_FP,
         replacement=f"{__name__}:wrap_init_workers_tensor_cache",
-        flag=f"{TENSOR_CACHE_KEY} (default {TENSOR_CACHE_DEFAULT}, the recipe's value)",
+        flag=f"{TENSOR_CACHE_KEY} (default True: verl_patches/settings.py)",
         why="verl 0.4.1's single controller sends every stage the whole batch through Ray, one worker after "
             "another (57-73 s apart on 256 dies in the reference run), and receives it back; with the cache the "
             "driver sends only what it computed (advantages) and row ids (docs/RECIPE.md item 4, docs/DESIGN.md section 5).",

@@ -40,7 +40,9 @@ def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
             return
         from verl_patches.report import RunReport
 
-        metrics_file = _get(recipe, "metrics_file")
+        from verl_patches import settings
+
+        metrics_file = settings.read(recipe, "metrics_file")
         setattr(self, REPORT_ATTR, RunReport(
             total_steps=int(_get(config, "trainer", "total_training_steps") or 0),
             reuse_old_log_prob=_get(config, "actor_rollout_ref", "actor", "recompute_old_log_prob") is False,

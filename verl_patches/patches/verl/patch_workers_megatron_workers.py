@@ -159,24 +159,16 @@ COMPILE_FLAG = "actor_rollout_ref.rollout.recipe.rollout_torch_compile"
 VERL_OFFLOAD_ATTRS = ("_is_offload_param", "_is_offload_grad", "_is_offload_optimizer", "_ref_is_offload_param")
 
 
-def _recipe_flag(config: Any, path: str, default: bool) -> bool:
-    """``path`` under actor_rollout_ref (the worker's config); absent keys take the recipe's default."""
-    node = config
-    for key in path.split(".")[1:]:
-        node = node.get(key, None) if node is not None and hasattr(node, "get") else None
-    if node is None:
-        return default
-    if not isinstance(node, bool):
-        raise ValueError(f"{path} must be true or false, got {node!r}")
-    return node
-
-
 def offload_on(config: Any) -> bool:
-    return _recipe_flag(config, OFFLOAD_FLAG, True)
+    from verl_patches import settings
+
+    return settings.from_worker(config, "offload")
 
 
 def rollout_compile_on(config: Any) -> bool:
-    return _recipe_flag(config, COMPILE_FLAG, True)
+    from verl_patches import settings
+
+    return settings.from_worker(config, "rollout_torch_compile")
 
 
 def swap_optimizer_active(config: Any) -> bool:
@@ -186,7 +178,11 @@ def swap_optimizer_active(config: Any) -> bool:
     unused) and the optimizer state is ours to offload."""
     import sys
 
-    return _recipe_flag(config, SWAP_OPTIMIZER_FLAG, False) and "mindspeed" in sys.modules
+    from verl_patches import settings
+    from verl_patches.megatron_args import parse
+
+    section = settings.plain(settings.from_worker(config, "megatron"))
+    return parse(section).swap_optimizer and "mindspeed" in sys.modules
 
 
 # -- the reference in the actor's process ------------------------------------------------------
