@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from verl.single_controller.base.decorator import Dispatch, register  # noqa: E402
 from verl.single_controller.base.megatron.worker import MegatronWorker  # noqa: E402
 
-from verl_patches.patches.verl import patch_workers_megatron_workers as worker_side  # noqa: E402
+from verl_patches.patches.verl import patch_workers_megatron_workers_tensor_cache as worker_side  # noqa: E402
 
 TP, PP = 2, 2
 

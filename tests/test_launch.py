@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import
 from launch_ranks import echo, one_rank_raises, one_rank_sleeps  # noqa: E402
 
 
+@pytest.mark.slow
 def test_results_come_back_by_rank():
     assert rd.run_distributed(echo, 3, {"x": 1}, timeout=120) == [(r, 3, {"x": 1}) for r in range(3)]
 
@@ -30,6 +31,7 @@ def test_a_failing_rank_is_named_and_its_peers_errors_follow():
     assert "were still running" not in msg  # gloo failed the peers' barrier: nobody hung
 
 
+@pytest.mark.slow
 def test_peers_left_waiting_by_a_failure_are_killed_after_the_grace(capfd):
     t0 = time.monotonic()
     with pytest.raises(rd.DistributedFailure) as e:
@@ -42,6 +44,7 @@ def test_peers_left_waiting_by_a_failure_are_killed_after_the_grace(capfd):
     assert "one_rank_raises" in capfd.readouterr().err  # faulthandler's stacks of the waiting ranks
 
 
+@pytest.mark.slow
 def test_a_hang_is_a_timeout_naming_the_rank(capfd):
     with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] of 2 did not finish in 25s"):
         rd.run_distributed(one_rank_sleeps, 2, 3600.0, timeout=25)

@@ -16,6 +16,9 @@ import pytest
 from verl_patches import procs
 from tests.helpers import REPO
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 
 

@@ -34,6 +34,7 @@ def test_doctor_json_shape():
     ("fixture_missing_target_catalogue", "missing", "fixture.missing_target"),
     ("fixture_wrong_version_catalogue", "version-mismatch", "fixture.wrong_version"),
 ])
+@pytest.mark.slow
 def test_doctor_fails_naming_the_patch(catalogue, status, patch_id):
     env = {"VERL_PATCHES_EXTRA_MODULES": catalogue}
     r = cli("doctor", "--strict", env=env)
@@ -44,6 +45,7 @@ def test_doctor_fails_naming_the_patch(catalogue, status, patch_id):
     assert {r["id"]: r["status"] for r in rows}[patch_id] == status
 
 
+@pytest.mark.slow
 def test_doctor_on_a_copied_in_tree_detects_an_edited_target(tmp_path):
     """The README's layout: upstream packages copied next to the overlay, checked by --upstream-root."""
     import verl
@@ -115,6 +117,7 @@ def test_fingerprint_command_matches_the_record():
     assert cli("fingerprint", "verl.utils.reward_score:nope").returncode == 1
 
 
+@pytest.mark.slow
 def test_cann_is_read_from_its_install_record(tmp_path):
     """No CANN here: a toolkit install record laid out as CANN writes it is found and compared."""
     home = tmp_path / "ascend-toolkit" / "latest"

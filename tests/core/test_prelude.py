@@ -47,6 +47,7 @@ def copied_verl(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_importing_the_package_changes_nothing():
     r = run_py(r"""
 import importlib, pkgutil, verl.utils.reward_score as rs
@@ -65,6 +66,7 @@ print("UNCHANGED")
     assert "UNCHANGED" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_hook_in_copied_worker_module_applies_once(copied_verl):
     # Import verl's real worker module from the copied tree twice (and reload the hook):
     # the patch is applied exactly once, and the alias in a reward manager follows.
@@ -94,6 +96,7 @@ def test_hook_remove_restores_the_file(copied_verl, tmp_path):
     assert restored == open(upstream_worker.__file__).read()
 
 
+@pytest.mark.slow
 def test_forked_and_spawned_children_never_stack():
     r = run_py([str(REPO / "tests" / "fixtures" / "prelude_children.py")])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -104,6 +107,7 @@ def test_forked_and_spawned_children_never_stack():
     assert out["spawn"] == {"again": [], "layers": 1, "applied_here": expected("driver")}
 
 
+@pytest.mark.slow
 def test_vllm_general_plugin_entry_point_applies_the_prelude():
     r = run_py("""
 import importlib.metadata as md
@@ -116,6 +120,7 @@ load_general_plugins()
     assert _report(r.stdout)["applied"] == expected("driver")
 
 
+@pytest.mark.slow
 def test_disable_list_and_off_switch():
     r = run_py("from verl_patches import prelude_patch\n" + REPORT, env={"VERL_PATCHES_DISABLE": PATCH_ID})
     rep = _report(r.stdout)

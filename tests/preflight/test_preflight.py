@@ -12,6 +12,9 @@ from verl_patches.preflight.hf_check import to_hf
 from verl_patches.reshard.layout import (ModelConfig, RolloutLayout, TrainLayout, build_placements,
                                          hf_expert_names, is_expert_stack)
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.slow
 def test_default_preflight_passes_and_ours_receives_least(tmp_path):

@@ -89,6 +89,7 @@ def test_true_weight_requires_dist_ckpt_path(tmp_path):
     assert r.returncode == 2 and "is not a directory" in r.stderr
 
 
+@pytest.mark.slow
 def test_true_weight_dry_run_composes_and_validates(ckpt_dir, hooked):
     # CUDA on this CPU host: everything validates except the presence of the CUDA lock's components.
     r = _run(TRUE_WEIGHT, "--dry-run", "trainer.total_training_steps=5", DIST_CKPT_PATH=str(ckpt_dir), NODE_RANK="0",
@@ -113,6 +114,7 @@ def test_true_weight_dry_run_composes_and_validates(ckpt_dir, hooked):
     assert "total_training_steps: 5" in out and f"dist_checkpointing_path: {ckpt_dir}" in out
 
 
+@pytest.mark.slow
 def test_random_init_dry_run_env_overrides_and_layout_error(hooked):
     r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NODE_RANK="3", RAY_PORT="7000", PYTHONPATH=hooked)
     _fails_only_for_cuda_components(r)
@@ -128,6 +130,7 @@ def test_random_init_dry_run_env_overrides_and_layout_error(hooked):
     assert "Traceback" not in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_fails_for_what_the_real_run_would_fail_on(tmp_path):
     """Finding 4: each of these passed as "dry run OK". Here all at once (one run is 15 s):
     the doctor failing for the target platform (NPU: no torch_npu or CANN here), no prelude line
@@ -309,6 +312,7 @@ launch_start head
 GPU_RANDOM_INIT = SCRIPTS / "train_deepseekv3_128gpu_random_init.sh"
 
 
+@pytest.mark.slow
 def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock(hooked):
     r = _run(GPU_RANDOM_INIT, "--dry-run", NODE_RANK="0", PYTHONPATH=hooked)
     _fails_only_for_cuda_components(r)
@@ -320,6 +324,7 @@ def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock(h
     assert "HCCL_" not in out
 
 
+@pytest.mark.slow
 def test_the_nvidia_true_weight_launcher_dry_run(ckpt_dir, hooked):
     r = _run(SCRIPTS / "train_deepseekv3_128gpu_true_weight.sh", "--dry-run", DIST_CKPT_PATH=str(ckpt_dir),
              NODE_RANK="0", PYTHONPATH=hooked)

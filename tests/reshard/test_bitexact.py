@@ -12,6 +12,9 @@ from verl_patches.reshard.baselines import recipe_stats, upstream_stats
 from verl_patches.testing.selfcheck import check_plans, make_plan
 from verl_patches.launch import run_distributed
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 MODEL = json.loads((Path(__file__).resolve().parents[2] / "configs/model/tiny_deepseek_v3.json").read_text())
 W = 8
 # (train, rollout, dtype, bucket bytes): what each case covers is in its comment.

@@ -10,6 +10,9 @@ from verl_patches.launch import run_distributed
 
 from verl_patches.testing.groupcheck import upstream_groups
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 W = 8
 MCASES = [(2, 2, 2), (4, 2, 1), (1, 4, 2), (2, 1, 4), (1, 2, 4)]
 VCASES = [(2, 2, 16), (4, 1, 16), (1, 4, 16), (2, 4, 12), (1, 8, 20)]  # (tp, dp, experts): dp x tp = world or half

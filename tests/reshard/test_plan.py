@@ -40,6 +40,7 @@ def _n(box):
 @pytest.mark.parametrize("rollout,b_ratio,a_ratio", [("tp=2,dp=128", 3.0, 50.0),
                                                       # zero redundancy caps these ratios: see docs
                                                       ("tp=2,dp=64,instances=2", 2.8, 45.0)])
+@pytest.mark.slow
 def test_reference_layouts(rollout, b_ratio, a_ratio):
     t0 = time.perf_counter()
     plan = build_plan(DSV3, REF_TRAIN, rollout)

@@ -7,6 +7,9 @@ import tc_workers  # noqa: F401  (tests/tensor_cache is put on sys.path below)
 
 from verl_patches.launch import run_distributed
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 
 WORLD, TP, PP, BATCH = 8, 2, 2, 32
 

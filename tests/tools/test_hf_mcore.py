@@ -76,6 +76,7 @@ def test_storage_follows_the_training_layout(tiny_hf, tmp_path):
     assert not (tmp_path / "mc" / H.STATE_DIR).exists()
 
 
+@pytest.mark.slow
 def test_loads_in_real_megatron_core(tiny_hf, tmp_path):
     hf, cfg, _ = tiny_hf
     H.convert(hf, tmp_path / "mc", LAYOUT, spec="local", progress=False)
@@ -166,6 +167,7 @@ def test_inputs_are_checked(tmp_path):
                    "--out", str(tmp_path / "o2"), "--no-progress"]) == 1
 
 
+@pytest.mark.slow
 def test_peak_host_memory_is_two_layers_plus_a_constant(tmp_path):
     # 8 layers, about 13 MB each: a converter holding the model would need ~95 MB above its baseline.
     cfg = tiny_config(num_hidden_layers=8, hidden_size=512, moe_intermediate_size=256, intermediate_size=1024,

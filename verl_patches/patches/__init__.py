@@ -25,7 +25,12 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_trainer_ppo_core_algos",
     "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer",
     "verl_patches.patches.verl.patch_workers_actor_megatron_actor",
-    "verl_patches.patches.verl.patch_workers_megatron_workers",
+    # verl's Megatron worker, one module per feature (wrappers of one method in declared order).
+    "verl_patches.patches.verl.patch_workers_megatron_workers_tensor_cache",
+    "verl_patches.patches.verl.patch_workers_megatron_workers_model_layout",
+    "verl_patches.patches.verl.patch_workers_megatron_workers_switch",
+    "verl_patches.patches.verl.patch_workers_megatron_workers_checkpoint",
+    "verl_patches.patches.verl.patch_workers_megatron_workers_rollout_compile",
     "verl_patches.patches.verl.patch_workers_sharding_manager_megatron_vllm",
     "verl_patches.patches.vllm.patch_distributed_parallel_state",
     "verl_patches.patches.vllm.patch_config",

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from verl_patches import accelerator
+from verl_patches.core import stash
 from verl_patches.offload.stable import (Region, StableBackend, StableMemoryError, describe, inside, install_hint,
                                          live_tensors_in, stable_memory, storage_key, storage_span)
 
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS, KV_CACHE = "rollout_weights", "rollout_kv_cache"
 # Set on vLLM's worker by the patched load_model (read back by engine_memory through collective_rpc).
-BUILD_ATTR = "verl_patches_stable_build"
+BUILD_ATTR = stash.attr("stable_build")
 PATCH_IDS = ("vllm.worker.stable_regions", "vllm_ascend.worker.stable_regions")  # + their *_kv_cache_region twins
 _ARMED: Optional["StableBuild"] = None
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import torch
 
+from verl_patches.core import stash
 from verl_patches import accelerator
 
 PATCH_ID = "vllm.engine_core.keep_kv_cache_configs"
 # Where the patch keeps the per-worker KVCacheConfig list on the EngineCore instance.
-KEPT_ATTR = "verl_patches_kv_cache_configs"
+KEPT_ATTR = stash.attr("kv_cache_configs")
 
 
 class KVCacheError(RuntimeError):

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from verl_patches import settings
+from verl_patches.core import stash
 from verl_patches.reshard.methods import METHODS
 from verl_patches.rollout.dp_domain import DEFAULT_MASTER_PORT_BASE, DEFAULT_PORT_STRIDE, DPDomainError, DPSpec
 
 RECIPE_KEY = "recipe"  # actor_rollout_ref.rollout.recipe (configs/README.md)
 # The rollout's LLM carries its settings under this attribute, for the sharding manager.
-ENGINE_ATTR = "_verl_patches_rollout_settings"
+ENGINE_ATTR = stash.attr("rollout_settings")
 RESHARD_METHODS = METHODS  # verl_patches.reshard.methods: the one list
 
 

@@ -18,6 +18,9 @@ from verl_patches.launch import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_megatron_rank import uneven_rank  # noqa: E402
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 LIST = [1, 2, 2, 1]
 OFFSETS = [0, 1, 3, 5]
 

@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import torch
 
-W_PATCH = "verl_patches.patches.verl.patch_workers_megatron_workers"
 
 
 def mindspeed_dummy_compile(*args, **kwargs):

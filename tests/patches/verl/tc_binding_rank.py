@@ -131,7 +131,7 @@ def all_modes(rank: int, world: int) -> dict:
     """Each mode of the step, in one spawn: upstream and cached, with the old log-prob skipped (the
     recipe) or recomputed, and cached with each worker patch left out in turn (or all of them)."""
     from verl_patches.core.apply import apply_all, undo
-    from verl_patches.patches.verl import patch_workers_megatron_workers as workers
+    from verl_patches.patches.verl import patch_workers_megatron_workers_tensor_cache as workers
 
     _cpu_device_stubs()
     # The module's other patches (the switch schedule, torch.compile) are tested in test_megatron_worker_memory.py.

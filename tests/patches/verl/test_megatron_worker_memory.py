@@ -19,6 +19,9 @@ import megatron_worker_rank as mwr  # noqa: E402
 
 from verl_patches.launch import run_distributed  # noqa: E402
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def res():

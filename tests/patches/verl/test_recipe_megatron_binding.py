@@ -23,6 +23,9 @@ from verl_patches.launch import run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from recipe_megatron_rank import convert_rank  # noqa: E402
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 REAL_V3 = Path(__file__).resolve().parents[3] / "configs" / "model" / "deepseek_v3.json"
 YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}

@@ -118,6 +118,7 @@ def test_the_yamls_graph_mode_needs_an_address_stable_backend(model_dir, world, 
     assert recorder.built == []  # refused before the engine was built
 
 
+@pytest.mark.slow
 def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
     # Eager here: graph mode needs an address-stable allocator, which CPU has none of
     # (its build and switch: tests/patches/vllm/test_worker_stable_regions.py).

@@ -15,6 +15,9 @@ import pytest
 from verl_patches.testing.binding_check import sharding_manager_rank
 from verl_patches.launch import run_distributed
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 CONFIG = Path(__file__).resolve().parents[3] / "configs/model/tiny_deepseek_v3.json"
 SCHEDULE = ["wake_up:weights", "offload_params", "wake_up:kv_cache", "generate", "sleep:1"]
 CASES = [

@@ -25,6 +25,9 @@ from verl_patches.patches.verl import patch_trainer_ppo_ray_trainer as driver  #
 from verl_patches.tensor_cache.protocol import ROW_KEY  # noqa: E402
 from verl_patches.launch import run_distributed  # noqa: E402
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.slow
 def test_real_worker_bodies_cache_on_equals_off_and_sends_only_host_fields():
@@ -44,7 +47,7 @@ def test_real_worker_bodies_cache_on_equals_off_and_sends_only_host_fields():
     # Without the worker patches the workers ignore the request and the driver says what is missing.
     assert all("worker-side patches (verl.tensor_cache.*) are not applied" in r["error"] for r in mode("unpatched"))
     # Each worker patch is needed: leaving any one out breaks the cached step.
-    from verl_patches.patches.verl import patch_workers_megatron_workers as workers
+    from verl_patches.patches.verl import patch_workers_megatron_workers_tensor_cache as workers
 
     for p in workers.PATCHES:
         if p.id.startswith("verl.tensor_cache."):

@@ -15,6 +15,9 @@ from verl_patches.launch import free_port_block, run_distributed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllm_dp_domain_rank import dp_domain_rank  # noqa: E402
 
+# Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
+pytestmark = pytest.mark.slow
+
 W = 8
 INSTANCES, DP, TP = 2, 2, 2  # the real-weight run's shape in small: 2 instances x DP x TP2
 

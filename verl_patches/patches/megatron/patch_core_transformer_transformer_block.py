@@ -14,11 +14,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
 # The attribute the binding sets on the TransformerConfig (TransformerConfig has no such field).
-LAYER_LIST_ATTR = "num_layer_list"
+LAYER_LIST_ATTR = stash.attr("num_layer_list")
 FLAG = "actor_rollout_ref.rollout.recipe.megatron.num_layer_list (attached to the TransformerConfig by the worker binding)"
 
 

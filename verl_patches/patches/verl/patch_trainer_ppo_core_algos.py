@@ -5,7 +5,7 @@ Upstream: verl/trainer/ppo/core_algos.py:compute_policy_loss(old_log_prob, log_p
 ratio = exp(log_prob - old_log_prob). MegatronPPOActor's loss_func calls it by the name it imported
 (`from ...core_algos import compute_policy_loss`), which the prelude rebinds. The substitution happens
 only while ``reusing_old_log_prob()`` is active: the worker's update_actor wrapper
-(patch_workers_megatron_workers.py) enters it when actor.recompute_old_log_prob=False, so every other
+(patch_workers_megatron_workers_*.py) enters it when actor.recompute_old_log_prob=False, so every other
 caller (FSDP actor, tests, a recompute run) reaches the original unchanged.
 
 Why it is exact: on-policy GRPO takes one optimizer step per batch, so the policy of the update's

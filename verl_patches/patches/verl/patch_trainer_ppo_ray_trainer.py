@@ -11,7 +11,7 @@ before the first step and names every setting it cannot serve.
 
 - Old log-prob reuse (actor.recompute_old_log_prob=False): compute_log_prob becomes a local call that
   sends nothing and runs no forward; the workers' update uses log_prob.detach()
-  (patch_workers_megatron_workers.py, patch_trainer_ppo_core_algos.py). Invalid configurations are
+  (patch_workers_megatron_workers_*.py, patch_trainer_ppo_core_algos.py). Invalid configurations are
   rejected with the reason.
 - TensorCache (actor_rollout_ref.rollout.recipe.tensor_cache, default True as in the recipe):
   generation keeps its outputs on the devices and returns only the host fields; the later stages
@@ -24,6 +24,7 @@ import functools
 import itertools
 from typing import Any, Callable
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.tensor_cache.protocol import (HOST_KEYS_FROM_GENERATION, META_KEY, ROW_KEY, STAGE_INPUTS,
@@ -33,7 +34,7 @@ TENSOR_CACHE_KEY = "actor_rollout_ref.rollout.recipe.tensor_cache"
 RECOMPUTE_KEY = "actor_rollout_ref.actor.recompute_old_log_prob"
 # verl 0.4.1's own default (MegatronPPOActor reads the key with .get(..., True)).
 RECOMPUTE_DEFAULT = True
-LOCAL_ATTR = "__verl_patches_local_call__"  # marks a replacement that never calls the workers
+LOCAL_ATTR = stash.attr("local_call")  # marks a replacement that never calls the workers
 
 _INIT_WORKERS_FP = Fingerprint(signature="def init_workers(self)", source_sha="4a3b24c45c6ad122")
 _FIT_FP = Fingerprint(signature="def fit(self)", source_sha="06a2a1e2c639c034")

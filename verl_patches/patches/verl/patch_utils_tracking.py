@@ -16,10 +16,11 @@ import functools
 from pathlib import Path
 from typing import Any, Callable
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
-REPORT_ATTR = "_verl_patches_report"
+REPORT_ATTR = stash.attr("report")
 RECIPE = ("actor_rollout_ref", "rollout", "recipe")
 
 

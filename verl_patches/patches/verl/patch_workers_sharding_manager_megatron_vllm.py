@@ -27,11 +27,12 @@ import functools
 import logging
 from typing import Any, Callable
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
 logger = logging.getLogger(__name__)
-SESSION_ATTR = "_verl_patches_reshard"
+SESSION_ATTR = stash.attr("reshard")
 
 
 def _settings(manager: Any) -> Any:
@@ -96,10 +97,10 @@ def switch_figures(stats: Any, actor_memory: Any) -> dict[str, float]:
     ledger = getattr(actor_memory, "ledger", None)
     if ledger is not None:
         # Since the previous switch: the update's onloads and this switch's offloads.
-        last = getattr(actor_memory, "_verl_patches_moved_reported", 0)
+        last = stash.get(actor_memory, "moved_reported", 0)
         out[f"{SWITCH_PREFIX}link_bytes"] = float(ledger.moved_bytes - last)
         out[f"{SWITCH_PREFIX}ledger_peak_bytes"] = float(ledger.peak_bytes)
-        setattr(actor_memory, "_verl_patches_moved_reported", ledger.moved_bytes)
+        stash.put(actor_memory, "moved_reported", ledger.moved_bytes)
     return out
 
 

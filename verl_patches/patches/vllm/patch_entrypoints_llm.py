@@ -15,11 +15,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
 # Set on the vllm.LLM instance by the rollout patch (verl.vllm_rollout.recipe_engine).
-MEMORY_ATTR = "verl_patches_memory"
+MEMORY_ATTR = stash.attr("memory")
 
 
 def wrap_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
