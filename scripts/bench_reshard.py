@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verl_patches import accelerator  # noqa: E402
 from verl_patches.reshard.baselines import recipe_stats, upstream_stats  # noqa: E402
 from verl_patches.reshard.executor import execute  # noqa: E402
-from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements  # noqa: E402
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout  # noqa: E402
+from verl_patches.reshard.model import ModelConfig  # noqa: E402
+from verl_patches.reshard.placements import build_placements  # noqa: E402
 from verl_patches.reshard.planner import Plan, build_plan  # noqa: E402
 from verl_patches.reshard.shards import allocate, random_train_shards, torch_dtype  # noqa: E402
 

@@ -9,8 +9,10 @@ from safetensors.torch import load_file
 
 from tests.helpers import REPO, cli
 from verl_patches.preflight.hf_check import to_hf
-from verl_patches.reshard.layout import (ModelConfig, RolloutLayout, TrainLayout, build_placements,
-                                         hf_expert_names, is_expert_stack)
+from verl_patches.reshard.deepseek_v3_names import hf_expert_names, is_expert_stack
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import ModelConfig
+from verl_patches.reshard.placements import build_placements
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow

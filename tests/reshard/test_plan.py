@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from verl_patches.reshard.cli import main as plan_main
-from verl_patches.reshard.layout import LayoutError, ModelConfig, RolloutLayout, TrainLayout, build_placements
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import LayoutError, ModelConfig
+from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.box import split_box
 from verl_patches.reshard.planner import build_plan
 from verl_patches.reshard.summary import plan_summaries
@@ -144,7 +146,8 @@ def test_live_binding_reads_the_shared_expert_layout_from_the_engine():
     import torch
 
     from verl_patches.reshard.binding import derive_rollout_layout
-    from verl_patches.reshard.layout import LayoutError, RolloutLayout
+    from verl_patches.reshard.layouts import RolloutLayout
+    from verl_patches.reshard.model import LayoutError
 
     cfg = ModelConfig.load(TINY)
     rows = 2 * cfg.moe_intermediate_size * cfg.n_shared_experts

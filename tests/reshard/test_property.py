@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_patches.reshard.executor import copy_local, pack, unpack, zero_padding
-from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import ModelConfig
+from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import build_plan
 from verl_patches.reshard.shards import (allocate, full_state, logical_state, rollout_shards,
                                          torch_dtype, train_shards)

@@ -26,14 +26,14 @@ def main() -> None:
     import tqdm  # noqa: F401
 
     from verl_patches.tools import hf_to_mcore
-    from verl_patches.tools.mcore_layout import TrainLayout, dcp_classes
+    from verl_patches.tools.mcore_layout import CheckpointLayout, dcp_classes
 
     dcp_classes()
     # "5" resets the peak-RSS counter (VmHWM) to the current RSS (Linux proc(5), clear_refs).
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     baseline = status_kb("VmRSS")
-    hf_to_mcore.convert(Path(sys.argv[1]), Path(sys.argv[2]), TrainLayout(2, 2, 2, None, True), progress=False, verify=True)
+    hf_to_mcore.convert(Path(sys.argv[1]), Path(sys.argv[2]), CheckpointLayout(2, 2, 2, None, True), progress=False, verify=True)
     peak = status_kb("VmHWM")
     print(json.dumps({"baseline": baseline, "peak": peak, "delta": peak - baseline}))
 

@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from tests.tools.synth_dsv3 import layer_shapes, random_bf16, tiny_config, write_hf
 from verl_patches.tools import hf_to_mcore as H
 from verl_patches.tools import mcore_to_hf as M
-from verl_patches.tools.mcore_layout import DistCheckpointReader, TrainLayout, layer_plan
+from verl_patches.tools.mcore_layout import DistCheckpointReader, CheckpointLayout, layer_plan
 
 HERE = Path(__file__).resolve().parent
 # The reference layout scaled to the tiny model: TP2, PP2 with an uneven layer list, EP2 over TP x EP.
-LAYOUT = TrainLayout(tp=2, pp=2, ep=2, num_layer_list=(1, 3), moe_tp_extend_ep=True)
+LAYOUT = CheckpointLayout(tp=2, pp=2, ep=2, num_layer_list=(1, 3), moe_tp_extend_ep=True)
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +144,10 @@ def test_verification_catches_a_corrupted_checkpoint(tiny_hf, tmp_path):
 
 
 @pytest.mark.parametrize("layout, message", [
-    (TrainLayout(2, 2, 2, (1, 2), True), "sums to 3, the model has 4 layers"),
-    (TrainLayout(2, 3, 2, None, True), "do not split evenly over PP3"),
-    (TrainLayout(4, 1, 8, None, True), "16 experts do not divide over 32 expert ranks"),
-    (TrainLayout(3, 1, 1, None, False), "heads do not divide over TP3"),
+    (CheckpointLayout(2, 2, 2, (1, 2), True), "sums to 3, the model has 4 layers"),
+    (CheckpointLayout(2, 3, 2, None, True), "do not split evenly over PP3"),
+    (CheckpointLayout(4, 1, 8, None, True), "16 experts do not divide over 32 expert ranks"),
+    (CheckpointLayout(3, 1, 1, None, False), "heads do not divide over TP3"),
 ])
 def test_layout_errors(tiny_hf, tmp_path, layout, message):
     hf, _, _ = tiny_hf
@@ -162,7 +162,7 @@ def test_inputs_are_checked(tmp_path):
     cfg = tiny_config()
     write_hf(tmp_path / "partial", {"model.norm.weight": torch.ones(4)}, cfg, shards=1)
     with pytest.raises(H.ConversionError, match="tensor\\(s\\) missing"):
-        H.convert(tmp_path / "partial", tmp_path / "o", TrainLayout(), progress=False)
+        H.convert(tmp_path / "partial", tmp_path / "o", CheckpointLayout(), progress=False)
     assert M.main(["--ckpt", str(tmp_path / "nothing"), "--config", str(tmp_path / "partial" / "config.json"),
                    "--out", str(tmp_path / "o2"), "--no-progress"]) == 1
 

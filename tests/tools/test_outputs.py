@@ -17,9 +17,9 @@ from verl_patches.tools import fp8_to_bf16 as F
 from verl_patches.tools import hf_to_mcore as H
 from verl_patches.tools import manifest
 from verl_patches.tools import mcore_to_hf as M
-from verl_patches.tools.mcore_layout import TrainLayout
+from verl_patches.tools.mcore_layout import CheckpointLayout
 
-LAYOUT = TrainLayout(tp=2, pp=2, ep=2, num_layer_list=(1, 3), moe_tp_extend_ep=True)
+LAYOUT = CheckpointLayout(tp=2, pp=2, ep=2, num_layer_list=(1, 3), moe_tp_extend_ep=True)
 
 
 @pytest.fixture(scope="module")

@@ -160,7 +160,9 @@ class _Generator:
             import torch.distributed as dist
 
             from verl_patches.reshard.binding import derive_rollout_layout, vllm_params
-            from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+            from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+            from verl_patches.reshard.model import ModelConfig
+            from verl_patches.reshard.placements import build_placements
 
             cfg = ModelConfig.from_hf(self.vllm_config.model_config.hf_config.to_dict())
             par = self.vllm_config.parallel_config

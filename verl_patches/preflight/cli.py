@@ -133,7 +133,9 @@ def _options(a: argparse.Namespace, world: int) -> Any:
 
 def check_layouts(model: dict[str, Any], train: str, rollout: str, world: int) -> None:
     """Every layout rule the ranks would apply, checked here so that a mistake costs no process."""
-    from verl_patches.reshard.layout import LayoutError, ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+    from verl_patches.reshard.model import LayoutError, ModelConfig
+    from verl_patches.reshard.placements import build_placements
 
     try:
         P = build_placements(ModelConfig.from_hf(model), TrainLayout.parse(train), RolloutLayout.parse(rollout))
@@ -145,7 +147,9 @@ def check_layouts(model: dict[str, Any], train: str, rollout: str, world: int) -
 
 
 def _count_params(model: dict[str, Any]) -> int:
-    from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+    from verl_patches.reshard.model import ModelConfig
+    from verl_patches.reshard.placements import build_placements
 
     P = build_placements(ModelConfig.from_hf(model), TrainLayout(1, 1, 1, (), 1, True), RolloutLayout(1, 1))
     return sum(t.numel for t in P.tensors)
@@ -284,7 +288,9 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
 
 def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
     from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
-    from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+    from verl_patches.reshard.model import ModelConfig
+    from verl_patches.reshard.placements import build_placements
     from verl_patches.reshard.shards import torch_dtype
 
     P = build_placements(ModelConfig.from_hf(opts.model), TrainLayout.parse(opts.train),
@@ -309,7 +315,9 @@ def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
     from safetensors.torch import save_file
 
     from verl_patches.preflight.hf_check import reference, to_hf
-    from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+    from verl_patches.reshard.model import ModelConfig
+    from verl_patches.reshard.placements import build_placements
     from verl_patches.reshard.shards import torch_dtype
 
     if not opts.gather_shards:

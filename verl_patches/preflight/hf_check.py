@@ -13,7 +13,8 @@ import torch
 
 from verl_patches.preflight.values import box_values
 from verl_patches.reshard.box import full_box
-from verl_patches.reshard.layout import Placements, hf_expert_names, is_expert_stack
+from verl_patches.reshard.deepseek_v3_names import hf_expert_names, is_expert_stack
+from verl_patches.reshard.placements import Placements
 
 
 class LogitCheckError(AssertionError):

@@ -18,7 +18,9 @@ from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ou
 from verl_patches.offload.stable import stable_memory
 from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
 from verl_patches.reshard.executor import execute, prepare
-from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import ModelConfig
+from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import build_plan
 from verl_patches.reshard.shards import torch_dtype
 

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
-from verl_patches.reshard.layout import Placements
+from verl_patches.reshard.placements import Placements
 
 Box = Sequence[tuple[int, int]]
 _M32 = 0xFFFFFFFF

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from verl_patches import accelerator
 from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import box_numel, intersect
-from verl_patches.reshard.layout import Logical, Placements
+from verl_patches.reshard.placements import Logical, Placements
 from verl_patches.reshard.planner import Plan, RankStats
 from verl_patches.reshard.stats import ExecStats, zero_padding
 

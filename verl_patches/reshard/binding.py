@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 from verl_patches.megatron_args import RecipeMegatron, check_layout
 from verl_patches.reshard.executor import METHODS, ExecStats, check_inputs, execute
-from verl_patches.reshard.layout import (LayoutError, ModelConfig, RolloutLayout, TrainLayout,
-                                         build_placements)
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import LayoutError, ModelConfig
+from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import Plan, build_plan
 
 _WRAPPER = "module."  # DDP and Float16Module both hold the model as .module

@@ -9,7 +9,9 @@ import json
 import sys
 import time
 
-from verl_patches.reshard.layout import LayoutError, ModelConfig, RolloutLayout, TrainLayout, build_placements
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import LayoutError, ModelConfig
+from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import DTYPE_BYTES, build_plan
 from verl_patches.reshard.summary import plan_summaries
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from verl_patches import accelerator
 from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import Box
-from verl_patches.reshard.layout import Part, Placements
+from verl_patches.reshard.placements import Part, Placements
 from verl_patches.reshard.baselines import execute_recipe, execute_upstream
 from verl_patches.reshard.methods import METHODS
 from verl_patches.reshard.planner import Plan, RankProgram, Transfer, rank_program

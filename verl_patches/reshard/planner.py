@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from verl_patches.reshard.box import Box, box_numel, intersect, split_box
-from verl_patches.reshard.layout import (LayoutError, ModelConfig, Placements, RolloutLayout, TrainLayout,
-                                         build_placements)
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import LayoutError, ModelConfig
+from verl_patches.reshard.placements import build_placements, Placements
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 

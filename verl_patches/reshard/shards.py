@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from verl_patches.reshard.layout import Placements, hf_expert_names, is_expert_stack
+from verl_patches.reshard.deepseek_v3_names import hf_expert_names, is_expert_stack
+from verl_patches.reshard.placements import Placements
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

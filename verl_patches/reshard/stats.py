@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from verl_patches.reshard.layout import Placements
+from verl_patches.reshard.placements import Placements
 
 
 @dataclass

@@ -125,7 +125,9 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
     from verl_patches.preflight.graph_check import GraphCheck
     from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
     from verl_patches.reshard.executor import execute, prepare
-    from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+    from verl_patches.reshard.model import ModelConfig
+    from verl_patches.reshard.placements import build_placements
     from verl_patches.reshard.planner import build_plan
     from verl_patches.rollout.mla import rewrite_in_place
     from verl_patches.launch import free_port

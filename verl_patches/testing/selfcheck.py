@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from verl_patches.reshard.executor import METHODS, execute
-from verl_patches.reshard.layout import ModelConfig, RolloutLayout, TrainLayout, build_placements
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import ModelConfig
+from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import Plan, build_plan
 from verl_patches.reshard.shards import (allocate, full_state, logical_state, rollout_shards,
                                          torch_dtype, train_shards)

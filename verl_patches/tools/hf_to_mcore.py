@@ -17,7 +17,7 @@ import torch
 
 from verl_patches import atomic
 from verl_patches.tools import manifest
-from verl_patches.tools.mcore_layout import (DistCheckpointReader, LayoutError, SafetensorsReader, TrainLayout, UnitWriter,
+from verl_patches.tools.mcore_layout import (DistCheckpointReader, LayoutError, SafetensorsReader, CheckpointLayout, UnitWriter,
                                              chunk_ranges, edge_plan, extra_state_keys, layer_plan, write_metadata)
 
 STATE_DIR = ".convert_state"
@@ -133,7 +133,7 @@ def build(how: str, sources: tuple[str, ...], get) -> torch.Tensor:
     raise ValueError(how)
 
 
-def convert(hf: Path, out: Path, layout: TrainLayout, spec: str = "te", extra_state: bool = True,
+def convert(hf: Path, out: Path, layout: CheckpointLayout, spec: str = "te", extra_state: bool = True,
             progress: bool = True, verify: bool = True, overwrite: bool = False) -> dict:
     """Convert ``hf`` into ``out``; resumes a partial output of the same input and options, refuses
     (unless ``overwrite``) a directory holding anything else."""
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.num_layer_list is not None and any(n < 1 for n in args.num_layer_list):
         p.error(f"--num-layer-list entries must be >= 1, got {list(args.num_layer_list)}")
-    layout = TrainLayout(args.tp, args.pp, args.ep, args.num_layer_list, args.moe_tp_extend_ep)
+    layout = CheckpointLayout(args.tp, args.pp, args.ep, args.num_layer_list, args.moe_tp_extend_ep)
     try:
         stats = convert(args.hf, args.out, layout, args.spec, not args.no_extra_state, not args.no_progress,
                         not args.no_verify, args.overwrite)

@@ -49,7 +49,7 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
-class TrainLayout:
+class CheckpointLayout:
     """The training layout the checkpoint's storage chunks follow (loading works with any layout)."""
 
     tp: int = 1
@@ -168,7 +168,7 @@ def extra_state_keys(cfg: dict, layer: int) -> list[str]:
     return [f"{m}{x}._extra_state/shard_0_1" for x in mods] + out
 
 
-def chunk_ranges(name: str, shape: tuple[int, ...], layout: TrainLayout, cfg: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def chunk_ranges(name: str, shape: tuple[int, ...], layout: CheckpointLayout, cfg: dict) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """(offsets, sizes) of the storage chunks: one per training owner, so each rank reads one contiguous piece."""
     if ".experts.experts." in name:
         per = shape[0] // layout.expert_ranks

@@ -103,7 +103,9 @@ def test_experts_placed_elsewhere_by_vllm_are_refused():
     import torch
 
     from verl_patches.reshard.binding import check_expert_placement
-    from verl_patches.reshard.layout import LayoutError, ModelConfig, RolloutLayout, TrainLayout, build_placements
+    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+    from verl_patches.reshard.model import LayoutError, ModelConfig
+    from verl_patches.reshard.placements import build_placements
 
     P = build_placements(ModelConfig.load(str(CONFIG)), TrainLayout.parse("tp=1,pp=1,ep=1"),
                          RolloutLayout(tp=1, dp=4))

@@ -51,7 +51,7 @@ def _build_session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
     from megatron.core import parallel_state as mpu
 
     from verl_patches.reshard.binding import LiveReshard, check_expert_placement
-    from verl_patches.reshard.layout import RolloutLayout
+    from verl_patches.reshard.layouts import RolloutLayout
 
     hf = manager.model_config.to_dict() if hasattr(manager.model_config, "to_dict") else dict(manager.model_config)
     dp = settings.dp
