@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from verl_patches.core import stash
+
 TINY = Path(__file__).resolve().parents[3] / "configs" / "model" / "tiny_deepseek_v3.json"
 # What the CPU model build needs of the TransformerConfig (given as the user's override_transformer_config):
 # the alltoall dispatcher and the shared-expert overlap make CUDA objects, the persistent layer norm is an
@@ -110,7 +112,7 @@ def convert_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
             tf, _ = init_worker_config(rank, model, case.get("recipe"), case.get("overrides", {}), case.get("actor"))
             fields = {k: getattr(tf, k) for k in case.get("fields", [])}
             res = {"ok": True, "fields": json.loads(json.dumps(fields, default=str)),
-                   "num_layer_list": _listed(getattr(tf, "num_layer_list", "absent"))}
+                   "num_layer_list": _listed(stash.get(tf, "num_layer_list", "absent"))}
             res["warnings"] = list(warnings)
             if case.get("mindspeed_stand_in"):
                 import mindspeed.megatron_adaptor as adaptor
