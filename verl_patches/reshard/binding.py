@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from verl_patches.megatron_args import RecipeMegatron, check_layout
+from verl_patches.reshard import deepseek_v3_names as names
 from verl_patches.reshard.executor import METHODS, ExecStats, check_inputs, execute
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
@@ -33,9 +34,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 # megatron-core's local (non-Transformer-Engine) spec keeps the layer norms that the TE spec
 # (verl's GPU models, mirrored by MindSpeed) fuses into the following linear; the plan uses
 # the TE names.
-_LOCAL_TO_TE = {"self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
-                "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
-_DENSE_PRE_MLP = ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
+_LOCAL_TO_TE = names.local_to_te()
+_DENSE_PRE_MLP = (names.DENSE["post_attention_layernorm"].local, names.DENSE["post_attention_layernorm"].mcore)
 
 
 def _te_name(name: str, dense_layers: set[str]) -> str:

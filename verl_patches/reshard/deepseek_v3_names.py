@@ -1,9 +1,82 @@
-"""DeepSeek-V3's parameter names where the reshard, the preflight and the checkpoint tools share
-them: per-expert Megatron names by expert storage, HF per-expert names of a stacked expert tensor."""
+"""DeepSeek-V3's parameter names, written once: the HF checkpoint's (which vLLM loads), Megatron's
+(Transformer-Engine spec, which verl and MindSpeed build, and the local spec, which keeps the layer
+norms as modules of their own), and vLLM's fused parameters. The reshard's placements, the checkpoint
+tools, the live-model binding and the test models all read them from here; the real megatron-core
+and vLLM modules the tests build are what checks them.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+HF_LAYER = "model.layers.{}."  # + the names below
+MCORE_LAYER = "decoder.layers.{}."  # + the names below (local layer index on a pipeline stage)
+
+
+@dataclass(frozen=True)
+class Name:
+    hf: str  # under HF_LAYER
+    mcore: str  # under MCORE_LAYER, Transformer-Engine spec
+    local: str | None = None  # under MCORE_LAYER, megatron-core's local spec where it differs
+
+    def mcore_for(self, spec: str) -> str:
+        if spec not in ("te", "local"):
+            raise ValueError(f"Megatron layer spec {spec!r}: expected 'te' or 'local'")
+        return self.local if spec == "local" and self.local is not None else self.mcore
+
+
+# Multi-head latent attention. q_a_* / q_b_proj with a query LoRA rank, q_proj without.
+ATTN = {
+    "input_layernorm": Name("input_layernorm.weight", "input_layernorm.weight"),
+    "q_a_proj": Name("self_attn.q_a_proj.weight", "self_attention.linear_q_down_proj.weight"),
+    "q_a_layernorm": Name("self_attn.q_a_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight",
+                          "self_attention.q_layernorm.weight"),
+    "q_b_proj": Name("self_attn.q_b_proj.weight", "self_attention.linear_q_up_proj.weight"),
+    "q_proj": Name("self_attn.q_proj.weight", "self_attention.linear_q_proj.weight"),
+    "kv_a_proj": Name("self_attn.kv_a_proj_with_mqa.weight", "self_attention.linear_kv_down_proj.weight"),
+    "kv_a_layernorm": Name("self_attn.kv_a_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
+                           "self_attention.kv_layernorm.weight"),
+    "kv_b_proj": Name("self_attn.kv_b_proj.weight", "self_attention.linear_kv_up_proj.weight"),
+    "o_proj": Name("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+}
+# A dense layer's MLP: Megatron fuses gate and up rows into fc1 (and, in the TE spec, the norm into it).
+DENSE = {
+    "post_attention_layernorm": Name("post_attention_layernorm.weight", "mlp.linear_fc1.layer_norm_weight",
+                                     "pre_mlp_layernorm.weight"),
+    "gate_proj": Name("mlp.gate_proj.weight", "mlp.linear_fc1.weight"),
+    "up_proj": Name("mlp.up_proj.weight", "mlp.linear_fc1.weight"),
+    "down_proj": Name("mlp.down_proj.weight", "mlp.linear_fc2.weight"),
+}
+# A MoE layer: norm, router and its expert bias, shared experts (fused like a dense MLP).
+MOE = {
+    "post_attention_layernorm": Name("post_attention_layernorm.weight", "pre_mlp_layernorm.weight"),
+    "router": Name("mlp.gate.weight", "mlp.router.weight"),
+    "expert_bias": Name("mlp.gate.e_score_correction_bias", "mlp.router.expert_bias"),
+    "shared_gate_proj": Name("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.linear_fc1.weight"),
+    "shared_up_proj": Name("mlp.shared_experts.up_proj.weight", "mlp.shared_experts.linear_fc1.weight"),
+    "shared_down_proj": Name("mlp.shared_experts.down_proj.weight", "mlp.shared_experts.linear_fc2.weight"),
+}
+# Outside the layers (full names).
+EDGES = {
+    "embedding": Name("model.embed_tokens.weight", "embedding.word_embeddings.weight"),
+    "final_norm": Name("model.norm.weight", "decoder.final_layernorm.weight"),
+    "output": Name("lm_head.weight", "output_layer.weight"),
+}
+# vLLM's fused parameters (under HF_LAYER): gate and up rows in one tensor, experts stacked.
+VLLM_GATE_UP = "mlp.gate_up_proj.weight"
+VLLM_SHARED_GATE_UP = "mlp.shared_experts.gate_up_proj.weight"
+VLLM_EXPERTS_W13 = "mlp.experts.w13_weight"
+VLLM_EXPERTS_W2 = "mlp.experts.w2_weight"
+# Megatron's GroupedMLP storage of the routed experts (under MCORE_LAYER).
+MCORE_GROUPED_W1 = "mlp.experts.weight1"
+MCORE_GROUPED_W2 = "mlp.experts.weight2"
+
+
+def local_to_te() -> dict[str, str]:
+    """Attention norms the local spec keeps as modules and the TE spec fuses into the next linear.
+    (A dense layer's pre-MLP norm differs too, but its local name is also a MoE layer's TE name.)"""
+    return {n.local: n.mcore for n in ATTN.values() if n.local is not None}
 
 from verl_patches.reshard.layouts import EXPERT_STORAGES
 from verl_patches.reshard.model import LayoutError

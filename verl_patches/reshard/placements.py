@@ -15,6 +15,7 @@ from typing import Any
 
 from verl_patches.reshard.box import Box, box_numel, full_box
 from verl_patches.reshard.coords import RolloutCoords, TrainCoords, rollout_coords, train_coords, vllm_expert_range
+from verl_patches.reshard import deepseek_v3_names as names
 from verl_patches.reshard.deepseek_v3_names import _per_expert_names
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
@@ -261,68 +262,51 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
 
     H = model.hidden_size
     nh = model.num_heads
-    vocab("model.embed_tokens.weight", "embedding.word_embeddings.weight", "model.embed_tokens.weight", 0)
+    A, D, M, X = names.ATTN, names.DENSE, names.MOE, names.EDGES
+    vocab(X["embedding"].hf, X["embedding"].mcore, X["embedding"].hf, 0)
     for g in range(model.num_layers):
         s = layer_stage[g]
-        tp_ = f"decoder.layers.{local_idx[g]}."
-        hp = f"model.layers.{g}."
-        dense(hp + "input_layernorm.weight", (H,), s, tp_ + "input_layernorm.weight",
-              hp + "input_layernorm.weight", None, None)
-        att = tp_ + "self_attention."
+        tp_ = names.MCORE_LAYER.format(local_idx[g])
+        hp = names.HF_LAYER.format(g)
+
+        def same(n: names.Name, shape: tuple[int, ...], tdim: int | None, rdim: int | None, **kw) -> None:
+            """A tensor vLLM keeps under its HF name (train name: the TE spec's)."""
+            dense(hp + n.hf, shape, s, tp_ + n.mcore, hp + n.hf, tdim, rdim, **kw)
+
+        same(A["input_layernorm"], (H,), None, None)
         down_dim = 0 if train.mla_down_split else None
         if model.q_lora_rank is not None:
-            dense(hp + "self_attn.q_a_proj.weight", (model.q_lora_rank, H), s,
-                  att + "linear_q_down_proj.weight", hp + "self_attn.q_a_proj.weight", down_dim, None)
-            dense(hp + "self_attn.q_a_layernorm.weight", (model.q_lora_rank,), s,
-                  att + "linear_q_up_proj.layer_norm_weight", hp + "self_attn.q_a_layernorm.weight",
-                  None, None)
-            dense(hp + "self_attn.q_b_proj.weight", (nh * model.qk_head_dim, model.q_lora_rank), s,
-                  att + "linear_q_up_proj.weight", hp + "self_attn.q_b_proj.weight", 0, 0)
+            same(A["q_a_proj"], (model.q_lora_rank, H), down_dim, None)
+            same(A["q_a_layernorm"], (model.q_lora_rank,), None, None)
+            same(A["q_b_proj"], (nh * model.qk_head_dim, model.q_lora_rank), 0, 0)
         else:
-            dense(hp + "self_attn.q_proj.weight", (nh * model.qk_head_dim, H), s,
-                  att + "linear_q_proj.weight", hp + "self_attn.q_proj.weight", 0, 0)
-        dense(hp + "self_attn.kv_a_proj_with_mqa.weight", (model.kv_lora_rank + model.qk_rope_head_dim, H),
-              s, att + "linear_kv_down_proj.weight", hp + "self_attn.kv_a_proj_with_mqa.weight",
-              down_dim, None)
-        dense(hp + "self_attn.kv_a_layernorm.weight", (model.kv_lora_rank,), s,
-              att + "linear_kv_up_proj.layer_norm_weight", hp + "self_attn.kv_a_layernorm.weight",
-              None, None)
-        dense(hp + "self_attn.kv_b_proj.weight",
-              (nh * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank), s,
-              att + "linear_kv_up_proj.weight", hp + "self_attn.kv_b_proj.weight", 0, 0)
-        dense(hp + "self_attn.o_proj.weight", (H, nh * model.v_head_dim), s,
-              att + "linear_proj.weight", hp + "self_attn.o_proj.weight", 1, 1)
+            same(A["q_proj"], (nh * model.qk_head_dim, H), 0, 0)
+        same(A["kv_a_proj"], (model.kv_lora_rank + model.qk_rope_head_dim, H), down_dim, None)
+        same(A["kv_a_layernorm"], (model.kv_lora_rank,), None, None)
+        same(A["kv_b_proj"], (nh * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank), 0, 0)
+        same(A["o_proj"], (H, nh * model.v_head_dim), 1, 1)
         if not model.is_moe(g):
             I = model.intermediate_size
-            dense(hp + "post_attention_layernorm.weight", (H,), s, tp_ + "mlp.linear_fc1.layer_norm_weight",
-                  hp + "post_attention_layernorm.weight", None, None)
-            dense(hp + "mlp.gate_proj.weight", (I, H), s, tp_ + "mlp.linear_fc1.weight",
-                  hp + "mlp.gate_up_proj.weight", 0, 0, fused=(0, 2))
-            dense(hp + "mlp.up_proj.weight", (I, H), s, tp_ + "mlp.linear_fc1.weight",
-                  hp + "mlp.gate_up_proj.weight", 0, 0, fused=(1, 2))
-            dense(hp + "mlp.down_proj.weight", (H, I), s, tp_ + "mlp.linear_fc2.weight",
-                  hp + "mlp.down_proj.weight", 1, 1)
+            same(D["post_attention_layernorm"], (H,), None, None)
+            for k, key in enumerate(("gate_proj", "up_proj")):
+                dense(hp + D[key].hf, (I, H), s, tp_ + D[key].mcore, hp + names.VLLM_GATE_UP, 0, 0, fused=(k, 2))
+            same(D["down_proj"], (H, I), 1, 1)
             continue
         E, Im = model.n_routed_experts, model.moe_intermediate_size
-        dense(hp + "post_attention_layernorm.weight", (H,), s, tp_ + "pre_mlp_layernorm.weight",
-              hp + "post_attention_layernorm.weight", None, None)
-        dense(hp + "mlp.gate.weight", (E, H), s, tp_ + "mlp.router.weight", hp + "mlp.gate.weight",
-              None, None)
+        same(M["post_attention_layernorm"], (H,), None, None)
+        same(M["router"], (E, H), None, None)
         if model.expert_bias:
-            dense(hp + "mlp.gate.e_score_correction_bias", (E,), s, tp_ + "mlp.router.expert_bias",
-                  hp + "mlp.gate.e_score_correction_bias", None, None)
+            same(M["expert_bias"], (E,), None, None)
         if model.n_shared_experts:
             Is = Im * model.n_shared_experts
-            sh, rs = tp_ + "mlp.shared_experts.", hp + "mlp.shared_experts."
             r0, r1 = (None, None) if rollout.shared_replicated else (0, 1)
-            dense(rs + "gate_proj.weight", (Is, H), s, sh + "linear_fc1.weight", rs + "gate_up_proj.weight",
-                  0, r0, fused=(0, 2))
-            dense(rs + "up_proj.weight", (Is, H), s, sh + "linear_fc1.weight", rs + "gate_up_proj.weight",
-                  0, r0, fused=(1, 2))
-            dense(rs + "down_proj.weight", (H, Is), s, sh + "linear_fc2.weight", rs + "down_proj.weight", 1, r1)
+            for k, key in enumerate(("shared_gate_proj", "shared_up_proj")):
+                dense(hp + M[key].hf, (Is, H), s, tp_ + M[key].mcore, hp + names.VLLM_SHARED_GATE_UP, 0, r0,
+                      fused=(k, 2))
+            same(M["shared_down_proj"], (H, Is), 1, r1)
         el = E // (te) if E % te == 0 else 0
-        w1, w2 = tp_ + "mlp.experts.weight1", tp_ + "mlp.experts.weight2"
-        r13, r2 = hp + "mlp.experts.w13_weight", hp + "mlp.experts.w2_weight"
+        w1, w2 = tp_ + names.MCORE_GROUPED_W1, tp_ + names.MCORE_GROUPED_W2
+        r13, r2 = hp + names.VLLM_EXPERTS_W13, hp + names.VLLM_EXPERTS_W2
         # Megatron GroupedMLP: weight1 [H, El*2I] is used as view(El, H, 2I) (gate | up on the
         # last dim), weight2 [El*I, H] as view(El, I, H): both transposed relative to HF/vLLM.
         # vLLM FusedMoE: w13 [El, 2I, H] (gate rows then up rows), w2 [El, H, I].
@@ -342,6 +326,6 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
                 lambda n: Slot(w2, reshape=(n, Im, H), permute=(0, 2, 1)),
                 lambda n: Slot(r2), (el * Im, H), lambda n: (n, H, Im),
                 None if fc2 is None else (lambda j: Slot(fc2(j), reshape=(1, H, Im)), (H, Im)))
-    dense("model.norm.weight", (H,), p - 1, "decoder.final_layernorm.weight", "model.norm.weight", None, None)
-    vocab("lm_head.weight", "output_layer.weight", "lm_head.weight", p - 1)
+    dense(X["final_norm"].hf, (H,), p - 1, X["final_norm"].mcore, X["final_norm"].hf, None, None)
+    vocab(X["output"].hf, X["output"].mcore, X["output"].hf, p - 1)
     return Placements(model, train, rollout, W, tc, rc, tensors, tstore, rstore, rzero, stage_layers)

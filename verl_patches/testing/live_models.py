@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from verl_patches.reshard import deepseek_v3_names as names
+
 
 def write_model_dir(d: Path, config: dict[str, Any]) -> Path:
     d.mkdir(parents=True, exist_ok=True)
@@ -165,34 +167,30 @@ def megatron_to_hf(model: torch.nn.Module, cfg: dict[str, Any]) -> dict[str, tor
     sd = {n: t for n, t in model.state_dict().items() if not n.endswith("_extra_state")}
     H, Im, I = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["intermediate_size"]
     E = cfg["n_routed_experts"]
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
-           "lm_head.weight": sd["output_layer.weight"], "model.norm.weight": sd["decoder.final_layernorm.weight"]}
-    attn = {"linear_q_down_proj.weight": "q_a_proj.weight", "q_layernorm.weight": "q_a_layernorm.weight",
-            "linear_q_up_proj.weight": "q_b_proj.weight", "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
-            "kv_layernorm.weight": "kv_a_layernorm.weight", "linear_kv_up_proj.weight": "kv_b_proj.weight",
-            "linear_proj.weight": "o_proj.weight"}
+    out = {n.hf: sd[n.mcore] for n in names.EDGES.values()}
+    # The test models use the local spec and a query LoRA rank (no q_proj).
+    attn = [n for k, n in names.ATTN.items() if k != "q_proj"]
     for L in range(cfg["num_hidden_layers"]):
-        m, h = f"decoder.layers.{L}.", f"model.layers.{L}."
-        out[h + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
-        for a, b in attn.items():
-            out[h + "self_attn." + b] = sd[m + "self_attention." + a]
+        m, h = names.MCORE_LAYER.format(L), names.HF_LAYER.format(L)
+        for n in attn:
+            out[h + n.hf] = sd[m + n.mcore_for("local")]
+        out[h + names.DENSE["post_attention_layernorm"].hf] = sd[m + names.DENSE["post_attention_layernorm"].local]
 
         def glu(w: torch.Tensor, n: int, prefix: str, down: torch.Tensor) -> None:
             out[prefix + "gate_proj.weight"], out[prefix + "up_proj.weight"] = w[:n], w[n:]
             out[prefix + "down_proj.weight"] = down
 
         if L < cfg["first_k_dense_replace"]:
-            glu(sd[m + "mlp.linear_fc1.weight"], I, h + "mlp.", sd[m + "mlp.linear_fc2.weight"])
+            glu(sd[m + names.DENSE["gate_proj"].mcore], I, h + "mlp.", sd[m + names.DENSE["down_proj"].mcore])
             continue
-        out[h + "mlp.gate.weight"] = sd[m + "mlp.router.weight"]
-        out[h + "mlp.gate.e_score_correction_bias"] = sd[m + "mlp.router.expert_bias"]
-        glu(sd[m + "mlp.shared_experts.linear_fc1.weight"], Im * cfg["n_shared_experts"], h + "mlp.shared_experts.",
-            sd[m + "mlp.shared_experts.linear_fc2.weight"])
+        for key in ("router", "expert_bias"):
+            out[h + names.MOE[key].hf] = sd[m + names.MOE[key].mcore]
+        glu(sd[m + names.MOE["shared_gate_proj"].mcore], Im * cfg["n_shared_experts"], h + "mlp.shared_experts.",
+            sd[m + names.MOE["shared_down_proj"].mcore])
         for j in range(E):
-            if m + "mlp.experts.weight1" in sd:
-                w1 = sd[m + "mlp.experts.weight1"].view(E, H, 2 * Im)[j].t()
-                w2 = sd[m + "mlp.experts.weight2"].view(E, Im, H)[j].t()
+            if m + names.MCORE_GROUPED_W1 in sd:
+                w1 = sd[m + names.MCORE_GROUPED_W1].view(E, H, 2 * Im)[j].t()
+                w2 = sd[m + names.MCORE_GROUPED_W2].view(E, Im, H)[j].t()
             else:
                 w1 = sd[m + f"mlp.experts.local_experts.{j}.linear_fc1.weight"]
                 w2 = sd[m + f"mlp.experts.local_experts.{j}.linear_fc2.weight"]

@@ -13,19 +13,17 @@ from pathlib import Path
 
 import torch
 
+from verl_patches.reshard import deepseek_v3_names as names
+
 # Megatron's dist-checkpoint directory markers (what dist_checkpointing.save writes).
 MCORE_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                        "common_backend": "torch", "common_backend_version": 1}
 # Layer norms are fused into the following linear in the Transformer-Engine spec (what verl
 # builds, and what MindSpeed mirrors); the local spec keeps them as separate modules.
-NORM_NAMES = {
-    "te": {"q_a_layernorm": "self_attention.linear_q_up_proj.layer_norm_weight",
-           "kv_a_layernorm": "self_attention.linear_kv_up_proj.layer_norm_weight",
-           "dense_post_attention_layernorm": "mlp.linear_fc1.layer_norm_weight"},
-    "local": {"q_a_layernorm": "self_attention.q_layernorm.weight",
-              "kv_a_layernorm": "self_attention.kv_layernorm.weight",
-              "dense_post_attention_layernorm": "pre_mlp_layernorm.weight"},
-}
+NORM_NAMES = {spec: {"q_a_layernorm": names.ATTN["q_a_layernorm"].mcore_for(spec),
+                     "kv_a_layernorm": names.ATTN["kv_a_layernorm"].mcore_for(spec),
+                     "dense_post_attention_layernorm": names.DENSE["post_attention_layernorm"].mcore_for(spec)}
+              for spec in ("te", "local")}
 # Tensor-parallel split axis per Megatron linear (column-parallel 0, row-parallel 1); None is replicated.
 TP_AXIS = {
     "self_attention.linear_proj.weight": 1,
@@ -97,36 +95,27 @@ def is_dense(cfg: dict, layer: int) -> bool:
 
 def layer_plan(cfg: dict, layer: int, spec: str = "te") -> list[tuple[str, tuple[str, ...], str]]:
     """(mcore name, HF source names, how) for one decoder layer; how: copy | cat (GLU gate;up) | experts_fc1 | experts_fc2."""
-    h = f"model.layers.{layer}."
-    m = f"decoder.layers.{layer}."
-    norms = NORM_NAMES[spec]
-    plan = [
-        (m + "input_layernorm.weight", (h + "input_layernorm.weight",), "copy"),
-        (m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), "copy"),
-        (m + "self_attention.linear_kv_down_proj.weight", (h + "self_attn.kv_a_proj_with_mqa.weight",), "copy"),
-        (m + "self_attention.linear_kv_up_proj.weight", (h + "self_attn.kv_b_proj.weight",), "copy"),
-        (m + norms["kv_a_layernorm"], (h + "self_attn.kv_a_layernorm.weight",), "copy"),
-    ]
+    h, m = names.HF_LAYER.format(layer), names.MCORE_LAYER.format(layer)
+    A, D, M = names.ATTN, names.DENSE, names.MOE
+
+    def copy(n: names.Name) -> tuple[str, tuple[str, ...], str]:
+        return m + n.mcore_for(spec), (h + n.hf,), "copy"
+
+    plan = [copy(A[k]) for k in ("input_layernorm", "o_proj", "kv_a_proj", "kv_b_proj", "kv_a_layernorm")]
     if cfg.get("q_lora_rank"):
-        plan += [
-            (m + "self_attention.linear_q_down_proj.weight", (h + "self_attn.q_a_proj.weight",), "copy"),
-            (m + "self_attention.linear_q_up_proj.weight", (h + "self_attn.q_b_proj.weight",), "copy"),
-            (m + norms["q_a_layernorm"], (h + "self_attn.q_a_layernorm.weight",), "copy"),
-        ]
+        plan += [copy(A[k]) for k in ("q_a_proj", "q_b_proj", "q_a_layernorm")]
     else:
-        plan.append((m + "self_attention.linear_q_proj.weight", (h + "self_attn.q_proj.weight",), "copy"))
+        plan.append(copy(A["q_proj"]))
     if is_dense(cfg, layer):
         plan += [
-            (m + norms["dense_post_attention_layernorm"], (h + "post_attention_layernorm.weight",), "copy"),
-            (m + "mlp.linear_fc1.weight", (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "cat"),
-            (m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), "copy"),
+            copy(D["post_attention_layernorm"]),
+            (m + D["gate_proj"].mcore, (h + D["gate_proj"].hf, h + D["up_proj"].hf), "cat"),
+            copy(D["down_proj"]),
         ]
     else:
         e = cfg["n_routed_experts"]
+        plan += [copy(M[k]) for k in ("post_attention_layernorm", "router", "expert_bias")]
         plan += [
-            (m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), "copy"),
-            (m + "mlp.router.weight", (h + "mlp.gate.weight",), "copy"),
-            (m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), "copy"),
             (m + "mlp.experts.experts.linear_fc1.weight",
              tuple(f"{h}mlp.experts.{x}.{p}_proj.weight" for x in range(e) for p in ("gate", "up")), "experts_fc1"),
             (m + "mlp.experts.experts.linear_fc2.weight",
@@ -134,19 +123,19 @@ def layer_plan(cfg: dict, layer: int, spec: str = "te") -> list[tuple[str, tuple
         ]
         if cfg.get("n_shared_experts"):
             plan += [
-                (m + "mlp.shared_experts.linear_fc1.weight",
-                 (h + "mlp.shared_experts.gate_proj.weight", h + "mlp.shared_experts.up_proj.weight"), "cat"),
-                (m + "mlp.shared_experts.linear_fc2.weight", (h + "mlp.shared_experts.down_proj.weight",), "copy"),
+                (m + M["shared_gate_proj"].mcore, (h + M["shared_gate_proj"].hf, h + M["shared_up_proj"].hf), "cat"),
+                copy(M["shared_down_proj"]),
             ]
     return plan
 
 
 def edge_plan(cfg: dict, which: str) -> list[tuple[str, tuple[str, ...], str]]:
+    E = names.EDGES
     if which == "embedding":
-        return [("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "copy")]
-    plan = [("decoder.final_layernorm.weight", ("model.norm.weight",), "copy")]
+        return [(E["embedding"].mcore, (E["embedding"].hf,), "copy")]
+    plan = [(E["final_norm"].mcore, (E["final_norm"].hf,), "copy")]
     if not cfg.get("tie_word_embeddings", False):
-        plan.append(("output_layer.weight", ("lm_head.weight",), "copy"))
+        plan.append((E["output"].mcore, (E["output"].hf,), "copy"))
     return plan
 
 
