@@ -18,6 +18,9 @@ KEYS: dict[str, str] = {
     "kv_cache_configs": "the KV cache configs kept for re-initialisation, on vLLM's engine core",
     "local_call": "marks a replacement of a worker-group call that never calls the workers",
     "num_layer_list": "the recipe's uneven pipeline layer list, on Megatron's TransformerConfig",
+    "actor_memory": "the actor's offload groups (ActorMemory), on verl's worker and its sharding manager",
+    "ref_memory": "the reference's offload group (ReferenceMemory), on verl's worker",
+    "engine_memory": "the rollout engine's offload groups (VllmEngineMemory), on verl's vLLMRollout",
 }
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from verl_patches.core import stash
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -132,10 +133,10 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
         from verl_patches.offload import OffloadEngine
         from verl_patches.offload.megatron_memory import ActorMemory
 
-        manager.actor_memory = ActorMemory([actor], engine=OffloadEngine())
+        stash.put(manager, "actor_memory", ActorMemory([actor], engine=OffloadEngine()))
         before = {n: p.detach().clone() for n, p in actor.named_parameters()}
     else:
-        manager.actor_memory = _ActorMemory(events)
+        stash.put(manager, "actor_memory", _ActorMemory(events))
     error, again = None, None
     try:
         with manager:
@@ -149,7 +150,7 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
         # After the switch the training params are on host; back on device they are the same bytes.
         params_now = [p for _, p in actor.named_parameters()]
         result["train_params_offloaded"] = all(p.untyped_storage().nbytes() == 0 for p in params_now)
-        manager.actor_memory.onload_params()
+        stash.get(manager, "actor_memory").onload_params()
         result["train_params_back_exact"] = all(torch.equal(p, before[n]) for n, p in actor.named_parameters())
     if error is None and method != "upstream":
         # What the recipe engine's offload does with the weights (VllmEngineMemory), then the next switch.
@@ -208,7 +209,7 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
         actor_module=[actor], inference_engine=_Engine(model, settings, events),
         model_config=SimpleNamespace(to_dict=lambda: dict(cfg)), transformer_config=None, layer_name_mapping={},
         weight_converter=None, device_mesh=mesh, offload_param=False)
-    manager.actor_memory = _ActorMemory(events)
+    stash.put(manager, "actor_memory", _ActorMemory(events))
     # The plan (built on the first switch) gives the layout; fill the actor through it, then switch again.
     with manager:
         pass

@@ -20,6 +20,7 @@ import os
 import types
 from typing import Any, Callable
 
+from verl_patches.core import stash
 import torch
 
 
@@ -153,7 +154,7 @@ class SM:
     def __enter__(self):
         params = self.actor_module_params()
         self.log["params_bytes_at_reshard"] = sum(p.untyped_storage().nbytes() for p in params)
-        memory = getattr(self, "actor_memory", None)
+        memory = stash.get(self, "actor_memory")
         if self.contract and memory is not None:
             memory.offload_params()
         return self
@@ -295,8 +296,8 @@ def actor_cycle(ids: list[str]) -> dict:
     out: dict[str, Any] = {"steps": []}
     W.init_model(w)
     w.actor = w.actor_standin
-    memory = getattr(w, "actor_memory", None)
-    out["attached"] = memory is not None and getattr(w.sharding_manager, "actor_memory", None) is memory
+    memory = stash.get(w, "actor_memory")
+    out["attached"] = memory is not None and stash.get(w.sharding_manager, "actor_memory") is memory
     out["verl_flags_after_init"] = [w._is_offload_param, w._is_offload_grad, w._is_offload_optimizer]
     out["after_init"] = {"params": _param_bytes(w.modules), "grads": _grad_bytes(w.modules)}
     seen: dict[str, int] = {}
@@ -377,7 +378,7 @@ def generate_without_contract() -> dict:
     w.actor = w.actor_standin
     W.generate_sequences(w, _prompts())
     out = {"reshard_saw": w.log["params_bytes_at_reshard"], "after": _param_bytes(w.modules)}
-    w.actor_memory.close()
+    stash.get(w, "actor_memory").close()
     return out
 
 
@@ -398,10 +399,10 @@ def swap_optimizer(mindspeed_loaded: bool) -> dict:
         sys.modules.pop("mindspeed", None)
     w.actor = w.actor_standin
     W.update_actor(w, _data())
-    out = {"opt_group": w.actor_memory.opt is not None, "grads": _grad_bytes(w.modules),
+    out = {"opt_group": stash.get(w, "actor_memory").opt is not None, "grads": _grad_bytes(w.modules),
            "opt": sum(v.untyped_storage().nbytes() for s in w.optimizer.optimizer.state.values()
                       for v in s.values() if v.dim() > 0)}
-    w.actor_memory.close()
+    stash.get(w, "actor_memory").close()
     return out
 
 
@@ -413,7 +414,7 @@ def offload_off() -> dict:
     W.init_model(w)
     w.actor = w.actor_standin
     W.update_actor(w, _data())
-    return {"memory": hasattr(w, "actor_memory"), "grads": _grad_bytes(w.modules)}
+    return {"memory": (stash.get(w, "actor_memory") is not None), "grads": _grad_bytes(w.modules)}
 
 
 def reference(ids: list[str]) -> dict:
@@ -428,10 +429,10 @@ def reference(ids: list[str]) -> dict:
     w.ref_policy.compute_log_prob = w.ref_forward  # MegatronPPOActor stand-in built by init_model
     out: dict[str, Any] = {"after_init": _param_bytes(w.modules), "d2h": []}
     for _ in range(2):
-        before = len(w.ref_memory.ledger.entries) if hasattr(w, "ref_memory") else 0
+        before = len(stash.get(w, "ref_memory").ledger.entries) if (stash.get(w, "ref_memory") is not None) else 0
         W.compute_ref_log_prob(w, _data())
-        out["d2h"].append(sum(e.d2h_bytes for e in list(w.ref_memory.ledger.entries)[before:])
-                          if hasattr(w, "ref_memory") else None)
+        out["d2h"].append(sum(e.d2h_bytes for e in list(stash.get(w, "ref_memory").ledger.entries)[before:])
+                          if (stash.get(w, "ref_memory") is not None) else None)
     out["forward_saw_exact"] = [b == original for b in w.log["ref_bytes_in_forward"]]
     out["verl_ref_flag"] = w._ref_is_offload_param
     out["after"] = _param_bytes(w.modules)

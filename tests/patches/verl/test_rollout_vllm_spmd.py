@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from verl_patches.core import stash
 import torch.distributed as dist
 
 from verl_patches.core.apply import apply_all, undo
@@ -93,7 +94,7 @@ def _build(cfg, model_dir):
 
 
 def _weights_bytes(rollout):
-    model = rollout.engine_memory.core.model_executor.worker.model_runner.model
+    model = stash.get(rollout, "engine_memory").core.model_executor.worker.model_runner.model
     return sum(p.untyped_storage().nbytes() for p in model.parameters())
 
 
@@ -152,7 +153,7 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
     assert rollout.inference_engine.slept is None  # no sleep mode: the offload engine freed memory
 
     # The switch, as the schedule drives it: weights and KV cache come and go for real.
-    worker = rollout.engine_memory.core.model_executor.worker
+    worker = stash.get(rollout, "engine_memory").core.model_executor.worker
     full = sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
     buffer = worker.model_runner.model.cos_sin_cache
     assert buffer.tolist() == list(range(32))  # built once, rewritten by nobody: must never be freed
@@ -172,11 +173,11 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
     from verl_patches.rollout.engine_memory import shared_offload_engine
 
     # The switch schedule can drive the same groups, on the process's shared offload engine.
-    assert set(rollout.engine_memory.groups()) <= set(ROLES)
-    assert rollout.engine_memory.engine is shared_offload_engine()
+    assert set(stash.get(rollout, "engine_memory").groups()) <= set(ROLES)
+    assert stash.get(rollout, "engine_memory").engine is shared_offload_engine()
     # verl's sharding manager reaches the same methods through the engine's sleep / wake_up.
-    assert getattr(rollout.inference_engine, MEMORY_ATTR) is rollout.engine_memory
-    rollout.engine_memory.close()  # one rollout per process on the cluster; tests build several
+    assert getattr(rollout.inference_engine, MEMORY_ATTR) is stash.get(rollout, "engine_memory")
+    stash.get(rollout, "engine_memory").close()  # one rollout per process on the cluster; tests build several
 
 
 def test_recipe_flags_off_keep_upstream_memory_behaviour(model_dir, world, env, recorder):

@@ -5,7 +5,7 @@ the link twice per step and the grads are allocated for nothing. Our order, on t
 (verl_patches/offload/megatron_memory.py, one engine per process shared with the rollout's groups):
 - init_model: verl's own param/grad/optimizer/ref offload flags are turned off (both would move the same
   tensors; verl's ref offload also replaces param.data under our groups); ActorMemory is attached as
-  ``sharding_manager.actor_memory`` and the iteration starts where an update ends; the reference model is
+  the sharding manager's stashed ``actor_memory`` (verl_patches/core/stash.py) and the iteration starts where an update ends; the reference model is
   copied to host once.
 - update_actor: onload params, grads (zeroed: Megatron zeroes them before each backward) and optimizer
   first; at the end release the grads and offload the optimizer state (not with MindSpeed's swap optimizer,
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
@@ -80,16 +81,17 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
 
         if self._is_actor:
             swap = swap_optimizer_active(self.config)
-            self.actor_memory = ActorMemory(self.actor_module, None if swap else self.actor_optimizer,
-                                            engine=_engine())
+            actor = ActorMemory(self.actor_module, None if swap else self.actor_optimizer, engine=_engine())
+            stash.put(self, "actor_memory", actor)
             sharding_manager = getattr(self, "sharding_manager", None)
             if sharding_manager is not None:
-                sharding_manager.actor_memory = self.actor_memory
+                stash.put(sharding_manager, "actor_memory", actor)
             # Every iteration starts where an update ends (docs/DESIGN.md section 3, step 1).
-            self.actor_memory.after_update()
+            actor.after_update()
         if self._is_ref:
-            self.ref_memory = ReferenceMemory(self.ref_module, engine=_engine())
-            self.ref_memory.offload()
+            ref = ReferenceMemory(self.ref_module, engine=_engine())
+            stash.put(self, "ref_memory", ref)
+            ref.offload()
         _empty_cache()
         return out
 
@@ -105,7 +107,7 @@ def _empty_cache() -> None:
 def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def update_actor(self, data):
-        memory = getattr(self, "actor_memory", None)
+        memory = stash.get(self, "actor_memory")
         if memory is None:
             return original(self, data)
         memory.before_update()
@@ -120,7 +122,7 @@ def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any
 def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def generate_sequences(self, prompts):
-        memory = getattr(self, "actor_memory", None)
+        memory = stash.get(self, "actor_memory")
         if memory is None:
             return original(self, prompts)
         memory.onload_params()  # a no-op after an update: the reshard reads the resident params
@@ -134,7 +136,7 @@ def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..
 def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_log_prob(self, data):
-        memory = getattr(self, "actor_memory", None)
+        memory = stash.get(self, "actor_memory")
         if memory is None:
             return original(self, data)
         from verl_patches.offload.groups import Location
@@ -152,7 +154,7 @@ def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[...,
 def wrap_compute_ref_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_ref_log_prob(self, data):
-        memory = getattr(self, "ref_memory", None)
+        memory = stash.get(self, "ref_memory")
         if memory is None:
             return original(self, data)
         memory.onload()
@@ -167,7 +169,7 @@ def wrap_compute_ref_log_prob_offload(original: Callable[..., Any]) -> Callable[
 def _wrap_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def checkpoint(self, *args, **kwargs):
-        memory = getattr(self, "actor_memory", None)
+        memory = stash.get(self, "actor_memory")
         if memory is None:
             return original(self, *args, **kwargs)
         from verl_patches.offload.groups import Location

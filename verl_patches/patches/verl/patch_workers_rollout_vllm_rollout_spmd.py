@@ -27,6 +27,7 @@ import os
 from copy import deepcopy
 from typing import Any
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
@@ -143,15 +144,15 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
 
         # Training runs first: free the KV cache (done by the constructor) and the weights now,
         # where upstream would put the engine to sleep.
-        self.engine_memory = VllmEngineMemory(self.inference_engine)
-        self.engine_memory.offload_model_weights()
+        stash.put(self, "engine_memory", VllmEngineMemory(self.inference_engine))
+        stash.get(self, "engine_memory").offload_model_weights()
         for name in MEMORY_METHODS:
-            setattr(self, name, getattr(self.engine_memory, name))
+            setattr(self, name, getattr(stash.get(self, "engine_memory"), name))
         # verl's sharding manager drives the switch through the engine's sleep / wake_up
         # (patches vllm.llm.sleep_to_offload / wake_up_to_onload route them here).
         from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
 
-        setattr(self.inference_engine, MEMORY_ATTR, self.engine_memory)
+        setattr(self.inference_engine, MEMORY_ATTR, stash.get(self, "engine_memory"))
     else:
         self.inference_engine.sleep(level=1)
 

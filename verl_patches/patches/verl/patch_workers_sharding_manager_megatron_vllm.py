@@ -113,7 +113,7 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     from verl_patches.rollout.mla import redo_mla_post_load
 
     manager.timing = {}
-    actor_memory = getattr(manager, "actor_memory", None)
+    actor_memory = stash.get(manager, "actor_memory")
     with simple_timer("reshard", manager.timing):
         accelerator.empty_cache()
         if actor_memory is None and manager.offload_param:
