@@ -11,32 +11,16 @@ patches are applied on Ascend only.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.rollout import worker_regions
 from verl_patches.patches.vllm.patch_v1_worker_gpu_worker import FLAG, REMOVE_WHEN, WHY
 
 
-def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def load_model(self):
-        from verl_patches.rollout.graph_safe import worker_load_model
-
-        return worker_load_model(self, lambda: original(self))
-
-    return load_model
-
-
-def wrap_initialize_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def initialize_from_config(self, kv_cache_config):
-        from verl_patches.rollout.graph_safe import worker_initialize_from_config
-
-        return worker_initialize_from_config(self, lambda: original(self, kv_cache_config))
-
-    return initialize_from_config
+# The wrappers are shared with the other accelerator's worker (same method shapes).
+wrap_load_model = worker_regions.wrap_load_model
+wrap_initialize_from_config = worker_regions.wrap_initialize_from_config
 
 
 PATCHES = [
