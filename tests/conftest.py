@@ -20,3 +20,17 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 from verl_patches.testing.upstream_env import prepare_cpu_upstream  # noqa: E402
 
 prepare_cpu_upstream()
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_switch_loop():
+    """Each test starts with a fresh process-wide switch loop (verl_patches/offload/live.py): the
+    memory objects one test attaches must not be members of the next test's loop."""
+    yield
+    import sys as _sys
+
+    live = _sys.modules.get("verl_patches.offload.live")
+    if live is not None:
+        live.reset_live_switch()

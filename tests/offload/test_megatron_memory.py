@@ -1,6 +1,6 @@
-"""ActorMemory / ReferenceMemory on plain torch modules (the framework-free contract): byte-exact round
-trips, grads released and re-zeroed, the optimizer grouped once its state exists, the ledger, and clear
-errors. Real megatron-core DDP chunks are covered in tests/patches/verl/test_megatron_worker_memory.py."""
+"""ActorMemory / ReferenceMemory on plain torch modules, moved by the switch loop (the framework-free
+contract): byte-exact round trips, grads released and re-zeroed, the optimizer grouped once its state
+exists, the loop's ledger, and clear errors. Real megatron-core DDP chunks are covered in tests/patches/verl/test_megatron_worker_memory.py."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from verl_patches import accelerator
 from verl_patches.offload import HostBufferPool, Location, OffloadEngine
+from verl_patches.offload.live import LiveSwitch
 from verl_patches.offload.megatron_memory import ActorMemory, ReferenceMemory, inner_optimizers
 
 
@@ -47,59 +48,72 @@ def test_params_grads_optimizer_round_trip_byte_exact_over_cycles():
     m = _model()
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
     mem = ActorMemory([m], opt, engine=_engine(), keep_grads=True)
-    assert mem.opt is None and mem.offload_optimizer() == 0  # no Adam state before the first step
+    assert mem.opt is None and "optimizer" not in mem.groups()  # no Adam state before the first step
     _step(m, opt)
+    switch = LiveSwitch(keep_grads=True)
+
+    def snapshot():
+        return (_snap(m.parameters()), _snap([m.flat_grad]),
+                _snap([v for s in opt.state.values() for v in s.values() if v.dim() > 0]))
+
+    want = snapshot()
+    views = [p.main_grad for p in m.parameters()]
+    switch.attach(mem)  # where the loop starts, an update's end: grads and optimizer state on host
     for _ in range(3):
-        params, grads = _snap(m.parameters()), _snap([m.flat_grad])
-        state = _snap([v for s in opt.state.values() for v in s.values() if v.dim() > 0])
-        views = [p.main_grad for p in m.parameters()]
-        assert mem.after_update() > 0 and mem.offload_params() > 0
+        switch.reach("offload_train_params")
         assert mem.resident() == {"train_params": 0, "grads": 0, "optimizer": 0}
         assert all(p.untyped_storage().nbytes() == 0 for p in m.parameters())
-        mem.before_update()
-        assert _snap(m.parameters()) == params and _snap([m.flat_grad]) == grads
-        assert _snap([v for s in opt.state.values() for v in s.values() if v.dim() > 0]) == state
+        switch.reach("update_onload")
+        assert snapshot() == want
         # The views Megatron and the optimizer hold are the same objects, on the same storage again.
         assert all(a is p.main_grad for a, p in zip(views, m.parameters()))
         assert m.flat_grad.untyped_storage().data_ptr() == views[0].untyped_storage().data_ptr()
-        _step(m, opt)
+        switch.call("update", lambda: _step(m, opt))
+        want = snapshot()
+        switch.reach("update_end")
 
 
 def test_grads_are_released_and_come_back_zeroed_by_default():
     m = _model()
     mem = ActorMemory([m], engine=_engine())
     m.flat_grad.fill_(3.0)
-    assert mem.offload_grads() == 0  # released: no copy
+    switch = LiveSwitch()
+    switch.attach(mem)  # released: no copy
     assert mem.grads.location is Location.RELEASED and m.flat_grad.untyped_storage().nbytes() == 0
     assert mem.params.location is Location.DEVICE  # params stay for the reshard
-    mem.onload_grads()
+    switch.reach("update_onload")
     assert torch.count_nonzero(m.flat_grad) == 0
 
 
-def test_ledger_records_each_action_with_resident_bytes_and_moves():
+def test_the_loops_ledger_records_each_step_with_resident_bytes_and_moves():
     m = _model()
     mem = ActorMemory([m], engine=_engine())
-    mem.after_update()
-    mem.offload_params()
-    mem.before_update()
-    steps = [e.step for e in mem.ledger.entries]
-    assert steps == ["offload_grads", "offload_optimizer", "offload_params", "onload_params", "onload_grads",
-                     "onload_optimizer"]
-    by = {e.step: e for e in mem.ledger.entries}
+    switch = LiveSwitch()
+    switch.attach(mem)
+    switch.reach("update_onload")
+    steps = [e.step for e in switch.ledger.entries]
+    # The reshard is passed (verl runs it inside the sharding manager); no optimizer was given.
+    assert steps == ["attach:ActorMemory", "reshard", "offload_train_params", "update_onload"]
+    by = {e.step: e for e in switch.ledger.entries}
     nparam = sum(p.numel() * 4 for p in m.parameters())
-    assert by["offload_params"].d2h_bytes == nparam and by["offload_params"].resident["train_params"] == 0
-    assert by["onload_params"].h2d_bytes == nparam and by["offload_grads"].d2h_bytes == 0
-    assert mem.iteration == 1
+    assert by["offload_train_params"].d2h_bytes == nparam and by["offload_train_params"].resident["train_params"] == 0
+    assert by["update_onload"].h2d_bytes == nparam and by["attach:ActorMemory"].d2h_bytes == 0
+    assert by["reshard"].resident["train_params"] == nparam
 
 
 def test_reference_is_copied_once_then_only_freed():
     ref = _model(1)
     before = _snap(ref.parameters())
     mem = ReferenceMemory([ref], engine=_engine())
-    assert mem.offload() > 0
+    switch = LiveSwitch()
+    switch.attach(mem)
+    assert switch.ledger.entries[-1].d2h_bytes > 0  # the one copy
     for _ in range(2):
-        assert mem.onload() > 0 and _snap(ref.parameters()) == before
-        assert mem.offload() == 0  # read-only: the host copy is exact, nothing moves
+        (onload,) = switch.reach("ref_onload")
+        assert onload.h2d_bytes > 0
+        switch.call("ref_forward", lambda: _snap(ref.parameters()) == before or pytest.fail("reference changed"))
+        (offload,) = switch.reach("ref_offload")
+        assert offload.d2h_bytes == 0  # read-only: the host copy is exact, nothing moves
         assert all(p.untyped_storage().nbytes() == 0 for p in ref.parameters())
 
 

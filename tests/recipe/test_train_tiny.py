@@ -51,7 +51,7 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("tiny")
     assets = base / "assets"
     a = _run(base / "a", assets, f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_AT}",
-             "trainer.val_before_train=False", f"trainer.test_freq={STEPS}")
+             "trainer.val_before_train=True", f"trainer.test_freq={STEPS}")
     assert a.returncode == 0, a.stdout[-6000:] + a.stderr[-6000:]
     ckpt = base / "a" / "checkpoints" / f"global_step_{SAVE_AT}"
     b = _run(base / "b", assets, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1",

@@ -12,11 +12,12 @@ from typing import Any
 # Each name and the module it lives in: imported on first use (PEP 562), so that reading the patch
 # catalogue (the doctor) needs no torch.
 _WHERE = {
-    **dict.fromkeys(['CallbackGroup', 'GroupStateError', 'Location', 'OffloadGroup', 'TensorGroup', 'grads_group', 'kv_cache_group', 'optimizer_state_group', 'reference_group', 'rollout_weights_group', 'train_params_group'], 'verl_patches.offload.groups'),
+    **dict.fromkeys(['CallbackGroup', 'GroupStateError', 'HookedGroup', 'Location', 'OffloadGroup', 'TensorGroup', 'grads_group', 'kv_cache_group', 'optimizer_state_group', 'reference_group', 'rollout_weights_group', 'train_params_group'], 'verl_patches.offload.groups'),
     **dict.fromkeys(['LedgerEntry', 'MemoryLedger'], 'verl_patches.offload.ledger'),
     **dict.fromkeys(['CopyEngine', 'HostBufferPool', 'HostMemoryError', 'OffloadEngine', 'segment_sizes'], 'verl_patches.offload.pool'),
     **dict.fromkeys(['AddressMovedError', 'Region', 'StableBackend', 'StableMemoryError'], 'verl_patches.offload.stable'),
-    **dict.fromkeys(['Action', 'BASELINE_INITIAL', 'HOOKS', 'OUR_INITIAL', 'ROLES', 'ScheduleError', 'StepSpec', 'SwitchSchedule', 'baseline', 'baseline_steps', 'our_steps', 'ours'], 'verl_patches.offload.schedule'),
+    **dict.fromkeys(['Action', 'BASELINE_INITIAL', 'HOOKS', 'OUR_INITIAL', 'ROLES', 'ScheduleError', 'StepSpec', 'SwitchSchedule', 'baseline', 'baseline_steps', 'locations_after', 'our_steps', 'ours', 'step_roles'], 'verl_patches.offload.schedule'),
+    **dict.fromkeys(['LiveSwitch', 'live_switch', 'reset_live_switch'], 'verl_patches.offload.live'),
 }
 
 __all__ = sorted(_WHERE)

@@ -15,7 +15,7 @@ weights and KV cache behind one interface (offload, onload, release, allocate).
 from __future__ import annotations
 
 import enum
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -444,6 +444,63 @@ class CallbackGroup(OffloadGroup):
 
     def onload(self) -> int:
         raise GroupStateError(f"group {self.name!r} keeps no copy; use allocate()")
+
+
+class HookedGroup(OffloadGroup):
+    """Another group with its owner's side effects run before an action that changes where the
+    group is (``before``: action name -> callable). The rollout engine's: MLA's derived tensors
+    are freed with its weights; the prefix cache is reset before its KV cache is freed; in graph
+    mode the weights' addresses are checked before the KV cache comes back."""
+
+    def __init__(self, inner: OffloadGroup, before: dict[str, Callable[[], Any]]) -> None:
+        unknown = set(before) - {"offload", "onload", "release", "allocate"}
+        if unknown:
+            raise ValueError(f"group {inner.name!r}: no action {sorted(unknown)} to hook")
+        self.inner, self.before, self.name = inner, dict(before), inner.name
+
+    def __getattr__(self, name: str) -> Any:  # check_addresses, tensors, engine, ...
+        return getattr(self.__dict__["inner"], name)
+
+    @property
+    def location(self) -> Location:  # type: ignore[override]
+        return self.inner.location
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    @property
+    def host_nbytes(self) -> int:
+        return self.inner.host_nbytes
+
+    def device_bytes(self) -> int:
+        return self.inner.device_bytes()
+
+    def reserve_host(self) -> None:
+        self.inner.reserve_host()
+
+    def _hook(self, action: str, changes: bool) -> None:
+        if changes and action in self.before:
+            self.before[action]()
+
+    def offload(self, force_copy: bool = False) -> int:
+        self._hook("offload", self.location is Location.DEVICE)
+        return self.inner.offload(force_copy)
+
+    def onload(self) -> int:
+        self._hook("onload", self.location is not Location.DEVICE)
+        return self.inner.onload()
+
+    def release(self) -> int:
+        self._hook("release", self.location is Location.DEVICE)
+        return self.inner.release()
+
+    def allocate(self, zero: bool | None = None) -> int:
+        self._hook("allocate", self.location is not Location.DEVICE)
+        return self.inner.allocate(zero)
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 # -- builders for the recipe's groups --------------------------------------------------

@@ -1,5 +1,5 @@
-"""A Megatron actor's and reference's device memory as offload groups: what the worker moves at each
-step of the switch schedule (docs/DESIGN.md section 3), with a ledger of what is resident.
+"""A Megatron actor's and reference's device memory as offload groups by role; the switch loop
+(verl_patches.offload.live, docs/DESIGN.md section 3) moves them and keeps the ledger.
 
 Where megatron-core 0.12.1 keeps things (see verl.utils.megatron_utils offload_megatron_model_to_cpu):
 a DDP chunk's ``buffers`` and ``expert_parallel_buffers`` each hold ``param_data`` (the params are
@@ -11,14 +11,12 @@ DDP's buckets, the optimizer and vLLM's reshard keep their references.
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from verl_patches.offload import groups
-from verl_patches.offload.groups import Location, TensorGroup, _storage_key
-from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
+from verl_patches.offload.groups import Location, OffloadGroup, TensorGroup, _storage_key
 from verl_patches.offload.pool import OffloadEngine
 
 
@@ -83,16 +81,12 @@ def optimizer_tensors(optimizer: Any, exclude: set[int]) -> list[torch.Tensor]:
     return groups.optimizer_tensors(inner_optimizers(optimizer), include_params=True, exclude=exclude)
 
 
-class _Tracked:
-    """Ledger bookkeeping shared by the actor's and the reference's memory."""
+class _Memory:
+    """What the actor's and the reference's memory share: their groups by role, read live."""
 
-    schedule = "megatron_worker"
+    engine: OffloadEngine
 
-    def __init__(self, ledger: MemoryLedger | None) -> None:
-        self.ledger = ledger if ledger is not None else MemoryLedger()
-        self.iteration = 0
-
-    def groups(self) -> dict[str, TensorGroup]:
+    def groups(self) -> dict[str, OffloadGroup]:
         raise NotImplementedError
 
     def resident(self) -> dict[str, int]:
@@ -102,33 +96,40 @@ class _Tracked:
     def locations(self) -> dict[str, Location]:
         return {k: g.location for k, g in self.groups().items()}
 
-    def _act(self, step: str, action: Callable[[], int], *, to_device: bool) -> int:
-        """Run one group action and record the residency after it; returns the bytes moved."""
-        t0 = time.perf_counter()
-        moved = action()
-        res = self.resident()
-        self.ledger.record(LedgerEntry(
-            schedule=self.schedule, iteration=self.iteration, step=step, resident=res, total=sum(res.values()),
-            step_peak=sum(res.values()), step_peak_resident=res, h2d_bytes=moved if to_device else 0,
-            d2h_bytes=0 if to_device else moved, seconds=time.perf_counter() - t0))
-        return moved
+    def close(self) -> None:
+        """Leave the switch loop, bring everything back to device and give back the host buffers."""
+        from verl_patches.offload.live import live_switch
+
+        live_switch().detach(self)
+        for g in self.groups().values():
+            if g.location is Location.HOST:
+                g.onload()
+            elif g.location is Location.RELEASED:
+                g.allocate()
+            g.close()
 
 
-class ActorMemory(_Tracked):
-    """Training params, grads and optimizer state of a Megatron actor as three offload groups.
+def _engine(engine: Any) -> OffloadEngine:
+    if not isinstance(engine, OffloadEngine):
+        raise TypeError(f"engine must be an OffloadEngine, got {type(engine).__name__}")
+    return engine
 
-    ``keep_grads=False`` (the recipe): grads are released after the update and come back zeroed,
-    as Megatron zeroes its grad buffers before every backward anyway; True copies them both ways.
-    ``optimizer=None`` leaves the optimizer alone (MindSpeed's swap optimizer moves its own state).
-    The optimizer group is built at its first offload: Adam creates its moments at the first step.
+
+class ActorMemory(_Memory):
+    """Training params, grads and optimizer state of a Megatron actor as three offload groups
+    (roles train_params, grads, optimizer); the switch loop (verl_patches.offload.live) moves them.
+
+    ``keep_grads=False`` (the recipe): the loop releases the grads after the update and brings
+    them back zeroed, as Megatron zeroes its grad buffers before every backward anyway; True
+    copies them both ways. ``optimizer=None`` leaves the optimizer alone (MindSpeed's swap
+    optimizer moves its own state). The optimizer group exists once Adam's state does (Adam
+    creates its moments at the first step); it is regrouped while on device if the state grew.
     """
 
     def __init__(self, modules: Any, optimizer: Any = None, *, engine: OffloadEngine, name: str = "actor",
-                 keep_grads: bool = False, ledger: MemoryLedger | None = None) -> None:
-        super().__init__(ledger)
-        if not isinstance(engine, OffloadEngine):
-            raise TypeError(f"engine must be an OffloadEngine, got {type(engine).__name__}")
-        self.modules, self.optimizer, self.engine, self.name = _chunks(modules), optimizer, engine, name
+                 keep_grads: bool = False) -> None:
+        self.engine = _engine(engine)
+        self.modules, self.optimizer, self.name = _chunks(modules), optimizer, name
         self.keep_grads = keep_grads
         self.params = TensorGroup(engine, f"{name}_params", param_tensors(self.modules))
         grads = grad_tensors(self.modules)
@@ -142,37 +143,13 @@ class ActorMemory(_Tracked):
         self.opt: TensorGroup | None = None
         self._opt_keys: frozenset[int] = frozenset()
 
-    def groups(self) -> dict[str, TensorGroup]:
-        out = {"train_params": self.params, "grads": self.grads}
-        if self.opt is not None:
-            out["optimizer"] = self.opt
+    def groups(self) -> dict[str, OffloadGroup]:
+        out: dict[str, OffloadGroup] = {"train_params": self.params, "grads": self.grads}
+        opt = self._optimizer_group()
+        if opt is not None:
+            out["optimizer"] = opt
         return out
 
-    def resident(self) -> dict[str, int]:
-        # The optimizer column exists from the first entry on, before Adam's state does.
-        res = super().resident()
-        if self.optimizer is not None:
-            res.setdefault("optimizer", 0)
-        return res
-
-    # -- params ------------------------------------------------------------------------
-    def offload_params(self) -> int:
-        return self._act("offload_params", self.params.offload, to_device=False)
-
-    def onload_params(self) -> int:
-        return self._act("onload_params", self.params.onload, to_device=True)
-
-    # -- grads -------------------------------------------------------------------------
-    def offload_grads(self) -> int:
-        return self._act("offload_grads", self.grads.offload if self.keep_grads else self.grads.release,
-                         to_device=False)
-
-    def onload_grads(self) -> int:
-        copied = self.grads.location is Location.HOST
-        return self._act("onload_grads", self.grads.onload if copied else lambda: self.grads.allocate(zero=True),
-                         to_device=True)
-
-    # -- optimizer ---------------------------------------------------------------------
     def _optimizer_group(self) -> TensorGroup | None:
         if self.optimizer is None:
             return None
@@ -189,41 +166,12 @@ class ActorMemory(_Tracked):
             self.opt, self._opt_keys = TensorGroup(self.engine, f"{self.name}_optimizer", tensors), keys
         return self.opt
 
-    def offload_optimizer(self) -> int:
-        group = self._optimizer_group()
-        return self._act("offload_optimizer", group.offload if group is not None else lambda: 0, to_device=False)
 
-    def onload_optimizer(self) -> int:
-        return self._act("onload_optimizer", self.opt.onload if self.opt is not None else lambda: 0, to_device=True)
+class ReferenceMemory(_Memory):
+    """The frozen reference model (role ref_params): copied to host once, then each offload only frees it."""
 
-    # -- the schedule's two actor steps ------------------------------------------------
-    def after_update(self) -> int:
-        """Step 1: grads (and optimizer state) leave; the params stay for the reshard."""
-        return self.offload_grads() + self.offload_optimizer()
-
-    def before_update(self) -> int:
-        """Step 9: training params, grads and optimizer state back on device."""
-        moved = self.onload_params() + self.onload_grads() + self.onload_optimizer()
-        self.iteration += 1
-        return moved
-
-    def close(self) -> None:
-        """Bring everything back to device and give back the host buffers."""
-        self.onload_params()
-        self.onload_grads()
-        self.onload_optimizer()
-        for g in self.groups().values():
-            g.close()
-
-
-class ReferenceMemory(_Tracked):
-    """The frozen reference model: copied to host once, then each offload only frees it."""
-
-    def __init__(self, modules: Any, *, engine: OffloadEngine, name: str = "ref",
-                 ledger: MemoryLedger | None = None) -> None:
-        super().__init__(ledger)
-        if not isinstance(engine, OffloadEngine):
-            raise TypeError(f"engine must be an OffloadEngine, got {type(engine).__name__}")
+    def __init__(self, modules: Any, *, engine: OffloadEngine, name: str = "ref") -> None:
+        self.engine = _engine(engine)
         self.modules = _chunks(modules)
         for chunk in self.modules:
             for m in chunk.modules():
@@ -236,20 +184,8 @@ class ReferenceMemory(_Tracked):
             tensors += list(torch.nn.Module.buffers(chunk))
         self.params = TensorGroup(engine, f"{name}_params", tensors, read_only=True)
 
-    def groups(self) -> dict[str, TensorGroup]:
+    def groups(self) -> dict[str, OffloadGroup]:
         return {"ref_params": self.params}
-
-    def onload(self) -> int:
-        return self._act("ref_onload", self.params.onload, to_device=True)
-
-    def offload(self) -> int:
-        moved = self._act("ref_offload", self.params.offload, to_device=False)
-        self.iteration += 1
-        return moved
-
-    def close(self) -> None:
-        self.params.onload()
-        self.params.close()
 
 
 __all__ = ["ActorMemory", "ReferenceMemory", "grad_tensors", "inner_optimizers", "megatron_buffers",

@@ -137,6 +137,25 @@ OUR_INITIAL = {"train_params": Location.DEVICE, "grads": Location.DEVICE, "optim
 BASELINE_INITIAL = dict(OUR_INITIAL, rollout_weights=Location.HOST)
 
 
+def step_roles(spec: StepSpec) -> set[str]:
+    """The group roles a step moves or requires."""
+    return {a.target for a in spec.actions if a.target in ROLES} | {role for role, _ in spec.requires}
+
+
+_AFTER = {"offload": Location.HOST, "onload": Location.DEVICE, "release": Location.RELEASED,
+          "allocate": Location.DEVICE}
+
+
+def locations_after(steps: Sequence[StepSpec], initial: Mapping[str, Location], count: int) -> dict[str, Location]:
+    """Where each role is after the first ``count`` steps, from ``initial`` (no group is touched)."""
+    where = dict(initial)
+    for spec in steps[:count]:
+        for a in spec.actions:
+            if a.kind in _AFTER and a.target in ROLES:
+                where[a.target] = _AFTER[a.kind]
+    return where
+
+
 @dataclass
 class SwitchSchedule:
     """Runs ``steps`` in order, one ``advance()`` per step, wrapping around per iteration.
@@ -240,7 +259,7 @@ class SwitchSchedule:
         if a.kind == "call":
             fn = hooks[a.target]
             if a.target == "reshard":
-                fn(self.groups["train_params"], self.groups["rollout_weights"])
+                fn(self.groups.get("train_params"), self.groups.get("rollout_weights"))
             else:
                 fn()
             return 0, 0
@@ -267,6 +286,15 @@ class SwitchSchedule:
         spec = self.steps[self.index]
         all_hooks = {**self.hooks, **hooks}
         self._check(spec, all_hooks)
+        entry = self._run(spec, all_hooks)
+        self.index += 1
+        if self.index == len(self.steps):
+            self.index = 0
+            self.iteration += 1
+        return entry
+
+    def _run(self, spec: StepSpec, hooks: Mapping[str, Callable]) -> LedgerEntry:
+        """Run one step's actions and record them; on failure record the true residency and re-raise."""
         if self.measure_device:
             accelerator.synchronize()
             accelerator.reset_peak_memory_stats()
@@ -277,7 +305,7 @@ class SwitchSchedule:
         error: BaseException | None = None
         try:
             for a in spec.actions:
-                up, down = self._do(a, all_hooks)
+                up, down = self._do(a, hooks)
                 h2d, d2h = h2d + up, d2h + down
                 res = self.resident()
                 if sum(res.values()) > peak:
@@ -301,10 +329,6 @@ class SwitchSchedule:
                            f"completed; groups: {({r: l.value for r, l in self.locations().items()})}; "
                            "advance() retries it")
             raise error
-        self.index += 1
-        if self.index == len(self.steps):
-            self.index = 0
-            self.iteration += 1
         return entry
 
     def run_until(self, step: str, **hooks: Callable) -> list[LedgerEntry]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol
 
-from verl_patches.offload import (CallbackGroup, Location, OffloadEngine, OffloadGroup, kv_cache_group,
+from verl_patches.offload import (CallbackGroup, HookedGroup, OffloadEngine, OffloadGroup, kv_cache_group,
                                   rollout_weights_group)
 from verl_patches.rollout import kv_cache
 
@@ -61,16 +61,15 @@ def _worker_of(worker: Any) -> Any:
 class VllmEngineMemory:
     """RolloutMemoryActions for a ``vllm.LLM`` built in-process, backed by the offload engine.
 
-    ``keep_weights_on_host``: offload copies the weights to host and onload copies them back.
-    Off (the recipe), offload only frees them and onload allocates empty storage: the reshard
-    writes every rollout weight after each update, so a host copy would be moved for nothing.
+    The weights are never copied: after each update the reshard writes every rollout weight, so
+    releasing them frees memory and allocating gives empty storage for the reshard to fill. The
+    groups carry the engine's side effects (HookedGroup), so the switch loop
+    (verl_patches.offload.live), which moves them by role, and these methods do the same thing.
     """
 
-    def __init__(self, llm: Any, engine: Optional[OffloadEngine] = None, *, keep_weights_on_host: bool = False,
-                 name: str = "rollout") -> None:
+    def __init__(self, llm: Any, engine: Optional[OffloadEngine] = None, *, name: str = "rollout") -> None:
         self.core = kv_cache.engine_core_of(llm)
         self.engine = engine or shared_offload_engine()
-        self.keep_weights_on_host = keep_weights_on_host
         executor = self.core.model_executor
         (model,) = executor.collective_rpc(_model_of)  # one worker per engine in verl's SPMD layout
         (self.stable,) = executor.collective_rpc(_stable_build_of)
@@ -89,10 +88,16 @@ class VllmEngineMemory:
         self.weights: OffloadGroup
         self.kv: OffloadGroup
         if self.stable is None:
+            from verl_patches.rollout.mla import release_mla_derived
+
             # Parameters only: the reshard rewrites every one of them after each update. Buffers
             # (rotary caches and the like) are computed once at build time and nothing rewrites
             # them, so freeing them without a copy would bring back garbage; they are small.
-            self.weights = rollout_weights_group(self.engine, list(model.parameters()), name=f"{name}_weights")
+            # MLA's derived tensors go with the weights; the sharding manager recomputes them after
+            # the next reshard (patch verl.sharding_manager.reshard).
+            self.weights = HookedGroup(
+                rollout_weights_group(self.engine, list(model.parameters()), name=f"{name}_weights"),
+                before={"release": lambda: release_mla_derived(self._model)})
             self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
             # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
             # so free it now: the first init_cache_engine re-creates it (before the first generation).
@@ -103,6 +108,9 @@ class VllmEngineMemory:
     def close(self) -> None:
         """Give the weights' host buffer and storage claims back to the offload engine (engine rebuilt)."""
         if not self._closed:
+            from verl_patches.offload.live import live_switch
+
+            live_switch().detach(self)
             self.weights.close()
             self.kv.close()  # a TensorGroup in graph mode (its name and storages are claimed too)
             self._closed = True
@@ -130,37 +138,24 @@ class VllmEngineMemory:
         watch = build.kv_watch(lambda: runner.kv_caches,
                                lambda: worker.vllm_config.compilation_config.static_forward_context)
         # Zeroed on allocate: what a fresh initialize_from_config gives (torch.zeros).
-        self.kv = kv_cache_group(self.engine, list(build.kv_tensors), name=f"{name}_kv_cache", region=build.kv,
-                                 watch=watch, zero_on_allocate=True)
+        kv = kv_cache_group(self.engine, list(build.kv_tensors), name=f"{name}_kv_cache", region=build.kv,
+                            watch=watch, zero_on_allocate=True)
+        # Before the KV cache comes back, the last point before generation: the reshard and the MLA
+        # redo ran since the weights were mapped, and must have written in place. Before it is freed:
+        # cached prefixes point into blocks whose contents the release loses.
+        self.kv = HookedGroup(kv, before={"allocate": self.weights.check_addresses,
+                                          "release": lambda: kv_cache.reset_prefix_cache(self.core)})
         self.kv.release()
 
+    # In graph mode the groups check every watched address after mapping (AddressMovedError).
     def onload_model_weights(self) -> int:
-        # In graph mode the group checks every watched address after mapping (AddressMovedError).
-        if self.weights.location is Location.HOST:
-            return self.weights.onload()
         return self.weights.allocate()
 
     def offload_model_weights(self) -> int:
-        if self.keep_weights_on_host:
-            return self.weights.offload()
-        if self.stable is not None:
-            # MLA's derived tensors are in the same region; redo_mla_post_load rewrites them in place.
-            return self.weights.release()
-        # MLA's derived tensors go with the weights; the sharding manager recomputes them after
-        # the next reshard (patch verl.sharding_manager.reshard).
-        from verl_patches.rollout.mla import release_mla_derived
-
-        return self.weights.release() + release_mla_derived(self._model)
+        return self.weights.release()
 
     def init_cache_engine(self) -> int:
-        if self.stable is not None:
-            # The last point before generation: the reshard and the MLA redo ran since the weights
-            # were mapped, and must have written in place.
-            self.weights.check_addresses()
         return self.kv.allocate()
 
     def free_cache_engine(self) -> int:
-        if self.stable is not None and self.kv.location is Location.DEVICE:
-            # Cached prefixes point into blocks whose contents the release loses.
-            kv_cache.reset_prefix_cache(self.core)
         return self.kv.release()

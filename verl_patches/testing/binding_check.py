@@ -3,12 +3,17 @@ real MegatronVLLMShardingManager entered with our patch; for run_distributed (sp
 
 The verl rollout engine around the vLLM model is a stand-in recording wake_up / sleep calls (the
 recipe engine's routing of those calls to the offload engine is tested with vLLM's real LLM in
-tests/patches/vllm/test_llm_sleep_wake.py); the worker's ActorMemory is a recorder.
+tests/patches/vllm/test_llm_sleep_wake.py). The actor's memory is under the switch loop
+(verl_patches/offload/live.py) as the worker attaches it: the real ActorMemory for megatron's DDP,
+else the training params alone (the grads and optimizer state are not what this checks), whose
+offload is recorded among the engine's calls. The worker's generate_sequences wrapper is played
+by ``_generation``: the rollout segment begins, the manager is entered and left, the segment ends.
 """
 
 from __future__ import annotations
 
 import json
+import contextlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,12 +44,37 @@ class _Engine:
         self.events.append(f"sleep:{level}")
 
 
-class _ActorMemory:
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
+def _params_memory(actor: torch.nn.Module, events: list[str]) -> Any:
+    """The training params as the worker's ActorMemory groups them, attached to the switch loop."""
+    from verl_patches.offload import HookedGroup, OffloadEngine, TensorGroup
+    from verl_patches.offload.live import live_switch
+    from verl_patches.offload.megatron_memory import _Memory, param_tensors
 
-    def offload_params(self) -> None:
-        self.events.append("offload_params")
+    class ParamsMemory(_Memory):
+        def __init__(self) -> None:
+            self.engine = OffloadEngine()
+            group = TensorGroup(self.engine, "actor_params", param_tensors([actor]))
+            self._groups = {"train_params": HookedGroup(group, before={
+                "offload": lambda: events.append("offload_train_params")})}
+
+        def groups(self) -> dict[str, Any]:
+            return self._groups
+
+    memory = ParamsMemory()
+    live_switch().attach(memory)
+    return memory
+
+
+@contextlib.contextmanager
+def _generation(manager: Any):
+    """What the worker's generate_sequences wrapper does around verl's body (the manager's
+    __enter__ / __exit__ are verl's, with our patch)."""
+    from verl_patches.offload.live import live_switch
+
+    live_switch().begin_rollout()
+    with manager:
+        yield
+    live_switch().reach("release_rollout_weights", "the test's generate_sequences")
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -128,18 +158,23 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
     manager = MegatronVLLMShardingManager(
         actor_module=[actor], inference_engine=engine, model_config=SimpleNamespace(to_dict=lambda: dict(cfg)),
         transformer_config=None, layer_name_mapping={}, weight_converter=None, device_mesh=mesh, offload_param=False)
+    from verl_patches.offload.live import reset_live_switch
+
+    switch = reset_live_switch()  # one loop per case, as one worker process has
     if ddp:
-        # The worker's real ActorMemory (patch verl.megatron_worker.offload_init attaches it).
+        # The worker's real ActorMemory, attached as patch verl.megatron_worker.offload_init does.
         from verl_patches.offload import OffloadEngine
         from verl_patches.offload.megatron_memory import ActorMemory
 
-        stash.put(manager, "actor_memory", ActorMemory([actor], engine=OffloadEngine()))
+        memory = ActorMemory([actor], engine=OffloadEngine())
+        switch.attach(memory)
         before = {n: p.detach().clone() for n, p in actor.named_parameters()}
     else:
-        stash.put(manager, "actor_memory", _ActorMemory(events))
+        memory = _params_memory(actor, events)
+    stash.put(manager, "actor_memory", memory)
     error, again = None, None
     try:
-        with manager:
+        with _generation(manager):
             events.append("generate")
     except Exception as exc:  # noqa: BLE001 - reported to the test
         error = f"{type(exc).__name__}: {exc}"
@@ -150,18 +185,20 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
         # After the switch the training params are on host; back on device they are the same bytes.
         params_now = [p for _, p in actor.named_parameters()]
         result["train_params_offloaded"] = all(p.untyped_storage().nbytes() == 0 for p in params_now)
-        stash.get(manager, "actor_memory").onload_params()
-        result["train_params_back_exact"] = all(torch.equal(p, before[n]) for n, p in actor.named_parameters())
+        with switch.excursion("check", ("train_params",)):
+            result["train_params_back_exact"] = all(torch.equal(p, before[n]) for n, p in actor.named_parameters())
     if error is None and method != "upstream":
         # What the recipe engine's offload does with the weights (VllmEngineMemory), then the next switch.
         from verl_patches.rollout.mla import release_mla_derived
 
         result["mla_freed_bytes"] = release_mla_derived(model)
         result["mla_emptied"] = all(t.numel() == 0 for t in mla_derived(model).values())
-        with manager:
+        with _generation(manager):  # again right after a generation, as validation does
             pass
         again = _same(mla_derived(model), mla_derived(ref))
     result["mla_mismatch_after_release"] = again
+    result["ledger_steps"] = [e.step for e in switch.ledger.entries]
+    memory.close()
     return result
 
 
@@ -209,10 +246,13 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
         actor_module=[actor], inference_engine=_Engine(model, settings, events),
         model_config=SimpleNamespace(to_dict=lambda: dict(cfg)), transformer_config=None, layer_name_mapping={},
         weight_converter=None, device_mesh=mesh, offload_param=False)
-    stash.put(manager, "actor_memory", _ActorMemory(events))
+    from verl_patches.offload.live import live_switch
+
+    stash.put(manager, "actor_memory", _params_memory(actor, events))
     # The plan (built on the first switch) gives the layout; fill the actor through it, then switch again.
-    with manager:
+    with _generation(manager):
         pass
+    live_switch().begin_rollout()  # the training params back on device for the fill (rollout_again)
     P = manager._verl_patches_reshard.plan.placements
     from verl_patches.reshard.binding import check_expert_placement
 
@@ -228,6 +268,7 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     differ_before = _same(params(model), params(ref))
     with manager:
         events.append("generate")
+    live_switch().reach("release_rollout_weights", "the test's generate_sequences")
     return {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
             "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "events": events,
             "local_layers": sorted({n.split(".")[2] for n in live if n.startswith("decoder.layers.")}),

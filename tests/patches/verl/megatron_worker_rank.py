@@ -8,8 +8,8 @@ Stand-ins, where CPU cannot run the real thing or it is not what is tested:
 - the Megatron optimizer: megatron-core's optimizers create CUDA tensors in their constructors, so the
   actor's optimizer is a real torch Adam over fp32 master copies held as ``.optimizer`` (the shape of
   a MegatronOptimizer); the update step (update_policy) writes grads into main_grad and steps it;
-- the rollout engine, the sharding manager (it follows the contract: offload_params() after its
-  reshard), the reference forward, MegatronPPOActor / FlopsCounter / MegatronCheckpointManager
+- the rollout engine, the sharding manager (with the contract it reaches the switch loop's reshard
+  and offload_train_params steps, as ours does; without it, it only reads the params), the reference forward, MegatronPPOActor / FlopsCounter / MegatronCheckpointManager
   constructors, vLLM's rollout class in _build_rollout;
 - torch.compile replaced by a call-through, as MindSpeed's dummy_compile does (MindSpeed needs torch_npu).
 """
@@ -144,7 +144,8 @@ def _config(**over):
 
 
 class SM:
-    """The sharding manager's part in the contract: reshard from the resident params, then offload them."""
+    """The sharding manager's part in the contract: reshard from the resident params (the switch
+    loop's reshard step), then reach offload_train_params."""
 
     timing: dict = {}
 
@@ -152,11 +153,17 @@ class SM:
         self.log, self.contract = log, contract
 
     def __enter__(self):
-        params = self.actor_module_params()
-        self.log["params_bytes_at_reshard"] = sum(p.untyped_storage().nbytes() for p in params)
-        memory = stash.get(self, "actor_memory")
-        if self.contract and memory is not None:
-            memory.offload_params()
+        from verl_patches.offload.live import live_switch
+
+        def reshard():
+            params = self.actor_module_params()
+            self.log["params_bytes_at_reshard"] = sum(p.untyped_storage().nbytes() for p in params)
+
+        if self.contract and stash.get(self, "actor_memory") is not None:
+            live_switch().call("reshard", reshard, "the sharding manager stand-in")
+            live_switch().reach("offload_train_params", "the sharding manager stand-in")
+        else:
+            reshard()
         return self
 
     def __exit__(self, *exc):
@@ -289,6 +296,8 @@ def actor_cycle(ids: list[str]) -> dict:
     (offloads the params after its reshard), the second's does not (upstream's)."""
     from verl.workers.megatron_workers import ActorRolloutRefWorker as W
 
+    from verl_patches.offload.live import live_switch
+
     _apply(ids)
     w = _actor_worker()
     # verl's own offload on where our init patch takes it over (on CPU it could not run: it pins memory).
@@ -309,10 +318,11 @@ def actor_cycle(ids: list[str]) -> dict:
     out["opt_bytes_after_load"] = _opt_bytes(w.optimizer)
     for step in range(2):
         w.sharding_manager.contract = step == 0
-        before = len(memory.ledger.entries) if memory else 0
+        ledger = live_switch().ledger
+        before = len(ledger.entries)
         trained = _snap(w.optimizer.params)  # what the update left, before generation offloads it
         W.generate_sequences(w, _prompts())
-        moved_in_generate = [(e.step, e.h2d_bytes) for e in list(memory.ledger.entries)[before:]] if memory else []
+        moved_in_generate = [(e.step, e.h2d_bytes) for e in list(ledger.entries)[before:]]
         after_gen = {"params": _param_bytes(w.modules), "grads": _grad_bytes(w.modules),
                      "reshard_saw": w.log["params_bytes_at_reshard"], "h2d_in_generate": moved_in_generate}
         W.compute_log_prob(w, _data())
@@ -327,14 +337,16 @@ def actor_cycle(ids: list[str]) -> dict:
             "after_update": {"params": _param_bytes(w.modules), "grads": _grad_bytes(w.modules),
                              "opt": _opt_bytes(w.optimizer)},
         })
-    out["ledger_steps"] = [e.step for e in memory.ledger.entries] if memory else []
+    out["ledger_steps"] = [e.step for e in live_switch().ledger.entries]
     if memory:
         memory.close()
     return out
 
 
 def ddp_round_trip() -> dict:
-    """ActorMemory on a real DDP chunk, grads kept (copied) too: bytes and the views DDP holds."""
+    """ActorMemory on a real DDP chunk under a switch loop that keeps (copies) the grads too: bytes
+    and the views DDP holds."""
+    from verl_patches.offload.live import LiveSwitch
     from verl_patches.offload.megatron_memory import ActorMemory, megatron_buffers
     from verl_patches.rollout.engine_memory import shared_offload_engine
 
@@ -348,11 +360,12 @@ def ddp_round_trip() -> dict:
     want = (_snap(b.param_data for b in buffers), _snap(b.grad_data for b in buffers), _snap(state),
             _snap(optimizer.masters))
     out: dict[str, Any] = {"cycles": []}
+    switch = LiveSwitch(keep_grads=True)
+    switch.attach(memory)  # where an update ends: grads and optimizer state copied out
     for _ in range(3):
-        memory.after_update()
-        memory.offload_params()
+        switch.reach("offload_train_params")
         resident = memory.resident()
-        memory.before_update()
+        switch.reach("update_onload")
         got = (_snap(b.param_data for b in buffers), _snap(b.grad_data for b in buffers), _snap(state),
                _snap(optimizer.masters))
         views = all(p.main_grad.untyped_storage().data_ptr() == b.grad_data.untyped_storage().data_ptr()
@@ -362,8 +375,12 @@ def ddp_round_trip() -> dict:
                       for b in buffers for k in b.buckets)
         out["cycles"].append({"resident_offloaded": resident, "exact": [g == x for g, x in zip(got, want)],
                               "views": views, "buckets": buckets})
+        switch.call("update", lambda: None)
+        switch.reach("update_end")
+    out["steps"] = [e.step for e in switch.ledger.entries]
     out["groups"] = {k: g.num_storages for k, g in memory.groups().items()}
     out["nbytes"] = {k: g.nbytes for k, g in memory.groups().items()}
+    switch.detach(memory)
     memory.close()
     return out
 
@@ -420,6 +437,8 @@ def offload_off() -> dict:
 def reference(ids: list[str]) -> dict:
     from verl.workers.megatron_workers import ActorRolloutRefWorker as W
 
+    from verl_patches.offload.live import live_switch
+
     _apply(ids)
     w = _ref_worker()
     # verl's own (param.data.to('cpu')), on where our init patch takes it over.
@@ -429,10 +448,11 @@ def reference(ids: list[str]) -> dict:
     w.ref_policy.compute_log_prob = w.ref_forward  # MegatronPPOActor stand-in built by init_model
     out: dict[str, Any] = {"after_init": _param_bytes(w.modules), "d2h": []}
     for _ in range(2):
-        before = len(stash.get(w, "ref_memory").ledger.entries) if (stash.get(w, "ref_memory") is not None) else 0
+        ledger = live_switch().ledger
+        before = len(ledger.entries)
         W.compute_ref_log_prob(w, _data())
-        out["d2h"].append(sum(e.d2h_bytes for e in list(stash.get(w, "ref_memory").ledger.entries)[before:])
-                          if (stash.get(w, "ref_memory") is not None) else None)
+        out["d2h"].append(sum(e.d2h_bytes for e in list(ledger.entries)[before:])
+                          if stash.get(w, "ref_memory") is not None else None)
     out["forward_saw_exact"] = [b == original for b in w.log["ref_bytes_in_forward"]]
     out["verl_ref_flag"] = w._ref_is_offload_param
     out["after"] = _param_bytes(w.modules)
@@ -522,11 +542,13 @@ def run_all(rank: int, world: int) -> dict:
     os.environ["VERL_PATCHES_DEVICE"] = "cpu"
     _setup()
     from verl_patches.core import apply as ap
+    from verl_patches.offload.live import reset_live_switch
     from verl_patches.rollout import engine_memory
 
     results = {}
     for name, fn in SCENARIOS.items():
         engine_memory._SHARED = None  # a fresh process engine per scenario (each builds its own models)
+        reset_live_switch()  # and a fresh switch loop
         try:
             results[name] = fn()
         except Exception:  # noqa: BLE001 - reported to the test, which names the scenario
@@ -557,6 +579,7 @@ def real_optimizer_continuation(rank: int, world: int, steps: int = 3) -> dict:
 
     from verl_patches import accelerator
     from verl_patches.offload import OffloadEngine
+    from verl_patches.offload.live import LiveSwitch
     from verl_patches.offload.megatron_memory import ActorMemory, inner_optimizers
 
     import megatron.core.optimizer.distrib_optimizer as dopt
@@ -598,20 +621,27 @@ def real_optimizer_continuation(rank: int, world: int, steps: int = 3) -> dict:
     memory = ActorMemory([ddp], opt, engine=OffloadEngine(), keep_grads=True)
     out: dict[str, Any] = {"optimizer": type(opt).__name__, "inner": [type(o).__name__ for o in inner_optimizers(opt)],
                            "freed": [], "round_trip_exact": [], "losses": []}
-    for _ in range(steps):
-        out["losses"].append(train())
+    switch = LiveSwitch(keep_grads=True)
+    for k in range(steps):
+        # The first step before the memory joins the loop (Adam's state exists after it), the others as
+        # the loop's update step.
+        out["losses"].append(switch.call("update", train) if k else train())
         accelerator.synchronize()
         held = state()
         before = torch.cuda.memory_allocated()
-        memory.after_update()
-        memory.offload_params()
-        accelerator.empty_cache()
+        if k:
+            switch.reach("update_end")
+        else:
+            switch.attach(memory)  # put where an update ends
+        switch.reach("offload_train_params")  # empties the cache
         out["freed"].append({"allocator_bytes": before - torch.cuda.memory_allocated(),
                              "groups_bytes": sum(g.nbytes for g in memory.groups().values()),
                              "resident_after": memory.resident()})
-        memory.before_update()
+        switch.reach("update_onload")
         out["round_trip_exact"].append(len(held) > 0 and all(torch.equal(x, y) for x, y in zip(held, state())))
-    out["losses"].append(train())
-    out["ledger"] = memory.ledger.format_table()
+    out["losses"].append(switch.call("update", train))
+    switch.reach("update_end")
+    out["ledger"] = switch.ledger.format_table()
+    switch.detach(memory)
     memory.close()
     return out

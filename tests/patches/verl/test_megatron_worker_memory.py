@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megatron_worker_rank as mwr  # noqa: E402
 
 from verl_patches.launch import run_distributed  # noqa: E402
+from verl_patches.offload.schedule import our_steps  # noqa: E402
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow
@@ -77,6 +78,8 @@ def test_real_ddp_params_grads_optimizer_round_trip_byte_exact(res):
     r = res["ddp_round_trip"]
     # One storage per DDP buffer (params are views of param_data, main_grads of grad_data), none missed.
     assert r["groups"]["train_params"] == 2 and r["groups"]["grads"] == 2
+    assert r["steps"][0] == "attach:ActorMemory"
+    assert r["steps"][1:] == ["reshard", "offload_train_params", "update_onload", "update", "update_end"] * 3
     for c in r["cycles"]:
         assert c["resident_offloaded"] == {"train_params": 0, "grads": 0, "optimizer": 0}
         assert c["exact"] == [True, True, True, True]  # param_data, grad_data, Adam state, fp32 masters
@@ -86,10 +89,20 @@ def test_real_ddp_params_grads_optimizer_round_trip_byte_exact(res):
 def test_actor_follows_the_switch_schedule_with_the_patches(res):
     assert actor_problems(res["actor:all"]) == []
     on = res["actor:all"]
-    # Steps 1-6 of a second iteration: nothing moved host->device inside generate; the sharding manager
-    # offloaded the params on step 0, the worker on step 1 (its sharding manager did not).
-    assert [s for s, _ in on["steps"][0]["after_generate"]["h2d_in_generate"]] == [
-        "onload_params", "offload_params", "offload_params"]
+    # Inside generate the loop ran the reshard and the params' offload, nothing host->device: on step 0
+    # the sharding manager reached them, on step 1 (its sharding manager did not) the worker's exit did.
+    for s in on["steps"]:
+        assert [name for name, _ in s["after_generate"]["h2d_in_generate"]] == ["reshard", "offload_train_params"]
+    # The whole run is our_steps() in order (the steps this process has: no rollout engine, no reference),
+    # with the old log-prob forward and the checkpoints as excursions that leave the loop where it was.
+    loop = [n for n in on["ledger_steps"] if ":" not in n]
+    ours = [s.name for s in our_steps() if s.name in set(loop)]
+    start = ours.index("reshard")  # the loop starts where an update ends
+    assert loop == (ours[start:] + ours[:start]) * 2
+    assert on["ledger_steps"][0] == "attach:ActorMemory"
+    assert [n for n in on["ledger_steps"] if ":" in n][1:] == [
+        "load_checkpoint:in", "load_checkpoint:out"] + ["compute_log_prob:in", "compute_log_prob:out",
+                                                       "save_checkpoint:in", "save_checkpoint:out"] * 2
 
 
 def test_upstream_keeps_grads_and_optimizer_resident(res):

@@ -2,8 +2,8 @@
 megatron-core 0.12.1 actor (MLA + MoE) resharded straight into a real vLLM 0.9.1 DeepseekV3 model
 on CPU equals vLLM's own load_weights of the same weights, MLA's derived tensors included, in the
 switch schedule's order. Stand-ins (declared in verl_patches/testing/live_models.py and
-binding_check.py): the engine wrapper around the vLLM model, the worker's ActorMemory, and the few
-CUDA-only calls of the CPU build."""
+binding_check.py): the engine wrapper around the vLLM model, the worker's generate_sequences wrapper
+(the switch loop's begin and end of a rollout segment), and the few CUDA-only calls of the CPU build."""
 
 from __future__ import annotations
 
@@ -14,12 +14,19 @@ import pytest
 
 from verl_patches.testing.binding_check import sharding_manager_rank
 from verl_patches.launch import run_distributed
+from verl_patches.offload.schedule import our_steps
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow
 
 CONFIG = Path(__file__).resolve().parents[3] / "configs/model/tiny_deepseek_v3.json"
-SCHEDULE = ["wake_up:weights", "offload_params", "wake_up:kv_cache", "generate", "sleep:1"]
+# What the engine stand-in and the training params' group record, in the switch loop's order.
+RECORDED = {"alloc_rollout_weights": "wake_up:weights", "offload_train_params": "offload_train_params",
+            "init_kv_cache": "wake_up:kv_cache", "generate": "generate", "release_rollout_weights": "sleep:1"}
+SCHEDULE = [RECORDED[s.name] for s in our_steps() if s.name in RECORDED]
+# The loop's steps this process has (only the training params are attached): a generation, then
+# one again right after it (validation's repeat brings the params back first).
+LOOP = ["reshard", "offload_train_params", "rollout_again", "reshard", "offload_train_params"]
 CASES = [
     dict(grouped=True, method="direct", dtype="float32", patched=False),   # upstream __enter__
     dict(grouped=False, method="direct", dtype="float32"),                 # SequentialMLP experts
@@ -53,13 +60,17 @@ def test_reshard_into_vllm_equals_vllms_own_load(results, case):
 
 def test_switch_schedule_order(results):
     # weights allocated, reshard, training params offloaded, then the KV cache; upstream's exit
-    assert results[1]["events"] == SCHEDULE
+    assert SCHEDULE == ["wake_up:weights", "offload_train_params", "wake_up:kv_cache", "generate", "sleep:1"]
+    for case in (1, 2, 3):
+        assert results[case]["events"][:5] == SCHEDULE
+        assert results[case]["ledger_steps"] == LOOP
 
 
 def test_without_the_patch_the_rollout_model_does_not_get_the_weights(results):
     r = results[0]
     assert r["mismatch"] or r["error"]
-    assert "offload_params" not in r["events"]
+    # upstream's __enter__ wakes the weights and fails on the stand-in config before reaching any step
+    assert r["events"][0] == "wake_up:weights" and "offload_train_params" not in r["events"]
 
 
 def test_a_wrong_layer_list_is_refused_before_anything_moves(results):
@@ -95,6 +106,7 @@ def test_with_the_workers_actor_memory_the_training_params_leave_after_the_resha
     r = results[5]
     assert r["error"] is None and r["mismatch"] == []
     assert r["train_params_offloaded"] and r["train_params_back_exact"]
+    assert r["ledger_steps"] == ["attach:ActorMemory", *LOOP[:2], "check:in", "check:out", *LOOP[2:]]
 
 
 def test_experts_placed_elsewhere_by_vllm_are_refused():

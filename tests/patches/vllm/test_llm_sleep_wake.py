@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from verl_patches.core.apply import apply_all, undo
-from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
+from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR, attach_engine_memory
 from verl_patches.patches.vllm.patch_entrypoints_llm import PATCHES as LLM_PATCHES
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
 from verl_patches.offload import OffloadEngine
@@ -53,9 +53,10 @@ def _llm(model_dir, attach: bool):
     llm = LLM.__new__(LLM)
     llm.llm_engine = _EngineCalls(core)
     memory = VllmEngineMemory(llm, OffloadEngine())  # frees the KV cache, as the rollout's constructor does
-    memory.offload_model_weights()
     if attach:
-        setattr(llm, MEMORY_ATTR, memory)
+        attach_engine_memory(llm, memory)  # the weights are released where the switch loop starts
+    else:
+        memory.offload_model_weights()
     return llm, memory
 
 

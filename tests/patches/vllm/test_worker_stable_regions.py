@@ -22,7 +22,7 @@ import torch
 from verl_patches.core.apply import apply_all, undo
 from verl_patches.offload import AddressMovedError, Location, OffloadEngine
 from verl_patches.offload.stable import _select
-from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
+from verl_patches.patches.vllm.patch_entrypoints_llm import attach_engine_memory
 from verl_patches.patches.vllm.patch_entrypoints_llm import PATCHES as LLM_PATCHES
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
 from verl_patches.patches.vllm.patch_v1_worker_gpu_worker import PATCHES as WORKER
@@ -131,8 +131,7 @@ def test_graph_mode_switch_keeps_every_address_and_frees_the_regions(model_dir, 
     worker = core.model_executor.worker
     runner, model = worker.model_runner, worker.model_runner.model
     memory = VllmEngineMemory(llm, OffloadEngine())
-    memory.offload_model_weights()  # as the rollout's constructor does
-    setattr(llm, MEMORY_ATTR, memory)
+    attach_engine_memory(llm, memory)  # as the rollout's constructor does: weights released where the loop starts
     assert memory.stable is not None and memory.weights.region.tag == "rollout_weights"
     # load_model's buffer and tensor attribute left the weights region with their values.
     assert sorted(memory.stable.moved_out) == ["<model>.cos_sin_cache", "<model>.expert_map"]

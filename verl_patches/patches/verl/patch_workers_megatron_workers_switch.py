@@ -1,22 +1,24 @@
 """Switch schedule, worker side (docs/RECIPE.md item 2, docs/DESIGN.md section 3), with recipe.offload (default on).
 verl 0.4.1 offloads params *and* grads at the end of update_actor and its sharding manager loads both back
 for the reshard (load_megatron_model_to_gpu(load_grad=True)), then offloads them again: the params cross
-the link twice per step and the grads are allocated for nothing. Our order, on the offload engine
-(verl_patches/offload/megatron_memory.py, one engine per process shared with the rollout's groups):
+the link twice per step and the grads are allocated for nothing. Ours is one loop, offload/schedule.py's
+``our_steps()``, run on the live groups by verl_patches/offload/live.py; each wrapper here only says
+which step verl's call reaches (the table is in live.py's docstring):
 - init_model: verl's own param/grad/optimizer/ref offload flags are turned off (both would move the same
-  tensors; verl's ref offload also replaces param.data under our groups); ActorMemory is attached as
-  the sharding manager's stashed ``actor_memory`` (verl_patches/core/stash.py) and the iteration starts where an update ends; the reference model is
-  copied to host once.
-- update_actor: onload params, grads (zeroed: Megatron zeroes them before each backward) and optimizer
-  first; at the end release the grads and offload the optimizer state (not with MindSpeed's swap optimizer,
-  recipe.megatron.swap_optimizer with MindSpeed loaded, which moves its own); the params stay for the reshard.
-- generate_sequences: nothing is reloaded; the sharding manager reshards from the resident params and
-  then calls ``actor_memory.offload_params()`` (patch_workers_sharding_manager_megatron_vllm.py), before
-  the KV cache is initialised. Both ends are checked here and are no-ops in that order: params missing at
-  entry are onloaded (a reshard from freed storage would be garbage), params still resident at exit are
-  offloaded.
-- compute_ref_log_prob: onload the reference params, forward, offload (a free: the host copy is exact).
-- compute_log_prob / save_checkpoint / load_checkpoint: what they read is onloaded and put back after.
+  tensors; verl's ref offload also replaces param.data under our groups); ActorMemory and ReferenceMemory
+  (offload/megatron_memory.py, on the process's one offload engine) are attached to the loop, which puts
+  them where an update ends (grads released, optimizer state and reference on host); the actor's memory
+  is stashed on the sharding manager (verl_patches/core/stash.py), which tells it to run under the loop.
+- update_actor: reaches update_onload (params, zeroed grads, optimizer state), runs as the update step,
+  reaches update_end (grads released, optimizer state offloaded; not with MindSpeed's swap optimizer,
+  recipe.megatron.swap_optimizer with MindSpeed loaded, which moves its own; the params stay for the reshard).
+- generate_sequences: begins the rollout segment; the sharding manager reaches the reshard and
+  offload_train_params (patch_workers_sharding_manager_megatron_vllm.py), the engine's wake_up / sleep
+  the rollout steps; leaving, it reaches release_rollout_weights, so a sharding manager that did not
+  reach a step still has it run, in order.
+- compute_ref_log_prob: ref_onload, ref_forward (the call), ref_offload (a free: the host copy is exact).
+- compute_log_prob / save_checkpoint / load_checkpoint: excursions; what they read comes to the device
+  and goes back where the loop had it.
 """
 
 from __future__ import annotations
@@ -60,12 +62,20 @@ def swap_optimizer_active(config: Any) -> bool:
 
 
 
-# -- switch schedule ---------------------------------------------------------------------------
+# -- the switch loop ----------------------------------------------------------------------------
+# Each wrapper says which step of the loop verl's call reaches (verl_patches/offload/live.py);
+# the order itself is offload/schedule.py:our_steps.
 
 def _engine():
     from verl_patches.rollout.engine_memory import shared_offload_engine
 
     return shared_offload_engine()
+
+
+def _switch():
+    from verl_patches.offload.live import live_switch
+
+    return live_switch()
 
 
 def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -79,6 +89,8 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self)
         from verl_patches.offload.megatron_memory import ActorMemory, ReferenceMemory
 
+        # Attached where the loop starts (an update's end): grads released, optimizer state on host,
+        # the reference copied to host once.
         if self._is_actor:
             swap = swap_optimizer_active(self.config)
             actor = ActorMemory(self.actor_module, None if swap else self.actor_optimizer, engine=_engine())
@@ -86,12 +98,11 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
             sharding_manager = getattr(self, "sharding_manager", None)
             if sharding_manager is not None:
                 stash.put(sharding_manager, "actor_memory", actor)
-            # Every iteration starts where an update ends (docs/DESIGN.md section 3, step 1).
-            actor.after_update()
+            _switch().attach(actor)
         if self._is_ref:
             ref = ReferenceMemory(self.ref_module, engine=_engine())
             stash.put(self, "ref_memory", ref)
-            ref.offload()
+            _switch().attach(ref)
         _empty_cache()
         return out
 
@@ -107,12 +118,12 @@ def _empty_cache() -> None:
 def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def update_actor(self, data):
-        memory = stash.get(self, "actor_memory")
-        if memory is None:
+        if stash.get(self, "actor_memory") is None:
             return original(self, data)
-        memory.before_update()
-        out = original(self, data)
-        memory.after_update()
+        switch = _switch()
+        switch.reach("update_onload", "update_actor")
+        out = switch.call("update", lambda: original(self, data), "update_actor")
+        switch.reach("update_end", "update_actor")
         _empty_cache()
         return out
 
@@ -122,12 +133,13 @@ def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any
 def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def generate_sequences(self, prompts):
-        memory = stash.get(self, "actor_memory")
-        if memory is None:
+        if stash.get(self, "actor_memory") is None:
             return original(self, prompts)
-        memory.onload_params()  # a no-op after an update: the reshard reads the resident params
+        switch = _switch()
+        switch.begin_rollout()
         out = original(self, prompts)
-        memory.offload_params()  # a no-op when the sharding manager did it after the reshard
+        # Nothing left to do when the sharding manager and the engine's sleep reached every step.
+        switch.reach("release_rollout_weights", "generate_sequences")
         return out
 
     return generate_sequences
@@ -136,17 +148,10 @@ def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..
 def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_log_prob(self, data):
-        memory = stash.get(self, "actor_memory")
-        if memory is None:
+        if stash.get(self, "actor_memory") is None:
             return original(self, data)
-        from verl_patches.offload.groups import Location
-
-        was_off = memory.params.location is not Location.DEVICE
-        memory.onload_params()
-        out = original(self, data)
-        if was_off:
-            memory.offload_params()
-        return out
+        with _switch().excursion("compute_log_prob", ("train_params",)):
+            return original(self, data)
 
     return compute_log_prob
 
@@ -154,14 +159,13 @@ def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[...,
 def wrap_compute_ref_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_ref_log_prob(self, data):
-        memory = stash.get(self, "ref_memory")
-        if memory is None:
+        if stash.get(self, "ref_memory") is None:
             return original(self, data)
-        memory.onload()
-        try:
-            return original(self, data)
-        finally:
-            memory.offload()  # read-only: frees, the host copy is still exact
+        switch = _switch()
+        switch.reach("ref_onload", "compute_ref_log_prob")
+        out = switch.call("ref_forward", lambda: original(self, data), "compute_ref_log_prob")
+        switch.reach("ref_offload", "compute_ref_log_prob")  # read-only: frees, the host copy is still exact
+        return out
 
     return compute_ref_log_prob
 
@@ -169,21 +173,10 @@ def wrap_compute_ref_log_prob_offload(original: Callable[..., Any]) -> Callable[
 def _wrap_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def checkpoint(self, *args, **kwargs):
-        memory = stash.get(self, "actor_memory")
-        if memory is None:
+        if stash.get(self, "actor_memory") is None:
             return original(self, *args, **kwargs)
-        from verl_patches.offload.groups import Location
-
-        params_off = memory.params.location is not Location.DEVICE
-        opt_off = memory.opt is not None and memory.opt.location is not Location.DEVICE
-        memory.onload_params()
-        memory.onload_optimizer()
-        out = original(self, *args, **kwargs)
-        if opt_off:
-            memory.offload_optimizer()
-        if params_off:
-            memory.offload_params()
-        return out
+        with _switch().excursion(original.__name__, ("train_params", "optimizer")):
+            return original(self, *args, **kwargs)
 
     return checkpoint
 
@@ -201,8 +194,9 @@ PATCHES = [
         replacement=f"{__name__}:wrap_init_model_offload",
         flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG,
         why="Builds the actor's params / grads / optimizer groups and the reference's group on the process's "
-            "offload engine, hands the actor's to the sharding manager (which offloads the params right after the "
-            "reshard), turns verl's own offload off so nothing moves twice, and starts at the end of an update.",
+            "offload engine and attaches them to the switch loop where an update ends; hands the actor's to the "
+            "sharding manager (which then reshards under the loop); turns verl's own offload off so nothing "
+            "moves twice.",
         remove_when="verl's Megatron worker offloads grads only after the update and lets the sharding manager "
                     "offload params after the reshard (docs/DESIGN.md section 3).",
         **_COMMON_OWN,
@@ -227,9 +221,9 @@ PATCHES = [
         fingerprint=Fingerprint(signature="def generate_sequences(self, prompts: DataProto)", source_sha="9f3b8f496926ac8f"),
         replacement=f"{__name__}:wrap_generate_sequences_offload",
         flag=OFFLOAD_FLAG,
-        why="The params come in resident (nothing is reloaded) and leave offloaded: the sharding manager offloads "
-            "them right after the reshard, before the KV cache is initialised; this checks both ends, and each "
-            "is a no-op when the order held.",
+        why="The params come in resident (nothing is reloaded) and leave offloaded: the sharding manager reaches "
+            "the loop's offload_train_params right after the reshard, before the KV cache is initialised; this "
+            "begins the rollout segment and, leaving, reaches its end, running any step nobody reached.",
         remove_when="verl's sharding manager offloads the training params after the reshard itself.",
         **_COMMON_OWN,
     ),

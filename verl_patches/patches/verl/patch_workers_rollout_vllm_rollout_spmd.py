@@ -16,9 +16,10 @@ scheduler, comes from YAML; same sampling parameters) and adds, in this order:
 4. with recipe.offload (default on): sleep mode off, and onload_model_weights /
    offload_model_weights / init_cache_engine / free_cache_engine on the rollout, backed by the
    offload engine (verl_patches.rollout.engine_memory); the KV cache comes back through the
-   configs the engine core keeps (patch vllm.engine_core.keep_kv_cache_configs), and the
-   engine's sleep / wake_up, which verl's sharding manager calls, reach the same methods
-   (patches vllm.llm.sleep_to_offload / wake_up_to_onload).
+   configs the engine core keeps (patch vllm.engine_core.keep_kv_cache_configs); the groups are
+   attached to the process's switch loop (verl_patches/offload/live.py), and the engine's
+   sleep / wake_up, which verl's sharding manager calls, reach its steps (patches
+   vllm.llm.sleep_to_offload / wake_up_to_onload).
 """
 
 from __future__ import annotations
@@ -140,19 +141,17 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
 
     setattr(self.inference_engine, ENGINE_ATTR, settings)
     if settings.offload:
+        from verl_patches.patches.vllm.patch_entrypoints_llm import attach_engine_memory
         from verl_patches.rollout.engine_memory import VllmEngineMemory
 
-        # Training runs first: free the KV cache (done by the constructor) and the weights now,
-        # where upstream would put the engine to sleep.
-        stash.put(self, "engine_memory", VllmEngineMemory(self.inference_engine))
-        stash.get(self, "engine_memory").offload_model_weights()
+        memory = VllmEngineMemory(self.inference_engine)
+        stash.put(self, "engine_memory", memory)
         for name in MEMORY_METHODS:
-            setattr(self, name, getattr(stash.get(self, "engine_memory"), name))
-        # verl's sharding manager drives the switch through the engine's sleep / wake_up
-        # (patches vllm.llm.sleep_to_offload / wake_up_to_onload route them here).
-        from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
-
-        setattr(self.inference_engine, MEMORY_ATTR, stash.get(self, "engine_memory"))
+            setattr(self, name, getattr(memory, name))
+        # Into the process's switch loop, which starts where an update ends: the KV cache and the
+        # weights are released now, where upstream would put the engine to sleep. verl's sharding
+        # manager then drives the loop through the engine's sleep / wake_up (patches vllm.llm.*).
+        attach_engine_memory(self.inference_engine, memory)
     else:
         self.inference_engine.sleep(level=1)
 

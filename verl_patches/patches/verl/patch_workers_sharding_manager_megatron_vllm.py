@@ -9,15 +9,15 @@ never redoes vLLM's post-load processing, so MLA's W_UK_T / W_UV (derived from k
 at engine build) stay those of the initial weights.
 
 Ours, for recipe.reshard_method direct (default) or recipe, with the rollout built by patch
-verl.vllm_rollout.recipe_engine (which leaves its settings on the engine), in the order of the
-switch schedule (docs/DESIGN.md section 3, steps 2 to 5):
-  wake the weights (= allocate, no copy, through patch vllm.llm.wake_up_to_onload), reshard from
-  the actor's live parameters into them (verl_patches.reshard.binding: one plan for the run,
-  every byte once), redo MLA's post-load processing, offload the training params (the worker's
-  ActorMemory when it attached one, else verl's own offload when param_offload is on), then
-  wake the KV cache (= create it now that the training params left) and swap the RNG state as
-  upstream does. __exit__ is upstream's: sleep(level=1), which the recipe engine routes to
-  free KV cache + release rollout weights.
+verl.vllm_rollout.recipe_engine (which leaves its settings on the engine), reaching the steps of
+the switch loop (verl_patches/offload/live.py; docs/DESIGN.md section 3, steps 2 to 5):
+  wake the weights (step alloc_rollout_weights, through patch vllm.llm.wake_up_to_onload: an
+  allocation, no copy), reshard from the actor's live parameters into them and redo MLA's
+  post-load processing (the reshard step's call; verl_patches.reshard.binding: one plan for the
+  run, every byte once), offload the training params (step offload_train_params; without the
+  worker's loop, verl's own offload when param_offload is on), then wake the KV cache (step
+  init_kv_cache: created now that the training params left) and swap the RNG state as upstream
+  does. __exit__ is upstream's: sleep(level=1), which reaches release_rollout_weights.
 recipe.reshard_method=upstream runs verl's own __enter__ (plus the MLA fix), for comparison.
 """
 
@@ -86,21 +86,20 @@ def _wake(manager: Any, tag: str) -> None:
         manager.inference_engine.wake_up()
 
 
-def switch_figures(stats: Any, actor_memory: Any) -> dict[str, float]:
+def switch_figures(stats: Any, ledger: Any) -> dict[str, float]:
     """The switch's own numbers for the run's report (verl_patches/report.py), sent to the driver in
     the timing dict verl returns with every generation (averaged over ranks): what this rank received
-    and sent in the reshard, and the actor's host-link bytes and resident peak from its ledger."""
+    and sent in the reshard, and the host-link bytes and resident peak from the switch loop's ledger."""
     from verl_patches.report import SWITCH_PREFIX
 
     out = {f"{SWITCH_PREFIX}reshard_recv_bytes": float(stats.recv_bytes),
            f"{SWITCH_PREFIX}reshard_sent_bytes": float(stats.sent_bytes)}
-    ledger = getattr(actor_memory, "ledger", None)
     if ledger is not None:
-        # Since the previous switch: the update's onloads and this switch's offloads.
-        last = stash.get(actor_memory, "moved_reported", 0)
+        # Since the previous switch: the update's onloads, the reference's, and this switch's offloads.
+        last = stash.get(ledger, "moved_reported", 0)
         out[f"{SWITCH_PREFIX}link_bytes"] = float(ledger.moved_bytes - last)
         out[f"{SWITCH_PREFIX}ledger_peak_bytes"] = float(ledger.peak_bytes)
-        stash.put(actor_memory, "moved_reported", ledger.moved_bytes)
+        stash.put(ledger, "moved_reported", ledger.moved_bytes)
     return out
 
 
@@ -113,27 +112,39 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     from verl_patches.rollout.mla import redo_mla_post_load
 
     manager.timing = {}
-    actor_memory = stash.get(manager, "actor_memory")
+    # Under the switch loop when the worker attached its actor (verl_patches/offload/live.py).
+    switch = None
+    if stash.get(manager, "actor_memory") is not None:
+        from verl_patches.offload.live import live_switch
+
+        switch = live_switch()
     with simple_timer("reshard", manager.timing):
         accelerator.empty_cache()
-        if actor_memory is None and manager.offload_param:
+        if switch is None and manager.offload_param:
             load_megatron_model_to_gpu(manager.actor_module)
         model = _model(manager)
         train = megatron_params(manager.actor_module)
         # Planned once (and checked against both models' shapes) before anything is allocated.
         session = getattr(manager, SESSION_ATTR, None) or _build_session(manager, settings, train,
                                                                          vllm_params(model))
-        _wake(manager, "weights")
-        roll = vllm_params(model)
-        stats = session.run(train, roll)
-        redo_mla_post_load(model, next(iter(roll.values())).dtype)
-        if actor_memory is not None:
-            actor_memory.offload_params()
-        elif manager.offload_param:
-            offload_megatron_model_to_cpu(manager.actor_module)
-        accelerator.empty_cache()
-        _wake(manager, "kv_cache")
-    manager.timing.update(switch_figures(stats, actor_memory))
+        _wake(manager, "weights")  # step alloc_rollout_weights
+
+        def reshard():
+            roll = vllm_params(model)
+            stats = session.run(train, roll)
+            redo_mla_post_load(model, next(iter(roll.values())).dtype)
+            return stats
+
+        if switch is not None:
+            stats = switch.call("reshard", reshard, "the sharding manager")
+            switch.reach("offload_train_params", "the sharding manager")
+        else:
+            stats = reshard()
+            if manager.offload_param:
+                offload_megatron_model_to_cpu(manager.actor_module)
+            accelerator.empty_cache()
+        _wake(manager, "kv_cache")  # step init_kv_cache
+    manager.timing.update(switch_figures(stats, None if switch is None else switch.ledger))
     _swap_rng_for_generation(manager)
 
 

@@ -1,13 +1,13 @@
-"""vllm.LLM's sleep / wake_up routed to the recipe's offload engine when the rollout attached one.
+"""vllm.LLM's sleep / wake_up reach the switch loop's steps when the recipe's rollout attached its memory.
 
 Upstream: vllm/entrypoints/llm.py:LLM.sleep and LLM.wake_up drive sleep mode (a memory pool
 that does not free memory on multi-node NPU, and that the recipe turns off). verl 0.4.1's
 MegatronVLLMShardingManager calls wake_up(tags=["weights"]) before loading weights,
 wake_up(tags=["kv_cache"]) after, and sleep(level=1) when generation is done. We wrap both:
-on an engine the recipe's rollout built (verl_patches.rollout.engine_memory attached), those
-calls become onload_model_weights, init_cache_engine, and free_cache_engine +
-offload_model_weights, in that order, so verl's own switch frees memory for real. Any other
-engine gets the original.
+on an engine the recipe's rollout built (attach_engine_memory), those calls reach the switch
+loop's alloc_rollout_weights, init_kv_cache and release_rollout_weights
+(verl_patches/offload/live.py), so verl's own switch frees memory for real, in the loop's order.
+Any other engine gets the original.
 """
 
 from __future__ import annotations
@@ -23,15 +23,39 @@ from verl_patches.core.record import Patch
 MEMORY_ATTR = stash.attr("memory")
 
 
+def attach_engine_memory(llm: Any, memory: Any) -> None:
+    """Put a recipe engine's memory (VllmEngineMemory) under the process's switch loop and route
+    the engine's sleep / wake_up to it. The loop starts where an update ends, so its weights and
+    KV cache are released now: what upstream's build-time sleep would do."""
+    from verl_patches.offload.live import live_switch
+
+    live_switch().attach(memory)
+    setattr(llm, MEMORY_ATTR, memory)
+
+
+def _switch(llm: Any) -> Any:
+    """The switch loop that holds the engine's memory, or None (upstream's sleep mode)."""
+    memory = getattr(llm, MEMORY_ATTR, None)
+    if memory is None:
+        return None
+    from verl_patches.offload.live import live_switch
+    from verl_patches.offload.schedule import ScheduleError
+
+    switch = live_switch()
+    if not any(m is memory for m in switch.members):
+        raise ScheduleError("this vLLM engine's memory is not in the process's switch loop (closed, or set by hand); "
+                            "attach it with attach_engine_memory(llm, memory)")
+    return switch
+
+
 def wrap_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def sleep(self, level: int = 1):
-        memory = getattr(self, MEMORY_ATTR, None)
-        if memory is None:
+        switch = _switch(self)
+        if switch is None:
             return original(self, level)
-        # Cache first: freeing it needs no copy, and weights may then move on a quieter device.
-        memory.free_cache_engine()
-        memory.offload_model_weights()
+        # Generation is over: the KV cache, then the weights, are freed (no copy).
+        switch.reach("release_rollout_weights", "LLM.sleep")
 
     return sleep
 
@@ -39,17 +63,17 @@ def wrap_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def wake_up(self, tags: Optional[list[str]] = None):
-        memory = getattr(self, MEMORY_ATTR, None)
-        if memory is None:
+        switch = _switch(self)
+        if switch is None:
             return original(self, tags)
         unknown = set(tags or ()) - {"weights", "kv_cache"}
         if unknown:
             raise ValueError(f"wake_up tags {sorted(unknown)}: expected 'weights' and/or 'kv_cache'")
         # Weights before the cache: the reshard writes them while the cache's memory is still free.
         if tags is None or "weights" in tags:
-            memory.onload_model_weights()
+            switch.reach("alloc_rollout_weights", "LLM.wake_up(weights)")
         if tags is None or "kv_cache" in tags:
-            memory.init_cache_engine()
+            switch.reach("init_kv_cache", "LLM.wake_up(kv_cache)")
 
     return wake_up
 
