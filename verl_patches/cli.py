@@ -110,9 +110,13 @@ def cmd_docs(args: argparse.Namespace) -> int:
     from verl_patches.core.docs import PATCHES_MD, render_patches_md
     from verl_patches.core.registry import load_registry
 
-    text = render_patches_md(load_registry())
+    current = PATCHES_MD.read_text(encoding="utf-8") if PATCHES_MD.exists() else ""
+    unread: list[str] = []
+    text = render_patches_md(load_registry(), current, unread)
+    if unread:
+        print(f"note: upstream not installed here for {', '.join(unread)}: their *upstream lines* "
+              f"are kept from {PATCHES_MD.name} as committed, not re-read", file=sys.stderr)
     if args.check:
-        current = PATCHES_MD.read_text(encoding="utf-8") if PATCHES_MD.exists() else ""
         if current != text:
             print(f"{PATCHES_MD} is stale: run `python -m verl_patches docs --write`", file=sys.stderr)
             return 1

@@ -4,6 +4,7 @@ lines it answers."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from verl_patches.core.features import FEATURES
@@ -11,6 +12,9 @@ from verl_patches.core.lock import REPO_ROOT
 from verl_patches.core.record import Patch
 
 PATCHES_MD = REPO_ROOT / "docs" / "PATCHES.md"
+
+
+NOT_INSTALLED = "(not installed here)"
 
 
 def upstream_lines(patch: Patch, root: Path | None = None) -> str:
@@ -24,7 +28,7 @@ def upstream_lines(patch: Patch, root: Path | None = None) -> str:
     version = comp.version if comp else "?"
     path = module_file(patch.module, root)
     if path is None:
-        return f"{patch.upstream} {version} (not installed here)"
+        return f"{patch.upstream} {version} {NOT_INSTALLED}"
     rel = patch.module.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
     try:
         span = source_span(path, patch.qualname)
@@ -33,11 +37,36 @@ def upstream_lines(patch: Patch, root: Path | None = None) -> str:
     return f"{patch.upstream} {version} {rel}#L{span.first_line}-L{span.last_line}"
 
 
+def committed_upstream_lines(text: str) -> dict[str, str]:
+    """The *upstream lines* entry of each patch in a rendered PATCHES.md, by patch id."""
+    found: dict[str, str] = {}
+    for m in re.finditer(r"^### (\S+)\n(?:(?!### ).*\n)*?- \*\*upstream lines\*\*: (.*)$", text, re.M):
+        found[m.group(1)] = m.group(2)
+    return found
+
+
+def _lines(p: Patch, kept: dict[str, str], unread: list[str] | None) -> str:
+    line = upstream_lines(p)
+    if not line.endswith(NOT_INSTALLED):
+        return line
+    if unread is not None:
+        unread.append(p.id)
+    old = kept.get(p.id, "")
+    # Only a committed entry for the same component and locked version stands in for the read.
+    return old if old.startswith(line[: -len(NOT_INSTALLED)]) and not old.endswith(NOT_INSTALLED) else line
+
+
 def _ids(ids: tuple[str, ...]) -> str:
     return ", ".join(f"[{i}](#{i})" for i in ids) if ids else "-"
 
 
-def render_patches_md(patches: list[Patch]) -> str:
+def render_patches_md(patches: list[Patch], committed: str = "",
+                      unread: list[str] | None = None) -> str:
+    """The document. A patch whose upstream is not installed here (MindSpeed on a machine without
+    its release archive) keeps the *upstream lines* entry of ``committed`` (the file as it stands),
+    so the document does not depend on which optional upstreams a machine has; the ids of such
+    patches are appended to ``unread`` for the caller to report."""
+    kept = committed_upstream_lines(committed)
     out = [
         "# Patches",
         "",
@@ -75,7 +104,7 @@ def render_patches_md(patches: list[Patch]) -> str:
                 f"- **target**: `{p.target}` ({p.kind}, applied in: {', '.join(p.phases)}"
                 + (f"; only on: {', '.join(p.platforms)})" if p.platforms else ")"),
                 f"- **upstream**: {p.upstream} {p.versions}; fingerprint `{p.fingerprint}`",
-                f"- **upstream lines**: {upstream_lines(p)}",
+                f"- **upstream lines**: {_lines(p, kept, unread)}",
             ]
             if p.upstream_ref:
                 out.append(f"- **upstream reference**: {p.upstream_ref}")
