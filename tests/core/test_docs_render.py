@@ -31,10 +31,14 @@ def test_an_upstream_missing_here_keeps_the_committed_lines(monkeypatch):
     patches = load_registry()
     pid = "verl.reward_score.deepscaler"
     committed = render_patches_md(patches)
+    # Patches whose upstream this machine lacks anyway (MindSpeed on a CI machine) are unread too.
+    already: list[str] = []
+    render_patches_md(patches, committed, already)
+    assert pid not in already
     _pretend_missing(monkeypatch, pid)
     unread: list[str] = []
     assert render_patches_md(patches, committed, unread) == committed
-    assert unread == [pid]
+    assert sorted(unread) == sorted(already + [pid])
     # Without a committed entry the document says so rather than inventing lines.
     fresh = committed_upstream_lines(render_patches_md(patches))
     assert fresh[pid].endswith(NOT_INSTALLED)
