@@ -31,6 +31,7 @@ class Key:
     kind: Any  # bool, int, float, str, a tuple of allowed values, or "section" (checked elsewhere)
     default: Any
     doc: str
+    minimum: Any = None  # numbers: the smallest value allowed
 
 
 KEYS: dict[str, Key] = {
@@ -44,6 +45,8 @@ KEYS: dict[str, Key] = {
     "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/megatron_args.py)"),
     "device_memory_gib": Key(float, None, "the device's memory, to check the memory estimate against"),
     "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/report.py)"),
+    "fingerprint_every": Key(int, 1, "check every N switches that each rollout parameter holds exactly what the "
+                                     "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
 }
 
 
@@ -66,6 +69,9 @@ def check_value(key: str, value: Any, where: str = SECTION) -> Any:
             raise SettingsError(f"{where}.{key} must be a number, got {value!r}")
     elif not isinstance(value, kind) or isinstance(value, bool):
         raise SettingsError(f"{where}.{key} must be {kind.__name__}, got {value!r}")
+    minimum = KEYS[key].minimum
+    if minimum is not None and value < minimum:
+        raise SettingsError(f"{where}.{key} must be at least {minimum}, got {value!r}")
     return value
 
 

@@ -20,6 +20,7 @@ FEATURES: dict[str, str] = {
     "checkpoint": "Checkpoint save and resume that restore the run bit for bit.",
     "reward": "The recipe's reward functions.",
     "observability": "The recipe's per-step report.",
+    "self_check": "Every step proves itself: the rollout's weights against the trainer's, captured addresses.",
 }
 
 

@@ -21,6 +21,8 @@ KEYS: dict[str, str] = {
     "actor_memory": "the actor's offload groups (ActorMemory), on verl's worker and its sharding manager",
     "ref_memory": "the reference's offload group (ReferenceMemory), on verl's worker",
     "engine_memory": "the rollout engine's offload groups (VllmEngineMemory), on verl's vLLMRollout",
+    "step": "the trainer's global step of the generation under way, on verl's sharding manager",
+    "addresses_reported": "captured-graph addresses checked already reported, on verl's sharding manager",
 }
 
 

@@ -101,6 +101,7 @@ class _Resize:
     """Today's strategy: storages resized to zero bytes and back through the caching allocator."""
 
     name = "resize"
+    checked = 0  # no captured addresses to check
 
     def bind(self, group: "TensorGroup") -> None:
         for t in group._anchors:
@@ -139,6 +140,7 @@ class _Stable:
         self.name = f"stable:{region.backend.name}:{region.tag}"
         self._addresses: list[int] = []
         self._watched: dict[str, int] = {}
+        self.checked = 0  # addresses compared so far (the run reports them per step)
 
     def bind(self, group: "TensorGroup") -> None:
         ranges = self.region.ranges()
@@ -173,6 +175,7 @@ class _Stable:
         moved += [f"{n} (new)" for n in now if n not in self._watched]
         moved += [f"{n} ({self._watched[n]:#x} -> {now[n]:#x})" for n in now
                   if n in self._watched and now[n] != self._watched[n]]
+        self.checked += len(self._addresses) + len(now)
         if moved:
             raise AddressMovedError(
                 f"offload group {group.name!r}: {len(moved)} tensor(s) that captured graphs read are no longer at "
@@ -260,6 +263,11 @@ class TensorGroup(OffloadGroup):
     def check_addresses(self) -> None:
         """Raise AddressMovedError if a watched tensor left its captured address (stable groups only)."""
         self.memory.verify(self)
+
+    @property
+    def addresses_checked(self) -> int:
+        """Captured addresses compared so far (0 outside an address-stable region)."""
+        return self.memory.checked
 
     def tensors(self) -> list[torch.Tensor]:
         """One tensor per distinct storage (what checksums should cover)."""

@@ -31,6 +31,9 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_workers_megatron_workers_switch",
     "verl_patches.patches.verl.patch_workers_megatron_workers_checkpoint",
     "verl_patches.patches.verl.patch_workers_megatron_workers_rollout_compile",
+    # The run's self-checks (after the wrappers of the methods they wrap too).
+    "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer_self_check",
+    "verl_patches.patches.verl.patch_workers_megatron_workers_self_check",
     "verl_patches.patches.verl.patch_workers_sharding_manager_megatron_vllm",
     "verl_patches.patches.vllm.patch_distributed_parallel_state",
     "verl_patches.patches.vllm.patch_config",

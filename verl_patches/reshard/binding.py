@@ -210,6 +210,7 @@ class LiveReshard:
     plan: Plan
     rank: int
     method: str = "direct"
+    switches: int = 0  # reshards run so far (the fingerprint's every-N count)
 
     @classmethod
     def build(cls, hf_config: Mapping[str, Any], *, rollout: RolloutLayout, tp: int, pp: int, pp_rank: int,
@@ -244,6 +245,16 @@ class LiveReshard:
         """Fill ``roll`` (vLLM's parameters, allocated) from ``train`` (Megatron's). Every rank calls it."""
         return execute(self.plan, self.rank, as_rollout_dtype(train, next(iter(roll.values())).dtype), dict(roll),
                        group=group, method=self.method)
+
+
+    def verify(self, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor], *, step: Any = None,
+               group: Any = None) -> Any:
+        """The weight fingerprint (verl_patches/reshard/checksum.py) of ``roll`` against the training
+        tensors ``run`` read (cast as it cast them). Every rank calls it; WeightMismatchError on all."""
+        from verl_patches.reshard.checksum import verify
+
+        return verify(self.plan, self.rank, as_rollout_dtype(train, next(iter(roll.values())).dtype), roll,
+                      step=step, group=group)
 
 
 # Training tensors kept in another precision than the rest (megatron-core keeps the router's

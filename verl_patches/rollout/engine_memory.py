@@ -119,6 +119,11 @@ class VllmEngineMemory:
         """The groups under the switch schedule's role names (verl_patches.offload.schedule.ROLES)."""
         return {"rollout_weights": self.weights, "kv_cache": self.kv}
 
+    def addresses_checked(self) -> int:
+        """Captured-graph addresses the groups compared so far, after every allocate (graph mode;
+        0 in eager mode, where nothing is captured)."""
+        return int(self.weights.addresses_checked) + int(self.kv.addresses_checked) if self.stable is not None else 0
+
     def _allocate_kv(self) -> list:
         kv_cache.init_kv_cache(self.core)
         return [t for ts in self.core.model_executor.collective_rpc(_kv_tensors_of) for t in ts]

@@ -88,3 +88,34 @@ def release_mla_derived(model: torch.nn.Module) -> int:
                 freed += t.numel() * t.element_size()
                 setattr(layer.impl, name, t.new_empty(0))
     return freed
+
+
+def check_mla_derived(model: torch.nn.Module, index: int) -> int:
+    """Re-derive W_UK_T and W_UV of one MLA layer (``index`` modulo the layer count) from its current
+    kv_b_proj weight, with the definition both vLLM (MLACommonImpl) and vLLM-Ascend (AscendMLAImpl)
+    use, and compare them bit for bit with the tensors the attention reads. MLADerivedError names the
+    layer when they differ (stale after a weight update: the NeMo-RL / vLLM-Ascend failure class).
+    Returns the layers checked (0: no MLA layer, or a quantized kv_b_proj that has no plain weight)."""
+    from vllm.attention import Attention
+
+    layers = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, Attention) and getattr(m, "use_mla", False) and hasattr(m, "impl")]
+    if not layers:
+        return 0
+    name, layer = layers[index % len(layers)]
+    impl = layer.impl
+    weight = getattr(getattr(impl, "kv_b_proj", None), "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return 0
+    L, N, P, V = impl.kv_lora_rank, impl.num_heads, impl.qk_nope_head_dim, impl.v_head_dim
+    w_uk, w_uv = weight.T.reshape(L, N, P + V).split([P, V], dim=-1)
+    want = {"W_UV": w_uv.transpose(0, 1), "W_UK_T": w_uk.permute(1, 2, 0)}
+    for attr, expected in want.items():
+        have = getattr(impl, attr, None)
+        if not isinstance(have, torch.Tensor) or tuple(have.shape) != tuple(expected.shape) or \
+                not torch.equal(have, expected.to(have.dtype)):
+            got = None if not isinstance(have, torch.Tensor) else tuple(have.shape)
+            raise MLADerivedError(f"{name}.impl.{attr} (shape {got}) is not what kv_b_proj's current weight derives "
+                                  f"(shape {tuple(expected.shape)}): the attention reads stale MLA tensors. The "
+                                  "reshard must be followed by redo_mla_post_load (patch verl.sharding_manager.reshard)")
+    return 1

@@ -137,6 +137,7 @@ class RolloutSettings:
     enable_chunked_prefill: bool
     reshard_method: str = settings.KEYS["reshard_method"].default
     num_layer_list: tuple[int, ...] = ()  # recipe.megatron.num_layer_list (() = even split)
+    fingerprint_every: int = settings.KEYS["fingerprint_every"].default  # 0: the weight fingerprint is off
 
     @classmethod
     def from_config(cls, config: Mapping, world_size: int) -> "RolloutSettings":
@@ -166,6 +167,7 @@ class RolloutSettings:
         layers = parse_megatron(dict(section) if section is not None else None).num_layer_list or ()
         return cls(offload=settings.read(recipe, "offload"),
                    reshard_method=method, num_layer_list=layers,
+                   fingerprint_every=settings.read(recipe, "fingerprint_every"),
                    dp_sync_on_device=settings.read(recipe, "dp_sync_on_device"),
                    dp=spec, max_num_batched_tokens=tokens,
                    enable_chunked_prefill=_bool(_get(config, "enable_chunked_prefill", True), "enable_chunked_prefill"))

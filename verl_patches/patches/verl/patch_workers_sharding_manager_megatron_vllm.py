@@ -45,7 +45,7 @@ def _model(manager: Any) -> Any:
     return manager.model_runner.model
 
 
-def _build_session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
+def _build_session(manager: Any, settings: Any, train: dict, roll: dict, method: str | None = None) -> Any:
     """The run's plan, built on the first switch (every rank together: it agrees the layout)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
@@ -59,7 +59,7 @@ def _build_session(manager: Any, settings: Any, train: dict, roll: dict) -> Any:
         hf, rollout=RolloutLayout(tp=dp.tp_size, dp=dp.dp_size, instances=dp.instances),
         tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(), layers=settings.num_layer_list, train=train, roll=roll,
-        rank=dist.get_rank(), method=settings.reshard_method)
+        rank=dist.get_rank(), method=method or settings.reshard_method)
     check_expert_placement(_model(manager), session.plan.placements, session.rank)
     setattr(manager, SESSION_ATTR, session)
     s = session.plan.ranks[session.rank]
@@ -86,14 +86,16 @@ def _wake(manager: Any, tag: str) -> None:
         manager.inference_engine.wake_up()
 
 
-def switch_figures(stats: Any, ledger: Any) -> dict[str, float]:
+def switch_figures(stats: Any, ledger: Any, checks: dict[str, float] | None = None) -> dict[str, float]:
     """The switch's own numbers for the run's report (verl_patches/report.py), sent to the driver in
     the timing dict verl returns with every generation (averaged over ranks): what this rank received
-    and sent in the reshard, and the host-link bytes and resident peak from the switch loop's ledger."""
+    and sent in the reshard, the host-link bytes and resident peak from the switch loop's ledger, and
+    the self-checks' figures (``checks``, from self_check)."""
     from verl_patches.report import SWITCH_PREFIX
 
     out = {f"{SWITCH_PREFIX}reshard_recv_bytes": float(stats.recv_bytes),
            f"{SWITCH_PREFIX}reshard_sent_bytes": float(stats.sent_bytes)}
+    out.update({f"{SWITCH_PREFIX}{k}": float(v) for k, v in (checks or {}).items()})
     if ledger is not None:
         # Since the previous switch: the update's onloads, the reference's, and this switch's offloads.
         last = stash.get(ledger, "moved_reported", 0)
@@ -101,6 +103,59 @@ def switch_figures(stats: Any, ledger: Any) -> dict[str, float]:
         out[f"{SWITCH_PREFIX}ledger_peak_bytes"] = float(ledger.peak_bytes)
         stash.put(ledger, "moved_reported", ledger.moved_bytes)
     return out
+
+
+def self_check(manager: Any, session: Any, settings: Any, train: dict, model: Any) -> dict[str, float]:
+    """The run's per-switch proof that the rollout holds the trainer's weights (after the reshard and
+    MLA's redo, before the training params leave): the weight fingerprint of every rollout parameter
+    against what the training side sent (verl_patches/reshard/checksum.py), every
+    ``recipe.fingerprint_every`` switches, and MLA's derived tensors of one layer (a different one each
+    switch) re-derived from the new kv_b_proj. A difference stops the run with WeightMismatchError /
+    MLADerivedError naming the step, rank and tensor. ``VERL_PATCHES_INJECT_FAULT`` (tests only,
+    verl_patches/reshard/faults.py) corrupts one parameter first."""
+    from verl_patches.reshard import faults
+    from verl_patches.reshard.binding import vllm_params
+    from verl_patches.rollout.mla import check_mla_derived
+
+    step = stash.get(manager, "step")
+    roll = vllm_params(model)
+    faults.inject_after_reshard(step, session.rank, roll)
+    every = settings.fingerprint_every
+    out = {"fingerprint_ok": 0.0, "fingerprint_params": 0.0, "fingerprint_s": 0.0, "fingerprint_bytes": 0.0}
+    if every and session.switches % every == 0:
+        res = session.verify(train, roll, step=step)
+        out.update(fingerprint_ok=1.0, fingerprint_params=res.params, fingerprint_s=res.seconds,
+                   fingerprint_bytes=res.bytes_read)
+        out["mla_layers_checked"] = float(check_mla_derived(model, session.switches // every))
+    session.switches += 1
+    return out
+
+
+def upstream_self_check(manager: Any, settings: Any, model: Any) -> None:
+    """verl's own reshard (reshard_method=upstream) checked like ours, against the direct method's
+    plan, while the training params are still resident: under the switch loop (verl's param offload
+    is off, the loop offloads after generation) or without any param offload."""
+    from verl_patches.reshard.binding import megatron_params, vllm_params
+    from verl_patches.report import SWITCH_PREFIX
+
+    if stash.get(manager, "actor_memory") is None and manager.offload_param:
+        return
+    train = megatron_params(manager.actor_module)
+    session = getattr(manager, SESSION_ATTR, None) or _build_session(manager, settings, train, vllm_params(model),
+                                                                     method="direct")
+    checks = self_check(manager, session, settings, train, model)
+    manager.timing.update({f"{SWITCH_PREFIX}{k}": float(v) for k, v in checks.items()})
+
+
+def _addresses_checked(manager: Any) -> float:
+    """Captured-graph addresses the engine's groups compared since the previous report (graph mode)."""
+    memory = stash.get(manager.inference_engine, "memory")
+    if memory is None or not hasattr(memory, "addresses_checked"):
+        return 0.0
+    total = memory.addresses_checked()
+    last = stash.get(manager, "addresses_reported", 0)
+    stash.put(manager, "addresses_reported", total)
+    return float(total - last)
 
 
 def recipe_enter(manager: Any, settings: Any) -> None:
@@ -129,10 +184,13 @@ def recipe_enter(manager: Any, settings: Any) -> None:
                                                                          vllm_params(model))
         _wake(manager, "weights")  # step alloc_rollout_weights
 
+        checks: dict[str, float] = {}
+
         def reshard():
             roll = vllm_params(model)
             stats = session.run(train, roll)
             redo_mla_post_load(model, next(iter(roll.values())).dtype)
+            checks.update(self_check(manager, session, settings, train, model))
             return stats
 
         if switch is not None:
@@ -144,7 +202,8 @@ def recipe_enter(manager: Any, settings: Any) -> None:
                 offload_megatron_model_to_cpu(manager.actor_module)
             accelerator.empty_cache()
         _wake(manager, "kv_cache")  # step init_kv_cache
-    manager.timing.update(switch_figures(stats, None if switch is None else switch.ledger))
+    checks["graph_addresses_checked"] = _addresses_checked(manager)
+    manager.timing.update(switch_figures(stats, None if switch is None else switch.ledger, checks))
     _swap_rng_for_generation(manager)
 
 
@@ -160,6 +219,7 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
             out = original(self)
             model = _model(self)
             redo_mla_post_load(model, next(model.parameters()).dtype)
+            upstream_self_check(self, settings, model)
             return out
         return recipe_enter(self, settings)
 

@@ -1,0 +1,108 @@
+"""The weight fingerprint (verl_patches/reshard/checksum.py): exact, order free, position sensitive; and
+on 8 gloo processes over the reshard's layouts, it accepts the ground-truth rollout shards and every
+method's output, and names the rank and parameter of a flipped element or a transposed expert."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_patches.launch import run_distributed
+from verl_patches.reshard.checksum import (MOD, FingerprintTable, WeightMismatchError, tensor_checksum, verify,
+                                           view_checksum)
+from verl_patches.testing.fingerprint_check import check_fingerprints
+from verl_patches.testing.selfcheck import make_plan
+
+MODEL = json.loads((Path(__file__).resolve().parents[2] / "configs/model/tiny_deepseek_v3.json").read_text())
+
+
+def _bits_sum(t: torch.Tensor) -> int:
+    """The checksum written out in Python integers, element by element (the definition)."""
+    flat = t.reshape(-1)
+    bits = flat.view(torch.int16).tolist() if t.element_size() == 2 else [x % MOD for x in flat.view(torch.int32).tolist()]
+    total = 0
+    for i, b in enumerate(bits):
+        k = ((i % 65521) * 40503 + (i // 65521) * 29017) % 65521 + 1
+        total += b * k
+    return total % MOD
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_checksum_is_the_definition_and_chunk_free(dtype):
+    t = torch.randn(37, 53).to(dtype)
+    want = _bits_sum(t)
+    assert int(tensor_checksum(t)) == want
+    assert int(tensor_checksum(t, chunk=7)) == want
+    meta = torch.empty(t.shape, device="meta")
+    assert int(view_checksum(t, meta)) == want
+    assert int(view_checksum(t, meta, chunk=100)) == want
+
+
+def test_boxes_at_their_destination_offsets_add_up_to_the_whole():
+    # A [4, 6, 10] parameter written by three senders: two boxes through a transposing view
+    # (as Megatron's expert weights reach vLLM's), one direct.
+    full = torch.randn(4, 6, 10).to(torch.bfloat16)
+    meta = torch.empty(full.shape, device="meta")
+    logical = full.permute(0, 2, 1)  # the senders hold [4, 10, 6]
+    dest = meta.permute(0, 2, 1)
+    parts = [view_checksum(logical[:2, :, :3], dest[:2, :, :3]), view_checksum(logical[:2, :, 3:], dest[:2, :, 3:]),
+             view_checksum(full[2:], meta[2:])]
+    assert int(sum(parts)) % MOD == int(tensor_checksum(full))
+
+
+def test_position_sensitive():
+    t = torch.randn(8, 16).to(torch.bfloat16)
+    base = int(tensor_checksum(t))
+    flipped = t.clone()
+    flipped.view(torch.int16)[3, 5] ^= 1  # the lowest mantissa bit of one element
+    assert int(tensor_checksum(flipped)) != base
+    square = torch.randn(16, 16).to(torch.bfloat16)
+    assert int(tensor_checksum(square.t().contiguous())) != int(tensor_checksum(square))
+    # The vLLM-Ascend bug's shape: an expert stack transposed once more, read back in its own shape.
+    w = torch.randn(2, 6, 4).to(torch.bfloat16)
+    assert int(tensor_checksum(w.transpose(1, 2).contiguous().view(w.shape))) != int(tensor_checksum(w))
+    swapped = t.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    assert int(tensor_checksum(swapped)) != base
+
+
+def test_table_orders_every_rank_parameter_once():
+    plan = make_plan(MODEL, "tp=2,pp=2,ep=2,layers=1,3", "tp=2,dp=4")
+    table = FingerprintTable.of(plan)
+    slots = {table.slot(r, n) for r in range(plan.world) for n in plan.placements.rollout_storage[r]}
+    assert slots == set(range(table.size))
+    assert FingerprintTable.of(plan) is table  # built once per plan
+
+
+# (train, rollout, dtype, bucket bytes): the layouts of tests/reshard/test_bitexact.py that cover
+# transposed experts, split MLA, TE-grouped experts, fp32 and replicated shared experts.
+CASES = [
+    ("tp=2,pp=2,ep=2,layers=1,3", "tp=4,dp=2", "bfloat16", 4096),
+    ("tp=4,pp=2,ep=1,layers=3,1", "tp=1,dp=8", "float32", 4096),
+    ("tp=2,pp=2,ep=2,layers=1,3,experts=te_grouped", "tp=2,dp=4", "bfloat16", 4096),
+    ("tp=2,pp=2,ep=2,layers=2,2", "tp=4,dp=2,shared=replicated", "bfloat16", 4096),
+]
+W = 8
+
+
+@pytest.mark.slow
+def test_fingerprint_on_8_ranks_accepts_every_method_and_names_faults():
+    plans = [make_plan(MODEL, t, r, dtype=d, bucket_bytes=b) for t, r, d, b in CASES]
+    res = run_distributed(check_fingerprints, W, plans, timeout=280)
+    for case, plan in enumerate(plans):
+        named = {f: res[5][case][f][1] for f in ("flip", "transpose")}
+        for rank in range(W):
+            r = res[rank][case]
+            assert r["truth"] == len(plan.placements.rollout_storage[rank]) > 0, (CASES[case], rank)
+            for method in ("direct", "upstream", "recipe"):
+                if method in r:
+                    assert r[method] == r["truth"], (CASES[case], rank, method)
+            for fault in ("flip", "transpose"):
+                assert r[fault] is not None, f"{CASES[case]}: the {fault} on rank 5 went unnoticed on rank {rank}"
+                message = r[fault][0]
+                # Every rank stops with the same error, naming the step, rank 5 and the parameter.
+                assert "step 3" in message and f"rollout rank 5, {named[fault]}:" in message, message
+                assert message.count("rollout rank") == 1, message

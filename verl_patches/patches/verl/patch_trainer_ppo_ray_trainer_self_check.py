@@ -1,0 +1,58 @@
+"""The run's self-checks, driver side: every generation request carries the trainer's global step, so a
+check that fails on a worker (the weight fingerprint after the reshard, verl_patches/reshard/checksum.py)
+names the step the person sees in the run's report.
+
+Upstream: verl/trainer/ppo/ray_trainer.py. RayPPOTrainer.fit calls actor_rollout_wg.generate_sequences
+with a batch whose meta_info holds no step (validation's holds ``validate``). As the TensorCache does
+(patch_trainer_ppo_ray_trainer.py), we rebind the worker group's method on the instance, right after
+init_workers builds it; the wrapper reads ``trainer.global_steps`` when it is called.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from verl_patches.core.fingerprint import Fingerprint
+from verl_patches.core.record import Patch
+
+# meta_info key of the trainer's global step on a generation request (read by the worker's wrapper,
+# patch_workers_megatron_workers_self_check.py).
+STEP_KEY = "verl_patches.global_step"
+
+
+def _with_step(trainer: Any, original: Callable[..., Any]) -> Callable[..., Any]:
+    def generate_sequences(gen_batch, *args, **kwargs):
+        step = getattr(trainer, "global_steps", None)
+        if step is not None:
+            gen_batch.meta_info[STEP_KEY] = int(step)
+        return original(gen_batch, *args, **kwargs)
+
+    return generate_sequences
+
+
+def wrap_init_workers_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def init_workers(self):
+        out = original(self)
+        wg = self.actor_rollout_wg
+        wg.generate_sequences = _with_step(self, wg.generate_sequences)
+        return out
+
+    return init_workers
+
+
+PATCHES = [
+    Patch(
+        feature="self_check",
+        id="verl.self_check.step_to_workers", after=("verl.tensor_cache.driver",),
+        target="verl.trainer.ppo.ray_trainer:RayPPOTrainer.init_workers", kind="wrap", phases=("driver",),
+        upstream="verl", versions="==0.4.1",
+        fingerprint=Fingerprint(signature="def init_workers(self)", source_sha="4a3b24c45c6ad122"),
+        replacement=f"{__name__}:wrap_init_workers_step",
+        flag="always on (a meta_info entry; the checks it serves have their own settings)",
+        why="The workers' per-step checks (weight fingerprint) must name the trainer's step, which only the "
+            "driver knows: verl 0.4.1 sends generation no step (docs/DESIGN.md, 'The run checks itself').",
+        remove_when="verl passes the global step to generate_sequences in meta_info.",
+    ),
+]
