@@ -45,7 +45,7 @@ KEYS: dict[str, Key] = {
     "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/megatron_args.py)"),
     "device_memory_gib": Key(float, None, "the device's memory, to check the memory estimate against"),
     "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/report.py)"),
-    "fingerprint_every": Key(int, 1, "check every N switches that each rollout parameter holds exactly what the "
+    "fingerprint_every": Key(int, 10, "check every N switches that each rollout parameter holds exactly what the "
                                      "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
 }
 

@@ -52,6 +52,11 @@ def test_graph_replays_equal_eager_across_100_switches_with_stable_regions(tmp_p
     assert r["moved_cycles"] == 0 and r["unequal_cycles"] == 0
     # Released for real: the KV cache and weights regions' memory came back to the device each time.
     assert r["freed_bytes_min"] >= 0.9 * r["region_bytes"], r
+    # The run's self-checks on the device, every cycle: the weight fingerprint after each reshard (it
+    # raises on a difference, which would be the run's error), and the address audit after every
+    # allocate (at least every watched tensor of the weights, once more before the KV cache returns).
+    assert r["fingerprint_checks"] == 100, r
+    assert r["addresses_checked_min"] >= r["watched"], r
 
 
 def test_the_resize_path_fails_the_same_check(tmp_path):
@@ -61,3 +66,5 @@ def test_the_resize_path_fails_the_same_check(tmp_path):
     if not r.get("crashed"):
         # The cause: storages came back at other addresses (counted before the replay that failed).
         assert r["moved_cycles"] > 0 or r["moved_before_last_replay"], r
+        # Nothing is captured on this path, so nothing is audited: the metric says 0, not "fine".
+        assert r["addresses_checked_max"] in (0, None), r

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from verl_patches.launch import run_distributed
-from verl_patches.reshard.checksum import (MOD, FingerprintTable, WeightMismatchError, tensor_checksum, verify,
+from verl_patches.reshard.checksum import (CHUNK, MOD, FingerprintTable, _chunk_key, key_table, tensor_checksum,
                                            view_checksum)
 from verl_patches.testing.fingerprint_check import check_fingerprints
 from verl_patches.testing.selfcheck import make_plan
@@ -23,11 +23,8 @@ def _bits_sum(t: torch.Tensor) -> int:
     """The checksum written out in Python integers, element by element (the definition)."""
     flat = t.reshape(-1)
     bits = flat.view(torch.int16).tolist() if t.element_size() == 2 else [x % MOD for x in flat.view(torch.int32).tolist()]
-    total = 0
-    for i, b in enumerate(bits):
-        k = ((i % 65521) * 40503 + (i // 65521) * 29017) % 65521 + 1
-        total += b * k
-    return total % MOD
+    table = key_table(torch.device("cpu")).tolist()
+    return sum(b * (table[i % CHUNK] + _chunk_key(i // CHUNK)) for i, b in enumerate(bits)) % MOD
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -35,10 +32,21 @@ def test_checksum_is_the_definition_and_chunk_free(dtype):
     t = torch.randn(37, 53).to(dtype)
     want = _bits_sum(t)
     assert int(tensor_checksum(t)) == want
-    assert int(tensor_checksum(t, chunk=7)) == want
     meta = torch.empty(t.shape, device="meta")
     assert int(view_checksum(t, meta)) == want
-    assert int(view_checksum(t, meta, chunk=100)) == want
+    assert int(view_checksum(t, meta, rows_per_chunk=3)) == want
+
+
+def test_chunks_past_the_key_period_count():
+    # Two chunks of the key period holding the same values still add differently (c(q)).
+    half = torch.randn(CHUNK).to(torch.bfloat16)
+    both = torch.cat([half, half])
+    bits = half.view(torch.int16).to(torch.int64)
+    table = key_table(torch.device("cpu")).to(torch.int64)
+    want = sum(int((bits * (table + _chunk_key(q))).sum()) for q in (0, 1)) % MOD
+    assert int(tensor_checksum(both)) == want
+    meta = torch.empty(both.shape, device="meta")
+    assert int(view_checksum(both.view(2, CHUNK), meta.view(2, CHUNK))) == want
 
 
 def test_boxes_at_their_destination_offsets_add_up_to_the_whole():
@@ -106,3 +114,16 @@ def test_fingerprint_on_8_ranks_accepts_every_method_and_names_faults():
                 # Every rank stops with the same error, naming the step, rank 5 and the parameter.
                 assert "step 3" in message and f"rollout rank 5, {named[fault]}:" in message, message
                 assert message.count("rollout rank") == 1, message
+
+
+def test_blocks_of_chunks_give_the_same_integer(monkeypatch):
+    # Several launches of several key periods each, plus a tail: the same sum as one period at a time.
+    from verl_patches.reshard import checksum
+
+    x = torch.randn(5 * CHUNK + 123).to(torch.bfloat16)
+    whole = int(tensor_checksum(x))
+    monkeypatch.setattr(checksum, "BLOCK", 2 * CHUNK)
+    assert int(tensor_checksum(x)) == whole
+    meta = torch.empty(x.shape, device="meta")
+    assert int(view_checksum(x, meta)) == whole
+    assert int(view_checksum(x.view(-1, 1), meta.view(-1, 1), rows_per_chunk=CHUNK + 1)) == whole

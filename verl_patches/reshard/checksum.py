@@ -3,11 +3,13 @@ the training side implies for it, computed on the device, bit for bit.
 
 The checksum of a parameter ``T`` (any layout, any dtype) is
 
-    C(T) = sum_i bits(T_i) * k(i)   (mod M)
+    C(T) = sum_i bits(T_i) * k(i)   (mod M),   k(i) = K[i mod 2**22] + c(i div 2**22)
 
 where ``i`` is the element's flat row-major index in ``T``, ``bits`` its raw bit pattern as a
-signed integer (bf16/fp16: 16 bits; fp32: 32 bits reduced mod M first) and ``k`` a key in
-[1, 65521] that changes with the position (``_keys``). It is exact integer arithmetic, so:
+signed integer (bf16/fp16: 16 bits; fp32: 32 bits reduced mod M first), ``K`` a table of 2**22
+pseudo-random keys in [1, 2**15] drawn from a fixed seed and ``c`` a key per 2**22-element chunk.
+With 16-bit values every product fits an int32 exactly and the sums are int64. It is exact integer
+arithmetic, so:
 - it is order free: the rollout rank sums its parameter in chunks; every training rank sums the
   boxes it sends at their *destination* offsets; the partial sums add up along the plan (one
   all-reduce) to the same integer, with no tolerance;
@@ -21,10 +23,11 @@ it asks "which element of vLLM's parameter should hold this training element", f
 placements, and the rollout side answers from the raw parameter. Padding the rollout zero-fills
 (vocab rows) contributes nothing and must therefore be zero.
 
-Cost (measured by scripts/bench_fingerprint.py, figures in docs/benchmarks.md): one read of every
-rollout byte on the receiving rank, one read of every sent byte on the sending ranks, a few integer
-ops per element, temporaries bounded by ``chunk`` elements, and one all-reduce of 8 bytes per
-(rank, parameter).
+Cost (measured by scripts/bench_fingerprint.py, figures in docs/benchmarks.md): the rollout rank
+reads its shard once (per chunk: a multiply by the key table and two sums); a sending rank reads
+what it sent and looks each element's key up by its destination index; temporaries are bounded by
+one chunk (2**22 elements) plus the 16 MiB key table; one all-reduce of 8 bytes per (rank,
+parameter).
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ import torch.distributed as dist
 from verl_patches.reshard.box import Box
 from verl_patches.reshard.planner import Plan, Transfer
 
-MOD = (1 << 31) - 1  # the checksum's modulus (a prime): chunk sums of bits x keys stay far below 2**63
-_P, _A, _B = 65521, 40503, 29017  # keys: k(i) = ((i mod P) * A + (i div P) * B) mod P + 1
-CHUNK = 1 << 22  # elements per chunk: bounds the int64 temporaries (32 MiB each)
+MOD = (1 << 31) - 1  # the checksum's modulus (a prime); chunk sums stay far below 2**63
+_SHIFT = 22
+CHUNK = 1 << _SHIFT  # key period and chunk size: element i has key K[i mod CHUNK] + c(i div CHUNK)
+_KEY_SEED = 0x5EED
 
 
 class WeightMismatchError(RuntimeError):
@@ -49,38 +53,70 @@ class WeightMismatchError(RuntimeError):
     rollout rank, parameter, expected and found checksums."""
 
 
-def _keys(index: torch.Tensor) -> torch.Tensor:
-    """Position keys in [1, P] for flat indices (int64, any shape)."""
-    return torch.remainder(torch.remainder(index, _P) * _A + torch.div(index, _P, rounding_mode="floor") * _B, _P) + 1
+_TABLES: dict[str, torch.Tensor] = {}
+
+
+def key_table(device: torch.device) -> torch.Tensor:
+    """K: CHUNK pseudo-random keys in [1, 2**15] (int32, 16 MiB), drawn once from a fixed seed on the
+    host, so every rank and device has the same table."""
+    dev = str(device)
+    if dev not in _TABLES:
+        g = torch.Generator().manual_seed(_KEY_SEED)
+        _TABLES[dev] = torch.randint(1, (1 << 15) + 1, (CHUNK,), generator=g, dtype=torch.int32).to(device)
+    return _TABLES[dev]
+
+
+def _chunk_key(q: torch.Tensor | int) -> torch.Tensor | int:
+    """c(q) in [0, 2**15): what a chunk's index adds to its keys (so equal chunks at other places differ).
+    q < 2**17 for any int32 index, so q * 40503 stays below 2**31."""
+    return (q * 40503 + 7) & 0x7FFF
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
-    """The elements' bit patterns as int64 (any layout, same shape)."""
+    """The elements' bit patterns as integers: bf16/fp16 as int16; 4-byte types as int64 reduced mod M."""
     size = values.element_size()
     if size == 2:
-        return values.view(torch.int16).to(torch.int64)
+        return values.view(torch.int16)  # int16 x int32 keys promote to exact int32 products
     if size == 4:
         return torch.remainder(values.view(torch.int32).to(torch.int64), MOD)
     raise TypeError(f"weight fingerprint: dtype {values.dtype} is not a 2- or 4-byte type")
 
 
-def _weighted_sum(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """sum(bits(values) * k(index)) mod M as a 0-dim int64 tensor on values' device."""
-    return torch.remainder((_bits(values) * _keys(index)).sum(), MOD)
+def _dot(bits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """sum(bits * keys) mod M, exact: 2-byte bits x keys < 2**31 fit int32 products, summed in int64."""
+    if bits.dtype == torch.int64:
+        return torch.remainder(torch.remainder(bits * keys, MOD).sum(), MOD)
+    return torch.remainder((bits * keys).sum(dtype=torch.int64), MOD)
 
 
-def tensor_checksum(t: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """C(t) over t's own flat row-major index, as a 0-dim int64 tensor (no host sync)."""
+BLOCK = 1 << 24  # elements per kernel launch: bounds the temporaries (64 MiB of int32) and the launches
+
+
+def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+    """C(t) over t's own flat row-major index, as a 0-dim int64 tensor (no host sync). Per chunk q of
+    CHUNK elements: sum(bits * K) + c(q) * sum(bits); BLOCK // CHUNK chunks per launch."""
     flat = t.reshape(-1)
+    n = flat.numel()
+    table = key_table(t.device)
     total = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, flat.numel(), chunk):
-        part = flat[start:start + chunk]
-        index = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device)
-        total = torch.remainder(total + _weighted_sum(part, index), MOD)
+    per = BLOCK // CHUNK
+    full = n // CHUNK
+    for q0 in range(0, full, per):
+        q1 = min(full, q0 + per)
+        bits = _bits(flat[q0 * CHUNK:q1 * CHUNK]).view(q1 - q0, CHUNK)
+        rows = (bits * table).sum(dim=1, dtype=torch.int64) if bits.dtype != torch.int64 else \
+            torch.remainder(bits * table, MOD).sum(dim=1)
+        sums = torch.remainder(bits.sum(dim=1, dtype=torch.int64), MOD)
+        qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
+        total = torch.remainder(total + torch.remainder(rows + _chunk_key(qs) * sums, MOD).sum(), MOD)
+    if full * CHUNK < n:
+        bits = _bits(flat[full * CHUNK:])
+        part = _dot(bits, table[:bits.numel()]) + _chunk_key(full) * torch.remainder(bits.sum(dtype=torch.int64), MOD)
+        total = torch.remainder(total + part, MOD)
     return total
 
 
-def view_checksum(values: torch.Tensor, dest: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+def view_checksum(values: torch.Tensor, dest: torch.Tensor, rows_per_chunk: int | None = None) -> torch.Tensor:
     """sum(bits(values) * k(flat index in the destination)) mod M, where ``dest`` is a view (of the
     same shape as ``values``) into a meta tensor of the destination's shape: its storage offset and
     strides give each element's flat index there."""
@@ -90,21 +126,26 @@ def view_checksum(values: torch.Tensor, dest: torch.Tensor, chunk: int = CHUNK) 
     total = torch.zeros((), dtype=torch.int64, device=device)
     if values.numel() == 0:
         return total
-    if values.dim() == 0:
-        return _weighted_sum(values.reshape(1), torch.tensor([dest.storage_offset()], device=device))
-    # Offsets of the trailing dims, broadcast; the leading dim is walked in chunks of rows.
-    rest = torch.zeros((), dtype=torch.int64, device=device)
+    values, dest = (values.reshape(1), dest.reshape(1)) if values.dim() == 0 else (values, dest)
+    table = key_table(device)
+    # Destination indices fit int32 below 2**31 elements (every parameter of DeepSeek-V3's layouts):
+    # half the bytes of int64 index arithmetic.
+    span = dest.storage_offset() + sum((n - 1) * st for n, st in zip(dest.shape, dest.stride())) + 1
+    itype = torch.int32 if span < (1 << 31) else torch.int64
+    # Offsets of the trailing dims, broadcast; the leading dim is walked in blocks of rows.
+    rest = torch.zeros((), dtype=itype, device=device)
     for d in range(1, values.dim()):
         shape = [1] * (values.dim() - 1)
         shape[d - 1] = values.shape[d]
-        rest = rest + (torch.arange(values.shape[d], dtype=torch.int64, device=device) * dest.stride(d)).view(shape)
+        rest = rest + (torch.arange(values.shape[d], dtype=itype, device=device) * dest.stride(d)).view(shape)
     row = max(1, math.prod(values.shape[1:]))
-    rows = max(1, chunk // row)
+    rows = rows_per_chunk or max(1, BLOCK // row)
     for a in range(0, values.shape[0], rows):
         b = min(values.shape[0], a + rows)
-        lead = (torch.arange(a, b, dtype=torch.int64, device=device) * dest.stride(0)).view([-1] + [1] * (values.dim() - 1))
-        index = dest.storage_offset() + lead + rest
-        total = torch.remainder(total + _weighted_sum(values[a:b], index), MOD)
+        lead = (torch.arange(a, b, dtype=itype, device=device) * dest.stride(0) + dest.storage_offset())
+        index = lead.view([-1] + [1] * (values.dim() - 1)) + rest
+        keys = table[index & (CHUNK - 1)] + _chunk_key(index >> _SHIFT).to(torch.int32)
+        total = torch.remainder(total + _dot(_bits(values[a:b]), keys), MOD)
     return total
 
 
@@ -165,7 +206,7 @@ def _sent_by(plan: Plan, rank: int) -> list[Transfer]:
 
 
 def verify(plan: Plan, rank: int, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor], *,
-           step: Any = None, group: Any = None, chunk: int = CHUNK) -> FingerprintResult:
+           step: Any = None, group: Any = None) -> FingerprintResult:
     """Compare every rollout parameter of every rank with what the training side implies (all ranks
     call it together, after the reshard, with the training tensors it read). Raises
     WeightMismatchError on every rank when any rank differs."""
@@ -185,12 +226,12 @@ def verify(plan: Plan, rank: int, train: Mapping[str, torch.Tensor], roll: Mappi
         name, dest = table.dest_view(plan, tr)
         values = src_view(P, tr, dict(train))
         slots.append(table.slot(tr.dst, name))
-        sums.append(view_checksum(values, dest, chunk))
+        sums.append(view_checksum(values, dest))
         read += values.numel() * values.element_size()
     if sums:
         expected.index_add_(0, torch.tensor(slots, dtype=torch.int64, device=device), torch.stack(sums))
     mine = table.names[rank]
-    found = torch.stack([tensor_checksum(roll[n], chunk) for n in mine]) if mine else expected[:0]
+    found = torch.stack([tensor_checksum(roll[n]) for n in mine]) if mine else expected[:0]
     read += sum(roll[n].numel() * roll[n].element_size() for n in mine)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(expected, group=group)

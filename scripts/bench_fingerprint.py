@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""What the weight fingerprint (verl_patches/reshard/checksum.py) costs: its throughput on this device
+beside a plain copy (the memory-bandwidth reference), and its share of a switch at the reference scale
+worked out on paper from the reshard plan's bytes.
+
+    python scripts/bench_fingerprint.py                       # the device here, DeepSeek-V3 at 256 dies
+    python scripts/bench_fingerprint.py --device cpu --gib 0.05 --repeats 3 \\
+        --model configs/model/tiny_deepseek_v3.json --train tp=2,pp=2,ep=2,layers=3,1 --rollout tp=2,dp=2
+
+Measured, on a bf16 tensor of --gib GiB (median of --repeats after one warm-up):
+- copy: x.clone() (reads and writes every byte: the device's memory bandwidth, for scale);
+- receive side: the checksum of a whole rollout parameter (tensor_checksum);
+- send side: the checksum of a transposed box at its destination offsets (view_checksum on a
+  [E, R, C] stack read through .transpose(1, 2), as Megatron's expert weights reach vLLM's).
+GiB/s counts the bf16 bytes checked. Paper: per rank, the fingerprint reads its rollout shard once
+(receive rate) and what it sent once (send rate); the largest rank's time over --switch-s, the
+reference's published switch (17 s: 11.5 s reshard + 5.5 s offload, docs/PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_MODEL = "configs/model/deepseek_v3.json"
+DEFAULT_TRAIN = "tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7"
+DEFAULT_ROLLOUT = "tp=2,dp=128"
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="auto", help="cuda, npu, cpu or auto (the accelerator if any)")
+    p.add_argument("--gib", type=float, default=None, help="test tensor size in GiB (default 1 on a device, 0.25 on cpu)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF config JSON for the paper share")
+    p.add_argument("--train", default=DEFAULT_TRAIN)
+    p.add_argument("--rollout", default=DEFAULT_ROLLOUT)
+    p.add_argument("--switch-s", type=float, default=17.0, help="the switch's seconds to compare with")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args(argv)
+    if a.gib is not None and not 0 < a.gib <= 64:
+        p.error(f"--gib must be in (0, 64], got {a.gib}")
+    if a.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {a.repeats}")
+    if a.switch_s <= 0:
+        p.error(f"--switch-s must be positive, got {a.switch_s}")
+    if not (ROOT / a.model).is_file() and not Path(a.model).is_file():
+        p.error(f"--model {a.model}: no such file")
+    return a
+
+
+def _device(name: str):
+    import torch
+
+    from verl_patches import accelerator
+
+    if name == "auto":
+        return torch.device(accelerator.device_type() if accelerator.device_type() != "cpu" else "cpu")
+    return torch.device(name)
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(device, gib: float, repeats: int) -> dict[str, float]:
+    import torch
+
+    from verl_patches import accelerator
+    from verl_patches.reshard.checksum import tensor_checksum, view_checksum
+
+    sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)
+    cols = 2048
+    rows = max(1, int(gib * (1 << 30) / 2 / cols / 8)) * 8
+    x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
+    nbytes = x.numel() * 2
+    stack = x.view(8, rows // 8, cols)
+    meta = torch.empty(8, cols, rows // 8, device="meta")
+    out = {"bytes": float(nbytes)}
+    for name, fn in (("copy", lambda: x.clone()),
+                     ("receive", lambda: tensor_checksum(x)),
+                     ("send", lambda: view_checksum(stack.transpose(1, 2), meta))):
+        s = _timed(fn, repeats, sync)
+        out[f"{name}_s"] = s
+        out[f"{name}_gib_s"] = nbytes / s / (1 << 30)
+    return out
+
+
+def paper(model: str, train: str, rollout: str, rates: dict[str, float], switch_s: float) -> dict[str, float]:
+    from verl_patches.reshard.planner import build_plan
+
+    path = ROOT / model if (ROOT / model).is_file() else Path(model)
+    plan = build_plan(str(path), train, rollout)
+    gib = 1 << 30
+    per_rank = [r.shard_bytes / gib / rates["receive_gib_s"] + r.sent_bytes / gib / rates["send_gib_s"]
+                for r in plan.ranks]
+    worst = max(range(len(per_rank)), key=per_rank.__getitem__)
+    r = plan.ranks[worst]
+    return {"ranks": len(plan.ranks), "shard_gb": r.shard_bytes / 1e9, "sent_gb": r.sent_bytes / 1e9,
+            "fingerprint_s": per_rank[worst], "switch_s": switch_s, "share": per_rank[worst] / switch_s}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _args(argv)
+    device = _device(a.device)
+    gib = a.gib if a.gib is not None else (0.25 if device.type == "cpu" else 1.0)
+    m = measure(device, gib, a.repeats)
+    print(f"device {device}: {m['bytes'] / (1 << 30):.3f} GiB bf16, median of {a.repeats}")
+    for name in ("copy", "receive", "send"):
+        print(f"  {name:8s} {m[name + '_s'] * 1e3:9.2f} ms  {m[name + '_gib_s']:8.1f} GiB/s")
+    p = paper(a.model, a.train, a.rollout, m, a.switch_s)
+    print(f"paper: {a.model} train {a.train} -> rollout {a.rollout} ({p['ranks']} ranks): the busiest rank checks "
+          f"its {p['shard_gb']:.2f} GB shard and the {p['sent_gb']:.2f} GB it sent in {p['fingerprint_s']:.3f} s "
+          f"at these rates = {100 * p['share']:.2f}% of a {a.switch_s:g} s switch")
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"device": str(device), "measured": m, "paper": p}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
