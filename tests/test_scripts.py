@@ -18,6 +18,7 @@ from tests.helpers import REPO
 SCRIPTS = {
     "scripts/bench_offload.py": "tests/offload/test_bench_offload_script.py::test_bench_offload_tiny",
     "scripts/bench_reshard.py": "tests/test_scripts.py::test_bench_reshard_tiny",
+    "scripts/bench_fingerprint.py": "tests/test_scripts.py::test_bench_fingerprint_tiny",
     "scripts/measure_tensorcache_bytes.py": "tests/test_scripts.py::test_measure_tensorcache_bytes_tiny",
     "scripts/fetch_sdist.py": "scripts/setup_test_env.sh (fetches vLLM's sdist for every CI run)",
     "scripts/setup_test_env.sh": "scripts/test.sh (CI's command)",
@@ -69,6 +70,21 @@ def test_bench_reshard_tiny(tmp_path):
     # Each method's result is checked against the same shards by the script itself.
     assert "transposing copy kernel equals torch copy_: True" in r.stdout
     assert all(" True" in line for line in r.stdout.splitlines() if line.startswith("tp1 pp2 ep1 -> tp2 dp1"))
+
+
+def test_bench_fingerprint_tiny(tmp_path):
+    out = tmp_path / "fp.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fingerprint.py"), "--device", "cpu",
+                        "--gib", "0.002", "--repeats", "1", "--model", "configs/model/tiny_deepseek_v3.json",
+                        "--train", "tp=2,pp=2,ep=1,layers=3,1", "--rollout", "tp=2,dp=2", "--json-out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["paper"]["ranks"] == 4 and res["paper"]["shard_gb"] > 0
+    assert all(res["measured"][f"{k}_gib_s"] > 0 for k in ("copy", "receive", "send"))
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fingerprint.py"), "--gib", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert bad.returncode == 2 and "--gib must be in (0, 64]" in bad.stderr
 
 
 @pytest.mark.slow

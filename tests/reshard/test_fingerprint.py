@@ -127,3 +127,31 @@ def test_blocks_of_chunks_give_the_same_integer(monkeypatch):
     meta = torch.empty(x.shape, device="meta")
     assert int(view_checksum(x, meta)) == whole
     assert int(view_checksum(x.view(-1, 1), meta.view(-1, 1), rows_per_chunk=CHUNK + 1)) == whole
+
+
+def test_fault_specs_parse_or_name_the_problem(monkeypatch):
+    from verl_patches.reshard import faults
+
+    monkeypatch.setenv(faults.ENV, "flip,step=3,rank=1; transpose,step=3,rank=2,param=x.w13_weight")
+    assert faults.configured() == [faults.Fault("flip", 3, 1), faults.Fault("transpose", 3, 2, "x.w13_weight")]
+    for bad, said in (("flop,step=1,rank=0", "must be one of"), ("flip,step=a,rank=0", "step must be"),
+                      ("flip,rank=0", "step=N is required"), ("flip,step=1,rank=0,rank=1", "each once")):
+        with pytest.raises(faults.FaultSpecError, match=said) as e:
+            faults.parse(bad)
+        assert faults.ENV in str(e.value)
+    monkeypatch.delenv(faults.ENV)
+    assert faults.configured() == []
+
+
+def test_injected_faults_change_exactly_the_named_parameter(monkeypatch):
+    from verl_patches.reshard import faults
+
+    roll = {"a.weight": torch.randn(4, 4).to(torch.bfloat16),
+            "m.mlp.experts.w13_weight": torch.randn(2, 6, 4).to(torch.bfloat16)}
+    before = {n: t.clone() for n, t in roll.items()}
+    monkeypatch.setenv(faults.ENV, "flip,step=3,rank=1;transpose,step=3,rank=1")
+    assert faults.inject_after_reshard(2, 1, roll) == [] and faults.inject_after_reshard(3, 0, roll) == []
+    assert faults.inject_after_reshard(3, 1, roll) == ["a.weight", "m.mlp.experts.w13_weight"]
+    for n in roll:
+        assert not torch.equal(roll[n].view(torch.int16), before[n].view(torch.int16)), n
+    assert (roll["a.weight"].view(torch.int16) != before["a.weight"].view(torch.int16)).sum() == 1

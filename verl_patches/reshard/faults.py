@@ -8,6 +8,8 @@ stops at the step it names, by design).
                                                                     (read back in its own shape: the
                                                                     vLLM-Ascend wake_up bug's shape)
 
+Several faults: separated by ';'.
+
 Without ``param``: flip takes the first rollout parameter by name, transpose the first routed-expert
 w13 stack.
 """
@@ -54,17 +56,19 @@ def parse(text: str) -> Fault:
     return Fault(kind, int(fields["step"]), int(fields["rank"]), fields.get("param"))
 
 
-def configured() -> Fault | None:
+def configured() -> list[Fault]:
+    """The faults in VERL_PATCHES_INJECT_FAULT (several separated by ';')."""
     text = os.environ.get(ENV, "")
-    return parse(text) if text.strip() else None
+    return [parse(part) for part in text.split(";") if part.strip()]
 
 
-def inject_after_reshard(step: Any, rank: int, roll: Mapping[str, torch.Tensor]) -> str | None:
-    """Corrupt one rollout parameter when the configured fault names this step and rank; returns its
-    name (None when nothing was injected)."""
-    fault = configured()
-    if fault is None or fault.rank != rank or step != fault.step:
-        return None
+def inject_after_reshard(step: Any, rank: int, roll: Mapping[str, torch.Tensor]) -> list[str]:
+    """Corrupt the rollout parameters the configured faults name for this step and rank; returns their
+    names ([] when nothing was injected)."""
+    return [_inject(f, step, rank, roll) for f in configured() if f.rank == rank and f.step == step]
+
+
+def _inject(fault: Fault, step: Any, rank: int, roll: Mapping[str, torch.Tensor]) -> str:
     if fault.param is not None:
         if fault.param not in roll:
             raise FaultSpecError(f"{ENV}: rank {rank} has no rollout parameter {fault.param!r}")
