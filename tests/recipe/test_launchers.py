@@ -112,6 +112,7 @@ def test_true_weight_dry_run_composes_and_validates(ckpt_dir, hooked):
     assert '"world": 256' in out and '"instances": 2' in out
     # The composed YAML shows the user override and the checkpoint path resolved.
     assert "total_training_steps: 5" in out and f"dist_checkpointing_path: {ckpt_dir}" in out
+    assert "fixed_routing: false" in out and "fixed_routing: true" not in out  # real weights: the model routes
 
 
 @pytest.mark.slow
@@ -121,6 +122,8 @@ def test_random_init_dry_run_env_overrides_and_layout_error(hooked):
     assert "role worker" in r.stdout
     assert "--num-gpus 16" in r.stdout and "--address=10.0.0.1:7000" in r.stdout
     assert "trainer.device=cuda" in r.stdout and '"dp": 128' in r.stdout
+    # Forced balanced routing, as the reference timed this run (docs/RECIPE.md, "Fixed routing").
+    assert "fixed_routing: true" in r.stdout and "fixed_routing: false" not in r.stdout
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1  [recipe default" in r.stdout and "HCCL_OP_EXPANSION_MODE" not in r.stdout
     # One node of 8 GPUs cannot hold the 256-die layouts: named errors, not a ZeroDivisionError.
     r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NNODES="1", DEVICES_PER_NODE="8", PYTHONPATH=hooked)
@@ -322,6 +325,7 @@ def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock(h
     assert "VERL_PATCHES_LOCK=" in out and "upstream.cuda.lock.toml  [recipe default" in out
     assert "doctor (cuda" in out and '"world": 128' in out and '"device_memory_gib": 139' in out
     assert "HCCL_" not in out
+    assert "fixed_routing: true" in out and "fixed_routing: false" not in out
 
 
 @pytest.mark.slow
