@@ -33,6 +33,7 @@ CUDA_DEVICE_MAX_CONNECTIONS|1|any|1|^[0-9]+$|megatron-core 0.12.1 (parallel_stat
 VLLM_USE_V1|1|any|1|^[01]$|vllm 0.9.1 (envs.py)|the V1 engine, which the recipe's engine-core and KV-cache patches target
 VLLM_HOST_IP|-|any|@node_ip|^[0-9a-fA-F.:]+$|vllm 0.9.1 (envs.py, get_ip)|the address each vLLM DP master advertises; it must be the node's address on the interface the other nodes reach
 GLOO_SOCKET_IFNAME|@socket_ifname|any|@socket_ifname|^.+$|torch 2.5.1 (gloo)|the interface gloo binds to (CPU groups, Ray collective fallbacks)
+NCCL_SOCKET_IFNAME|-|cuda|@socket_ifname|^.+$|NCCL (torch 2.7.0's CUDA build)|the interface NCCL's bootstrap and socket transport bind to; the CUDA counterpart of HCCL_SOCKET_IFNAME
 VERL_PATCHES_LOCK|-|cuda|@cuda_lock|^.+\.toml$|verl_patches (core/lock.py: doctor, prelude)|the CUDA variant of the lock (torch 2.7.0 for vLLM 0.9.1's CUDA build), so the doctor and the patches' version checks compare with what this image installs
 RAY_DEDUP_LOGS|0|any|0|^[01]$|ray 2.46.0 (ray_constants)|every worker's log lines are shown, not folded
 HYDRA_FULL_ERROR|1|any|1|^[01]$|hydra-core 1.3.2|full stack trace on a configuration error
