@@ -13,7 +13,7 @@ recipe_env_table() {
   cat <<'TABLE'
 HCCL_OP_EXPANSION_MODE|AIV|npu|AIV|^[A-Z_]+$|CANN 8.2.RC1 HCCL|collectives are expanded and run on the AI Vector cores; the reference credits it for part of its rollout speed-up (162 -> 419 tokens/s per device)
 TASK_QUEUE_ENABLE|2|npu|2|^[0-2]$|torch_npu 2.5.1.post1|level-2 operator dispatch queue: host-side launch overlaps device execution
-PYTORCH_NPU_ALLOC_CONF|expandable_segments:True|npu|expandable_segments:True|^.+$|torch_npu 2.5.1.post1 caching allocator|segments grow in place, so training and rollout taking turns on one die fragment memory less
+PYTORCH_NPU_ALLOC_CONF|expandable_segments:True|npu|expandable_segments:False|^.+$|torch_npu 2.5.1.post1 caching allocator|expandable segments off, unlike the reference: graph mode builds the rollout weights and KV cache in vLLM-Ascend's CaMem pool, which expandable segments bypass, so its release would free nothing (reported for vLLM-Ascend's sleep mode, the same pool); with graph mode and recipe.offload the config check and the rollout refuse True (docs/RECIPE.md, Expandable segments)
 HCCL_BUFFSIZE|300|npu|300|^[0-9]+$|CANN 8.2.RC1 HCCL|MB of buffer per communicator; the MoE all-to-alls of EP256 need more than the 200 MB default
 HCCL_CONNECT_TIMEOUT|600|npu|1800|^[0-9]+$|CANN 8.2.RC1 HCCL|seconds to set up a communicator; the reference's 600 s, raised because 256 dies build the training groups and every vLLM DP domain in one go
 HCCL_EXEC_TIMEOUT|600|npu|600|^[0-9]+$|CANN 8.2.RC1 HCCL|seconds a collective waits for its peers before failing

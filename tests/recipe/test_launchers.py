@@ -155,13 +155,16 @@ def test_dry_run_fails_for_what_the_real_run_would_fail_on(tmp_path):
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "reward_model": {"ground_truth": "3"}}]), str(data))
     r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt), NODE_RANK="0", DEVICE="npu",
-             TRAIN_FILES=str(data), VAL_FILES=str(data))
+             TRAIN_FILES=str(data), VAL_FILES=str(data), PYTORCH_NPU_ALLOC_CONF="expandable_segments:True")
     err = r.stdout + r.stderr
     assert r.returncode == 1 and "dry run FAILED" in r.stderr, err
     assert "error: doctor failed" in r.stderr and "lock:torch_npu" in err
     assert "prelude line MISSING" in r.stdout and "hook install" in r.stderr
     assert "the conversion into it did not finish" in r.stderr
     assert "data_source 'gsm8k' (1 row(s)): the reward has no scorer" in r.stderr
+    # Expandable segments with graph mode's CaMem regions (docs/RECIPE.md, "Expandable segments").
+    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True  [environment;" in r.stdout
+    assert "error: PYTORCH_NPU_ALLOC_CONF='expandable_segments:True' turns on expandable segments" in r.stderr
     assert "Traceback" not in err
 
 
@@ -203,6 +206,8 @@ echo "EXPORTED {ccl}=$(printenv {ccl}) GLOO_SOCKET_IFNAME=$(printenv GLOO_SOCKET
         return r.stdout
 
     out = run(**{ccl: "user_ccl0", "GLOO_SOCKET_IFNAME": "user_gloo0"})
+    if device == "npu":  # and the launcher's allocator default (docs/RECIPE.md, "Expandable segments")
+        assert "  PYTORCH_NPU_ALLOC_CONF=expandable_segments:False  [recipe default;" in out
     assert f"  {ccl}=user_ccl0  [environment;" in out and "  GLOO_SOCKET_IFNAME=user_gloo0  [environment;" in out
     assert f"EXPORTED {ccl}=user_ccl0 GLOO_SOCKET_IFNAME=user_gloo0" in out
     out = run()  # nothing exported: the launcher's SOCKET_IFNAME (eth9) in the report and in the bring-up
