@@ -4,6 +4,15 @@
 # and teardown of exactly the processes this script started (never by name).
 # Source it; nothing runs on source.
 
+# Run instead of sourced: say how it is used, define nothing, run nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  usage="usage: source scripts/cluster/bringup.sh (from bash; the scripts/train_*.sh launchers source it). It defines functions and runs nothing.
+A launcher's options: bash scripts/train_deepseekv3_256die_random_init.sh --help"
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then echo "$usage"; exit 0; fi
+  echo "$usage" >&2
+  exit 2
+fi
+
 # The runtime environment (every reference variable, its reader and why): recipe_env_apply / _print.
 # shellcheck source=scripts/cluster/recipe_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/recipe_env.sh"

@@ -5,6 +5,15 @@
 # recipe_env_apply exports the defaults for this DEVICE; a variable already in the environment
 # keeps its value (its source is printed as "environment"), checked against the row's pattern.
 
+# Run instead of sourced: say how it is used, define nothing, run nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  usage="usage: source scripts/cluster/recipe_env.sh (from bash; bringup.sh sources it). It defines functions and runs nothing.
+A launcher's options: bash scripts/train_deepseekv3_256die_random_init.sh --help"
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then echo "$usage"; exit 0; fi
+  echo "$usage" >&2
+  exit 2
+fi
+
 # Fields are separated by | (so no field may contain one).
 # NAME|REFERENCE VALUE|WHERE (any, npu, cuda)|OUR DEFAULT|PATTERN|READ BY|WHY
 # OUR DEFAULT "-": not set, nothing in the pinned stack reads it (WHY says what replaces it);
