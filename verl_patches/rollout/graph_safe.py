@@ -67,9 +67,9 @@ def alloc_conf_conflict(environ: Mapping[str, str] | None = None) -> str | None:
         return None
     return (f"{NPU_ALLOC_CONF}={conf!r} turns on expandable segments, and graph mode "
             "(actor_rollout_ref.rollout.enforce_eager=False) with recipe.offload builds the rollout weights and KV "
-            "cache in vLLM-Ascend's CaMem pool (address-stable regions), which expandable segments bypass: the "
-            "release would free nothing and the captured graphs would read memory nobody keeps (reported for "
-            "vLLM-Ascend's sleep mode, the same pool). Unset it or set expandable_segments:False (the launcher's "
+            "cache in vLLM-Ascend's CaMem pool (address-stable regions), and expandable segments do not work with "
+            "such a pool (vLLM-Ascend's sleep mode, the same pool, is reported to free nothing with them). "
+            "Unset it or set expandable_segments:False (the launcher's "
             "default, scripts/cluster/recipe_env.sh), or run the rollout eager "
             "(actor_rollout_ref.rollout.enforce_eager=True)")
 
