@@ -13,6 +13,7 @@ with the address, if any.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
@@ -42,13 +43,18 @@ def find_url(name: str, version: str) -> str:
     return urls[0]
 
 
-def main() -> None:
-    if len(sys.argv) not in (4, 5):
-        sys.exit(__doc__)
-    name, version, out = sys.argv[1:4]
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="fetch_sdist.py", description=__doc__.split("\n\n", 1)[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", help="the distribution's name, e.g. vllm")
+    p.add_argument("version", help="its exact version, e.g. 0.9.1")
+    p.add_argument("out", metavar="OUT_FILE", help="where the .tar.gz is written (via OUT_FILE.part)")
+    p.add_argument("sha256", nargs="?", default=None, help="the sdist's sha256 (from the lock); checked when given")
+    args = p.parse_args(argv)
+    name, version, out = args.name, args.version, args.out
     url = find_url(name, version)
     base, _, frag = url.partition("#")
-    want = sys.argv[4] if len(sys.argv) == 5 else (frag.split("=", 1)[1] if frag.startswith("sha256=") else None)
+    want = args.sha256 or (frag.split("=", 1)[1] if frag.startswith("sha256=") else None)
     tmp = out + ".part"
     h = hashlib.sha256()
     with urllib.request.urlopen(base, timeout=300) as r, open(tmp, "wb") as f:

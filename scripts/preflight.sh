@@ -9,6 +9,22 @@
 # process per die); see docs/PREFLIGHT.md.
 set -euo pipefail
 
+# Before anything else: the environment build below can take many minutes.
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  cat <<'USAGE'
+usage: bash scripts/preflight.sh [PREFLIGHT_ARG ...]
+
+Build or reuse the test environment (VENV, default ./.venv), then run `python -m verl_patches
+preflight` with the arguments: whole train/rollout switches of a tiny DeepSeek-V3 on local processes
+with all three reshard methods, checking every rollout byte and the logits. E.g.
+  bash scripts/preflight.sh --backend nccl --nproc 2
+  bash scripts/preflight.sh --json out/preflight.json --dump out/shards
+The preflight command's own options: $VENV/bin/python -m verl_patches preflight --help
+(docs/PREFLIGHT.md).
+USAGE
+  exit 0
+fi
+
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export VENV=${VENV:-$ROOT/.venv}
 bash "$ROOT/scripts/setup_test_env.sh"

@@ -39,19 +39,34 @@ def test_balanced_ids_are_distinct_per_token_and_even_per_expert():
         fr.balanced_expert_ids(4, 9, 8)
 
 
+FLAG = "actor_rollout_ref.rollout.recipe.fixed_routing"
+
+
 def test_the_switch_comes_from_the_run_config_and_rejects_non_booleans(switch):
     cfg = RC.compose("deepseekv3_256die_random_init")
-    assert fr.configure_from_worker_config(cfg.actor_rollout_ref) is False and not fr.enabled()
-    cfg = RC.compose("deepseekv3_256die_random_init", ["actor_rollout_ref.rollout.recipe.fixed_routing=True"])
     assert fr.configure_from_worker_config(cfg.actor_rollout_ref) is True and fr.enabled()
+    cfg = RC.compose("deepseekv3_256die_random_init", [f"{FLAG}=False"])
+    assert fr.configure_from_worker_config(cfg.actor_rollout_ref) is False and not fr.enabled()
     with pytest.raises(fr.FixedRoutingError, match="true or false"):
         switch("yes")
 
 
+@pytest.mark.parametrize("name, on", [("deepseekv3_256die_random_init", True), ("deepseekv3_128gpu_random_init", True),
+                                      ("deepseekv3_256die_true_weight", False), ("deepseekv3_128gpu_true_weight", False)])
+def test_on_in_the_random_init_runs_and_off_with_real_weights(name, on):
+    # The reference timed its random-init run (250 TPS/card) with the experts forced balanced; with
+    # real weights the routing is what is trained (docs/RECIPE.md, "Fixed routing").
+    from verl_patches import settings
+
+    cfg = RC.compose(name)
+    assert settings.from_trainer(cfg, "fixed_routing") is on
+    assert bool(cfg.actor_rollout_ref.actor.load_weight) is not on
+
+
 def test_the_checker_accepts_it_for_random_init_and_refuses_it_with_real_weights():
     model = RC.load_model_config(RC.DEFAULT_MODEL_CONFIG)
-    on = ["actor_rollout_ref.rollout.recipe.fixed_routing=True"]
-    assert RC.validate(RC.compose("deepseekv3_256die_random_init", on), model).errors == []
+    on = [f"{FLAG}=True"]
+    assert RC.validate(RC.compose("deepseekv3_256die_random_init"), model).errors == []
     errors = RC.validate(RC.compose("deepseekv3_256die_true_weight",
                                     [*on, "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/c"]), model).errors
     assert any("fixed_routing=True with actor/ref.load_weight=True" in e for e in errors), errors

@@ -11,7 +11,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from verl_patches import settings
 from verl_patches.core.lock import REPO_ROOT
@@ -100,11 +100,12 @@ def _select(cfg, key: str) -> Any:
         return None
 
 
-def validate(cfg, model: dict) -> Report:
+def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Report:
     """Every arithmetic and consistency rule the 256-die layout depends on; errors name the keys.
 
     A value of the wrong type is one named error and every rule that depends on it is skipped,
-    so the report never ends in an exception.
+    so the report never ends in an exception. ``environ`` (default: this process's) is the run's
+    environment, for the settings that the workers read from it (the launcher exports them first).
     """
 
     from verl_patches.megatron_args import RecipeMegatronError
@@ -229,6 +230,15 @@ def validate(cfg, model: dict) -> Report:
     eager, free = _select(cfg, f"{R}.enforce_eager"), _select(cfg, f"{R}.free_cache_engine")
     rep.check(not (eager is False and free is True),
               "rollout.enforce_eager=False (graph mode) needs rollout.free_cache_engine=False (verl asserts it)")
+    # Graph mode with the recipe's offload builds the rollout in address-stable regions; on NPU that is
+    # vLLM-Ascend's CaMem pool, which expandable segments bypass (the rollout refuses it at build too).
+    if eager is False and recipe.get("offload", settings.KEYS["offload"].default) is True \
+            and str(_select(cfg, "trainer.device")) == "npu":
+        from verl_patches.rollout.graph_safe import alloc_conf_conflict
+
+        conflict = alloc_conf_conflict(environ)
+        if conflict:
+            rep.errors.append(conflict)
     prompt_len, resp_len = pos("data.max_prompt_length"), pos("data.max_response_length")
     if prompt_len and resp_len:
         max_len = prompt_len + resp_len

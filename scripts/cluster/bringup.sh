@@ -4,6 +4,15 @@
 # and teardown of exactly the processes this script started (never by name).
 # Source it; nothing runs on source.
 
+# Run instead of sourced: say how it is used, define nothing, run nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  usage="usage: source scripts/cluster/bringup.sh (from bash; the scripts/train_*.sh launchers source it). It defines functions and runs nothing.
+A launcher's options: bash scripts/train_deepseekv3_256die_random_init.sh --help"
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then echo "$usage"; exit 0; fi
+  echo "$usage" >&2
+  exit 2
+fi
+
 # The runtime environment (every reference variable, its reader and why): recipe_env_apply / _print.
 # shellcheck source=scripts/cluster/recipe_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/recipe_env.sh"
@@ -132,14 +141,16 @@ bringup_ray_worker_cmd() {
 # Ray's workers inherit it on every node: PYTHONPATH (the overlay), RAY_ADDRESS (verl's
 # ray.init joins this cluster) and the socket interfaces; the tuning variables come from
 # recipe_env.sh (recipe_env_apply, run by launch_main).
+# A socket interface the user exported (GLOO_, HCCL_, NCCL_SOCKET_IFNAME) wins over SOCKET_IFNAME,
+# as everywhere in recipe_env.sh and as the dry run reports it; SOCKET_IFNAME fills only the unset.
 bringup_export_env() {
   export PYTHONPATH="${RECIPE_ROOT}${UPSTREAM_ROOT:+:${UPSTREAM_ROOT}}${PYTHONPATH:+:${PYTHONPATH}}"
   export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
-  export GLOO_SOCKET_IFNAME="$SOCKET_IFNAME"
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME}"
   if [[ "$DEVICE" == npu ]]; then
-    export HCCL_SOCKET_IFNAME="$SOCKET_IFNAME"
+    export HCCL_SOCKET_IFNAME="${HCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}"
   elif [[ "$DEVICE" == cuda ]]; then
-    export NCCL_SOCKET_IFNAME="$SOCKET_IFNAME"
+    export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}"
   else
     # No kernel compiler targets the host here: torch.compile would spend about a minute per
     # process compiling megatron-core's fused elementwise functions and gain nothing.

@@ -4,6 +4,15 @@
 # then bring up Ray (head or worker) and run verl's trainer on the head.
 # Source it after bringup.sh and call launch_main CONFIG_NAME "$@".
 
+# Run instead of sourced: say how it is used, define nothing, run nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  usage="usage: source scripts/cluster/launch.sh (from bash; after bringup.sh, then call launch_main CONFIG_NAME ARG...). It defines functions and runs nothing.
+A launcher's options: bash scripts/train_deepseekv3_256die_random_init.sh --help"
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then echo "$usage"; exit 0; fi
+  echo "$usage" >&2
+  exit 2
+fi
+
 launch_usage() {
   cat <<USAGE
 usage: $(basename "$0") [--dry-run] [HYDRA_OVERRIDE ...]

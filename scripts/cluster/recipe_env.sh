@@ -5,6 +5,15 @@
 # recipe_env_apply exports the defaults for this DEVICE; a variable already in the environment
 # keeps its value (its source is printed as "environment"), checked against the row's pattern.
 
+# Run instead of sourced: say how it is used, define nothing, run nothing.
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+  usage="usage: source scripts/cluster/recipe_env.sh (from bash; bringup.sh sources it). It defines functions and runs nothing.
+A launcher's options: bash scripts/train_deepseekv3_256die_random_init.sh --help"
+  if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then echo "$usage"; exit 0; fi
+  echo "$usage" >&2
+  exit 2
+fi
+
 # Fields are separated by | (so no field may contain one).
 # NAME|REFERENCE VALUE|WHERE (any, npu, cuda)|OUR DEFAULT|PATTERN|READ BY|WHY
 # OUR DEFAULT "-": not set, nothing in the pinned stack reads it (WHY says what replaces it);
@@ -13,7 +22,7 @@ recipe_env_table() {
   cat <<'TABLE'
 HCCL_OP_EXPANSION_MODE|AIV|npu|AIV|^[A-Z_]+$|CANN 8.2.RC1 HCCL|collectives are expanded and run on the AI Vector cores; the reference credits it for part of its rollout speed-up (162 -> 419 tokens/s per device)
 TASK_QUEUE_ENABLE|2|npu|2|^[0-2]$|torch_npu 2.5.1.post1|level-2 operator dispatch queue: host-side launch overlaps device execution
-PYTORCH_NPU_ALLOC_CONF|expandable_segments:True|npu|expandable_segments:True|^.+$|torch_npu 2.5.1.post1 caching allocator|segments grow in place, so training and rollout taking turns on one die fragment memory less
+PYTORCH_NPU_ALLOC_CONF|expandable_segments:True|npu|expandable_segments:False|^.+$|torch_npu 2.5.1.post1 caching allocator|expandable segments off, unlike the reference: graph mode builds the rollout weights and KV cache in vLLM-Ascend's CaMem pool, and expandable segments do not work with such a pool (vLLM-Ascend's sleep mode, the same pool, is reported to free nothing with them); with graph mode and recipe.offload the config check and the rollout refuse True (docs/RECIPE.md, Expandable segments)
 HCCL_BUFFSIZE|300|npu|300|^[0-9]+$|CANN 8.2.RC1 HCCL|MB of buffer per communicator; the MoE all-to-alls of EP256 need more than the 200 MB default
 HCCL_CONNECT_TIMEOUT|600|npu|1800|^[0-9]+$|CANN 8.2.RC1 HCCL|seconds to set up a communicator; the reference's 600 s, raised because 256 dies build the training groups and every vLLM DP domain in one go
 HCCL_EXEC_TIMEOUT|600|npu|600|^[0-9]+$|CANN 8.2.RC1 HCCL|seconds a collective waits for its peers before failing
@@ -33,6 +42,7 @@ CUDA_DEVICE_MAX_CONNECTIONS|1|any|1|^[0-9]+$|megatron-core 0.12.1 (parallel_stat
 VLLM_USE_V1|1|any|1|^[01]$|vllm 0.9.1 (envs.py)|the V1 engine, which the recipe's engine-core and KV-cache patches target
 VLLM_HOST_IP|-|any|@node_ip|^[0-9a-fA-F.:]+$|vllm 0.9.1 (envs.py, get_ip)|the address each vLLM DP master advertises; it must be the node's address on the interface the other nodes reach
 GLOO_SOCKET_IFNAME|@socket_ifname|any|@socket_ifname|^.+$|torch 2.5.1 (gloo)|the interface gloo binds to (CPU groups, Ray collective fallbacks)
+NCCL_SOCKET_IFNAME|-|cuda|@socket_ifname|^.+$|NCCL (torch 2.7.0's CUDA build)|the interface NCCL's bootstrap and socket transport bind to; the CUDA counterpart of HCCL_SOCKET_IFNAME
 VERL_PATCHES_LOCK|-|cuda|@cuda_lock|^.+\.toml$|verl_patches (core/lock.py: doctor, prelude)|the CUDA variant of the lock (torch 2.7.0 for vLLM 0.9.1's CUDA build), so the doctor and the patches' version checks compare with what this image installs
 RAY_DEDUP_LOGS|0|any|0|^[01]$|ray 2.46.0 (ray_constants)|every worker's log lines are shown, not folded
 HYDRA_FULL_ERROR|1|any|1|^[01]$|hydra-core 1.3.2|full stack trace on a configuration error

@@ -22,7 +22,9 @@ VENV_BIN = Path(sys.executable).parent
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("DIST_CKPT_PATH", "ROLE", "NODE_RANK", "NNODES", "DEVICE")}
+    # The machine's own socket interfaces would win over the launcher's (as a user's do).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DIST_CKPT_PATH", "ROLE", "NODE_RANK", "NNODES", "DEVICE") and not k.endswith("_SOCKET_IFNAME")}
     env.update(PYTHON=sys.executable, RAY_BIN=str(VENV_BIN / "ray"), MASTER_ADDR="10.0.0.1", SOCKET_IFNAME="eth9")
     env.update(extra)
     return env
@@ -112,15 +114,21 @@ def test_true_weight_dry_run_composes_and_validates(ckpt_dir, hooked):
     assert '"world": 256' in out and '"instances": 2' in out
     # The composed YAML shows the user override and the checkpoint path resolved.
     assert "total_training_steps: 5" in out and f"dist_checkpointing_path: {ckpt_dir}" in out
+    assert "fixed_routing: false" in out and "fixed_routing: true" not in out  # real weights: the model routes
 
 
 @pytest.mark.slow
 def test_random_init_dry_run_env_overrides_and_layout_error(hooked):
-    r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NODE_RANK="3", RAY_PORT="7000", PYTHONPATH=hooked)
+    r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NODE_RANK="3", RAY_PORT="7000", PYTHONPATH=hooked,
+             NCCL_SOCKET_IFNAME="user_nccl0")
     _fails_only_for_cuda_components(r)
     assert "role worker" in r.stdout
+    # The user's interface wins (the bring-up exports the same: test_an_exported_socket_interface_wins_...).
+    assert "NCCL_SOCKET_IFNAME=user_nccl0  [environment;" in r.stdout and "GLOO_SOCKET_IFNAME=eth9  [recipe" in r.stdout
     assert "--num-gpus 16" in r.stdout and "--address=10.0.0.1:7000" in r.stdout
     assert "trainer.device=cuda" in r.stdout and '"dp": 128' in r.stdout
+    # Forced balanced routing, as the reference timed this run (docs/RECIPE.md, "Fixed routing").
+    assert "fixed_routing: true" in r.stdout and "fixed_routing: false" not in r.stdout
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1  [recipe default" in r.stdout and "HCCL_OP_EXPANSION_MODE" not in r.stdout
     # One node of 8 GPUs cannot hold the 256-die layouts: named errors, not a ZeroDivisionError.
     r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NNODES="1", DEVICES_PER_NODE="8", PYTHONPATH=hooked)
@@ -147,13 +155,16 @@ def test_dry_run_fails_for_what_the_real_run_would_fail_on(tmp_path):
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "reward_model": {"ground_truth": "3"}}]), str(data))
     r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt), NODE_RANK="0", DEVICE="npu",
-             TRAIN_FILES=str(data), VAL_FILES=str(data))
+             TRAIN_FILES=str(data), VAL_FILES=str(data), PYTORCH_NPU_ALLOC_CONF="expandable_segments:True")
     err = r.stdout + r.stderr
     assert r.returncode == 1 and "dry run FAILED" in r.stderr, err
     assert "error: doctor failed" in r.stderr and "lock:torch_npu" in err
     assert "prelude line MISSING" in r.stdout and "hook install" in r.stderr
     assert "the conversion into it did not finish" in r.stderr
     assert "data_source 'gsm8k' (1 row(s)): the reward has no scorer" in r.stderr
+    # Expandable segments with graph mode's CaMem regions (docs/RECIPE.md, "Expandable segments").
+    assert "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True  [environment;" in r.stdout
+    assert "error: PYTORCH_NPU_ALLOC_CONF='expandable_segments:True' turns on expandable segments" in r.stderr
     assert "Traceback" not in err
 
 
@@ -171,6 +182,39 @@ def test_bad_input_is_named(args, env, message):
 def test_help():
     r = _run(TRUE_WEIGHT, "--help")
     assert r.returncode == 0 and "DIST_CKPT_PATH (required)" in r.stdout and "--dry-run" in r.stdout
+
+
+@pytest.mark.parametrize("device, ccl", [("npu", "HCCL_SOCKET_IFNAME"), ("cuda", "NCCL_SOCKET_IFNAME")])
+def test_an_exported_socket_interface_wins_in_the_dry_run_report_and_the_bringup(device, ccl):
+    """The dry run's report (recipe_env_print after recipe_env_apply, as launch_main runs them) and what
+    the real bring-up exports before Ray starts (bringup_export_env, as launch_start runs it) agree: a
+    socket interface the user exported wins; SOCKET_IFNAME fills only what is unset."""
+    script = f"""
+set -euo pipefail
+source {SCRIPTS}/cluster/bringup.sh
+bringup_defaults
+recipe_env_apply "$DEVICE"
+recipe_env_print
+bringup_export_env
+echo "EXPORTED {ccl}=$(printenv {ccl}) GLOO_SOCKET_IFNAME=$(printenv GLOO_SOCKET_IFNAME)"
+"""
+
+    def run(**user):
+        r = subprocess.run(["bash", "-c", script], env=_env(DEVICE=device, **user), capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    out = run(**{ccl: "user_ccl0", "GLOO_SOCKET_IFNAME": "user_gloo0"})
+    if device == "npu":  # and the launcher's allocator default (docs/RECIPE.md, "Expandable segments")
+        assert "  PYTORCH_NPU_ALLOC_CONF=expandable_segments:False  [recipe default;" in out
+    assert f"  {ccl}=user_ccl0  [environment;" in out and "  GLOO_SOCKET_IFNAME=user_gloo0  [environment;" in out
+    assert f"EXPORTED {ccl}=user_ccl0 GLOO_SOCKET_IFNAME=user_gloo0" in out
+    out = run()  # nothing exported: the launcher's SOCKET_IFNAME (eth9) in the report and in the bring-up
+    assert f"  {ccl}=eth9  [recipe default;" in out and "  GLOO_SOCKET_IFNAME=eth9  [recipe default;" in out
+    assert f"EXPORTED {ccl}=eth9 GLOO_SOCKET_IFNAME=eth9" in out
+    out = run(GLOO_SOCKET_IFNAME="user_gloo0")  # one exported: the other still follows SOCKET_IFNAME
+    assert f"EXPORTED {ccl}=eth9 GLOO_SOCKET_IFNAME=user_gloo0" in out
 
 
 def test_no_kill_by_name():
@@ -209,10 +253,13 @@ echo "PGID=${{BRINGUP_PIDS[0]}}"
 # Two nodes never join: the wait must time out with a message naming what joined.
 if NNODES=2 WAIT_TIMEOUT_S=4 bringup_wait_devices; then echo "UNEXPECTED-READY"; fi
 bringup_wait_devices
+# What the running Ray head was started with: the user's interfaces, not SOCKET_IFNAME.
+tr '\\0' '\\n' < "/proc/${{BRINGUP_PIDS[0]}}/environ" | grep '_SOCKET_IFNAME=' | sed 's/^/RAY-ENV /'
 bringup_stop
 echo STOPPED
 """
     env = _env(DEVICE="npu", NNODES="1", DEVICES_PER_NODE="2", RAY_NUM_CPUS="1", MASTER_ADDR="127.0.0.1",
+               HCCL_SOCKET_IFNAME="user_hccl0", GLOO_SOCKET_IFNAME="user_gloo0",
                RAY_PORT=str(port), RAY_TEMP_DIR=str(temp), LOG_DIR=str(tmp_path / "logs"), WAIT_TIMEOUT_S="60",
                RAY_EXTRA_ARGS=(f"--ray-client-server-port={agent[0]} --dashboard-agent-listen-port={agent[1]} "
                                f"--dashboard-agent-grpc-port={agent[2]} --metrics-export-port={agent[3]} "
@@ -229,6 +276,8 @@ echo STOPPED
     assert "only 1 of 2 node(s) and 2 of 4 NPU joined" in r.stderr, diag
     assert "ready: 1 node(s), 2 NPU" in r.stdout, diag
     assert "STOPPED" in r.stdout
+    assert sorted(ln for ln in r.stdout.splitlines() if ln.startswith("RAY-ENV ")) == [
+        "RAY-ENV GLOO_SOCKET_IFNAME=user_gloo0", "RAY-ENV HCCL_SOCKET_IFNAME=user_hccl0"], diag
     pgid = int(re.search(r"PGID=(\d+)", r.stdout).group(1))
     # Everything the bring-up started (its process group) is gone.
     deadline = time.monotonic() + 5
@@ -322,6 +371,7 @@ def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock(h
     assert "VERL_PATCHES_LOCK=" in out and "upstream.cuda.lock.toml  [recipe default" in out
     assert "doctor (cuda" in out and '"world": 128' in out and '"device_memory_gib": 139' in out
     assert "HCCL_" not in out
+    assert "fixed_routing: true" in out and "fixed_routing: false" not in out
 
 
 @pytest.mark.slow

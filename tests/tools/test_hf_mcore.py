@@ -214,3 +214,35 @@ def test_te_names_agree_with_verls_own_converter():
             assert tuple(names) == sources, name
             checked += 1
     assert checked > 50
+
+
+def test_the_helps_examples_are_the_run_configs_layouts(capsys):
+    """`hf_to_mcore --help` shows one command per true-weight run config; each parses with the tool's own
+    parser into exactly that config's training layout, which fits the DeepSeek-V3 model; the defaults
+    are the 256-die run's."""
+    import re
+    import shlex
+
+    from verl_patches import recipe_config as RC
+
+    with pytest.raises(SystemExit) as e:
+        H.main(["--help"])
+    assert e.value.code == 0
+    examples = re.findall(r"^\s*python -m verl_patches\.tools\.hf_to_mcore (--hf .+)$", capsys.readouterr().out, re.M)
+    got = []
+    for line in examples:
+        a = H.build_parser().parse_args(shlex.split(line))
+        got.append(CheckpointLayout(a.tp, a.pp, a.ep, a.num_layer_list, a.moe_tp_extend_ep))
+    want = []
+    for name in ("deepseekv3_256die_true_weight", "deepseekv3_128gpu_true_weight"):
+        cfg = RC.compose(name, ["actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt"])
+        meg, rec = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout.recipe.megatron
+        assert meg.expert_tensor_parallel_size == 1  # whole experts per rank, as the tool writes them
+        want.append(CheckpointLayout(meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size,
+                                     meg.expert_model_parallel_size, tuple(rec.num_layer_list), bool(rec.moe_tp_extend_ep)))
+    assert got == want
+    model = RC.load_model_config(RC.DEFAULT_MODEL_CONFIG)
+    for layout in got:
+        layout.validate(model)
+    d = H.build_parser().parse_args(["--hf", "h", "--out", "o"])
+    assert (d.tp, d.pp, d.ep, d.moe_tp_extend_ep) == (want[0].tp, want[0].pp, want[0].ep, False)

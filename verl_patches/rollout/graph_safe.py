@@ -11,7 +11,8 @@ offload groups of them. Eager mode (enforce_eager=True) keeps the resize path un
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+import os
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
@@ -37,14 +38,57 @@ def armed() -> Optional["StableBuild"]:
     return _ARMED
 
 
+NPU_ALLOC_CONF = "PYTORCH_NPU_ALLOC_CONF"
+NPU_BACKEND = "vllm_ascend_camem"
+
+
+def expandable_segments(conf: str) -> bool:
+    """Whether an allocator setting (``key:value`` pairs separated by commas, as torch_npu's caching
+    allocator reads PYTORCH_NPU_ALLOC_CONF) turns expandable segments on."""
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        if key.strip() == "expandable_segments" and value.strip() == "True":
+            return True
+    return False
+
+
+def alloc_conf_conflict(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why graph mode's address-stable regions cannot work on NPU with this environment's allocator
+    setting, naming the fix; None when they can.
+
+    Expandable segments and the memory pool of vLLM-Ascend's CaMem allocator, which holds the rollout's
+    weights and KV-cache regions, do not work together (PyTorch issue 147851, cited by the allocator's
+    own assertion); reported publicly for vLLM-Ascend's sleep mode, the same pool, as a release that
+    frees nothing (ms-swift issue 6636, fixed there with expandable_segments:False; vllm-ascend pull
+    request 9242 proposes turning them off inside the pool). That assertion reads only
+    PYTORCH_CUDA_ALLOC_CONF, so nothing upstream stops the NPU variable (docs/RECIPE.md, Expandable segments)."""
+    conf = (os.environ if environ is None else environ).get(NPU_ALLOC_CONF, "")
+    if not expandable_segments(conf):
+        return None
+    return (f"{NPU_ALLOC_CONF}={conf!r} turns on expandable segments, and graph mode "
+            "(actor_rollout_ref.rollout.enforce_eager=False) with recipe.offload builds the rollout weights and KV "
+            "cache in vLLM-Ascend's CaMem pool (address-stable regions), and expandable segments do not work with "
+            "such a pool (vLLM-Ascend's sleep mode, the same pool, is reported to free nothing with them). "
+            "Unset it or set expandable_segments:False (the launcher's "
+            "default, scripts/cluster/recipe_env.sh), or run the rollout eager "
+            "(actor_rollout_ref.rollout.enforce_eager=True)")
+
+
 def arm_for_build(*, enforce_eager: bool, offload: bool, backend: StableBackend | None = None) -> Optional["StableBuild"]:
     """Before the rollout builds its vLLM engine: with graph mode and recipe.offload, choose the
-    address-stable backend (GraphModeError naming the fix if there is none) and arm the worker
+    address-stable backend (GraphModeError naming the fix if there is none, or if on NPU the
+    environment turns on expandable segments: :func:`alloc_conf_conflict`) and arm the worker
     patches for this build; otherwise disarm them (eager mode, or vLLM's own sleep mode)."""
     global _ARMED
     _ARMED = None
     if enforce_eager or not offload:
         return None
+    # Before the backend is chosen: choosing it makes vLLM-Ascend's CaMemAllocator, whose own check reads
+    # only PYTORCH_CUDA_ALLOC_CONF.
+    on_npu = backend.name == NPU_BACKEND if backend is not None else accelerator.device_type() == "npu"
+    conflict = alloc_conf_conflict() if on_npu else None
+    if conflict:
+        raise GraphModeError(conflict)
     reason = "given"
     if backend is None:
         backend, reason = stable_memory()

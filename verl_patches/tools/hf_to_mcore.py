@@ -1,6 +1,12 @@
 """Convert a BF16 DeepSeek-V3 HF checkpoint to a Megatron-core torch_dist checkpoint, one layer at a time.
 
-``python -m verl_patches.tools.hf_to_mcore --hf DIR --out DIR --tp 4 --pp 8 --ep 8 --num-layer-list 7,7,8,8,8,8,8,7 --moe-tp-extend-ep``
+The run configs' training layouts (actor_rollout_ref.actor.megatron and recipe.megatron.num_layer_list;
+tests/tools/test_hf_mcore.py checks these lines against the composed configs):
+
+  256 dies (configs/deepseekv3_256die_true_weight.yaml: TP4, PP8, EP32, whole experts per rank):
+    python -m verl_patches.tools.hf_to_mcore --hf DIR --out DIR --tp 4 --pp 8 --ep 32 --num-layer-list 7,7,8,8,8,8,8,7
+  128 GPUs (configs/deepseekv3_128gpu_true_weight.yaml: TP8, PP8, EP16):
+    python -m verl_patches.tools.hf_to_mcore --hf DIR --out DIR --tp 8 --pp 8 --ep 16 --num-layer-list 7,7,8,8,8,8,8,7
 """
 
 from __future__ import annotations
@@ -241,15 +247,20 @@ def parse_layer_list(s: str | None) -> tuple[int, ...] | None:
         raise argparse.ArgumentTypeError(f"--num-layer-list must be comma-separated integers, got {s!r}") from e
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_patches.tools.hf_to_mcore", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m verl_patches.tools.hf_to_mcore", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf", type=Path, required=True, help="BF16 HF checkpoint directory")
     p.add_argument("--out", type=Path, required=True, help="output torch_dist checkpoint directory (DIST_CKPT_PATH)")
-    p.add_argument("--tp", type=int, default=4)
-    p.add_argument("--pp", type=int, default=8)
-    p.add_argument("--ep", type=int, default=8)
-    p.add_argument("--num-layer-list", type=parse_layer_list, default=None, help="layers per PP stage, e.g. 7,7,8,8,8,8,8,7")
-    p.add_argument("--moe-tp-extend-ep", action="store_true", help="experts over the TP x EP group (MindSpeed)")
+    # Defaults: the 256-die run's layout.
+    p.add_argument("--tp", type=int, default=4, help="tensor parallel size (default 4)")
+    p.add_argument("--pp", type=int, default=8, help="pipeline parallel size (default 8)")
+    p.add_argument("--ep", type=int, default=32, help="expert parallel size (default 32)")
+    p.add_argument("--num-layer-list", type=parse_layer_list, default=None,
+                   help="layers per PP stage, e.g. 7,7,8,8,8,8,8,7 (default: an even split)")
+    p.add_argument("--moe-tp-extend-ep", action="store_true",
+                   help="experts over the TP x EP group (MindSpeed's option; the run configs leave it off and "
+                        "give the expert group as --ep)")
     p.add_argument("--spec", choices=("te", "local"), default="te",
                    help="layer-norm naming: te (Transformer-Engine / MindSpeed spec, what verl builds) or local")
     p.add_argument("--no-extra-state", action="store_true", help="do not write the linears' empty _extra_state objects")
@@ -257,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an output directory this tool wrote for another input or other options")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     for name in ("tp", "pp", "ep"):
         if getattr(args, name) < 1:

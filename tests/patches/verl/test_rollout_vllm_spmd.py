@@ -119,6 +119,22 @@ def test_the_yamls_graph_mode_needs_an_address_stable_backend(model_dir, world, 
     assert recorder.built == []  # refused before the engine was built
 
 
+def test_graph_mode_on_npu_refuses_expandable_segments_before_the_engine(model_dir, world, env, recorder, monkeypatch):
+    from verl_patches.rollout.graph_safe import GraphModeError
+
+    cfg = _rollout_config()
+    # The NPU is named, not present: the refusal comes before anything touches it.
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", "npu")
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+    apply_all(ENGINE_CORE + ROLLOUT)
+    try:
+        with pytest.raises(GraphModeError, match="Unset it or set expandable_segments:False"):
+            _build(cfg, model_dir)
+    finally:
+        undo()
+    assert recorder.built == []
+
+
 @pytest.mark.slow
 def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
     # Eager here: graph mode needs an address-stable allocator, which CPU has none of
