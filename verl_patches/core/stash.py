@@ -21,6 +21,7 @@ KEYS: dict[str, str] = {
     "actor_memory": "the actor's offload groups (ActorMemory), on verl's worker and its sharding manager",
     "ref_memory": "the reference's offload group (ReferenceMemory), on verl's worker",
     "engine_memory": "the rollout engine's offload groups (VllmEngineMemory), on verl's vLLMRollout",
+    "update_probe": "the next update's rollout-mismatch / entropy probe (UpdateProbe), on verl's MegatronPPOActor",
 }
 
 
