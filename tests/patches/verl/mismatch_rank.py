@@ -160,8 +160,9 @@ SCENARIOS = {
     "no rollout log-probs": dict(ids=REUSE_IDS, compare=False),
     "seq-mean-token-mean": dict(ids=REUSE_IDS, loss_agg_mode="seq-mean-token-mean"),
     "seq-mean-token-sum-norm": dict(ids=REUSE_IDS, loss_agg_mode="seq-mean-token-sum-norm"),
-    **{f"without {left_out}": dict(ids=[i for i in REUSE_IDS if i != left_out], strip_requires=True)
-       for left_out in ("verl.old_log_prob.policy_loss", "verl.old_log_prob.entropy")},
+    **{f"without {' and '.join(left_out)}": dict(ids=[i for i in REUSE_IDS if i not in left_out], strip_requires=True)
+       for left_out in (("verl.old_log_prob.policy_loss",), ("verl.old_log_prob.entropy",),
+                        ("verl.old_log_prob.policy_loss", "verl.old_log_prob.entropy"))},
 }
 
 
