@@ -18,9 +18,6 @@ from typing import Any, TextIO
 
 SWITCH_PREFIX = "switch/"
 _TIMED_SWITCH = "timing_s/" + SWITCH_PREFIX
-# Computed by verl's old-log-prob forward, which old log-prob reuse skips (patch
-# verl.old_log_prob.compute_log_prob gives the trainer NaN placeholders for it).
-NOT_COMPUTED_WITH_REUSE = ("actor/entropy",)
 
 # (label, metric, format) of the per-step line, in order; absent metrics are left out.
 LINE = (
@@ -58,11 +55,6 @@ class RunReport:
         data = dict(data)
         for key in [k for k in data if k.startswith(_TIMED_SWITCH)]:
             data[SWITCH_PREFIX + key[len(_TIMED_SWITCH):]] = data.pop(key)
-        skipped = []
-        if self.reuse_old_log_prob:
-            for key in NOT_COMPUTED_WITH_REUSE:
-                if key in data and _nonfinite(data[key]):
-                    skipped.append(data.pop(key))
         bad = sorted(k for k, v in data.items() if _nonfinite(v))
         if bad:
             raise NonFiniteMetricError(f"step {step}: metric(s) {bad} are not finite "
@@ -109,8 +101,6 @@ class RunReport:
         vals = [(k, v) for k, v in last.items() if k.startswith("val-core/")]
         if vals:
             lines.append("validation at the end: " + ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in vals))
-        if self.reuse_old_log_prob:
-            lines.append("not computed: actor/entropy (old log-prob reuse skips the forward that measures it)")
         if self.metrics_file is not None:
             lines.append(f"metrics per step: {self.metrics_file}")
         return "\n".join(lines)

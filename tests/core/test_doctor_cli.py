@@ -81,7 +81,8 @@ def test_patches_listing_and_json():
             assert re.fullmatch(r"\S+ \S+ \S+\.py#L\d+-L\d+", p["upstream_lines"]), p
     by_id = {p["id"]: p for p in rows}
     assert by_id["verl.old_log_prob.update_policy"]["requires"] == ["verl.old_log_prob.policy_loss",
-                                                                   "verl.old_log_prob.minibatch"]
+                                                                   "verl.old_log_prob.minibatch",
+                                                                   "verl.old_log_prob.micro_batch_check"]
     text = cli("patches").stdout
     assert any(ln.startswith("verl.old_log_prob.update_policy") and "old_log_prob_reuse" in ln and "requires" in ln
                for ln in text.splitlines())

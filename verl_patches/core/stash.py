@@ -23,6 +23,7 @@ KEYS: dict[str, str] = {
     "engine_memory": "the rollout engine's offload groups (VllmEngineMemory), on verl's vLLMRollout",
     "step": "the trainer's global step of the generation under way, on verl's sharding manager",
     "addresses_reported": "captured-graph addresses checked already reported, on verl's sharding manager",
+    "update_probe": "the next update's rollout-mismatch / entropy probe (UpdateProbe), on verl's MegatronPPOActor",
 }
 
 

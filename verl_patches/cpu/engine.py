@@ -8,7 +8,9 @@ parameters the reshard writes have vLLM's names, shards and expert placement), i
 step, and a KV cache per attention layer bound by vLLM's ``bind_kv_cache`` and freed / re-created by
 the recipe's offload engine. ``generate`` then gathers the rollout shards of every rank, assembles
 them into the full model with the reshard plan's own placements, loads transformers' DeepseekV3
-with exactly those tensors, and samples; it returns vLLM's RequestOutput objects.
+with exactly those tensors, and samples; it returns vLLM's RequestOutput objects, with the sampled
+tokens' log-probs as vLLM's V1 sampler computes them (log-softmax of the raw logits, before
+temperature and top-k / top-p) when the sampling parameters ask for them, as verl's always do.
 
 Sampling draws from torch's default generator, which verl's sharding manager has set to the
 generation state of the rank's data-parallel group (so the tensor-parallel ranks of a group agree,
@@ -215,9 +217,17 @@ class _Generator:
                             pad=int(getattr(hf_cfg, "pad_token_id", None) or 0))
         outputs = []
         for i, ids in enumerate(prompts):
-            samples = [CompletionOutput(index=s, text="", token_ids=seq, cumulative_logprob=None, logprobs=None,
-                                        finish_reason=reason)
-                       for (j, s), (seq, reason) in zip(rows, sequences) if j == i]
+            samples = []
+            for (j, s), (seq, reason, lps) in zip(rows, sequences):
+                if j != i:
+                    continue
+                # vLLM returns the sampled tokens' log-probs when SamplingParams.logprobs is set (verl
+                # always sets 0): one {token: Logprob} per position, their sum as cumulative_logprob.
+                wanted = getattr(params[i], "logprobs", None) is not None
+                samples.append(CompletionOutput(index=s, text="", token_ids=seq,
+                                                cumulative_logprob=sum(lp.logprob for d in lps for lp in d.values())
+                                                if wanted else None,
+                                                logprobs=lps if wanted else None, finish_reason=reason))
             outputs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
                                          outputs=samples, finished=True))
         return outputs
@@ -237,10 +247,24 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What vLLM 0.9.1's V1 sampler returns for the sampled token with logprobs=0: the log-softmax
+    in float32 of the model's raw logits (before temperature, top-k / top-p and penalties; its
+    Sampler.compute_logprobs) and the token's rank in the vocabulary (1 = most likely).
+    logits [n, vocab], tokens [n] -> (log-probs [n], ranks [n])."""
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+    chosen = logprobs.gather(-1, tokens.unsqueeze(-1))
+    ranks = (logprobs > chosen).sum(-1) + 1
+    return chosen.squeeze(-1), ranks
+
+
 def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any], eos: Optional[int],
-            pad: int) -> list[tuple[list[int], str]]:
+            pad: int) -> list[tuple[list[int], str, list[dict[int, Any]]]]:
     """Batched sampling with a KV cache: left-padded prompts, per-row temperature / top-k / top-p /
-    max_tokens / ignore_eos; temperature 0 is greedy."""
+    max_tokens / ignore_eos; temperature 0 is greedy. Each row also gets its sampled tokens' log-probs
+    as vLLM returns them (``sampled_logprobs``): one {token_id: vllm.sequence.Logprob} per position."""
+    from vllm.sequence import Logprob
+
     if not prompts:
         return []
     n, width = len(prompts), max(len(p) for p in prompts)
@@ -251,6 +275,7 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any],
         mask[r, width - len(p):] = 1
     max_new = max(int(p.max_tokens) for p in params)
     out: list[list[int]] = [[] for _ in range(n)]
+    out_lps: list[list[dict[int, Any]]] = [[] for _ in range(n)]
     done = [False] * n
     past = None
     step_ids, step_mask = ids, mask
@@ -268,11 +293,13 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any],
                 continue
             filtered = _filter(logits[r] / p.temperature, int(p.top_k), float(p.top_p))
             nxt[r] = int(torch.multinomial(torch.softmax(filtered, -1), 1))
+        lps, ranks = sampled_logprobs(res.logits[:, -1], nxt)
         for r, p in enumerate(params):
             if done[r]:
                 continue
             tok = int(nxt[r])
             out[r].append(tok)
+            out_lps[r].append({tok: Logprob(logprob=float(lps[r]), rank=int(ranks[r]))})
             if (eos is not None and tok == eos and not p.ignore_eos) or len(out[r]) >= int(p.max_tokens):
                 done[r] = True
         if all(done):
@@ -281,4 +308,4 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any],
         step_mask = torch.cat([step_mask, torch.ones((n, 1), dtype=step_mask.dtype)], dim=1)
     reasons = ["stop" if (eos is not None and seq and seq[-1] == eos and not p.ignore_eos) else "length"
                for seq, p in zip(out, params)]
-    return list(zip(out, reasons))
+    return list(zip(out, reasons, out_lps))

@@ -44,8 +44,10 @@ def _worker(seen: dict):
         ids = prompts.batch["input_ids"].repeat_interleave(N, 0)
         resp = (ids[:, -1:] * 31 + torch.arange(R)) % 101
         mask = torch.cat([prompts.batch["attention_mask"].repeat_interleave(N, 0), torch.ones_like(resp)], 1)
+        # rollout_log_probs: what verl's vLLM rollout adds with rollout.calculate_log_probs=True (the recipe).
         return DataProto.from_dict(tensors={"prompts": ids, "responses": resp, "input_ids": torch.cat([ids, resp], 1),
-                                            "attention_mask": mask, "position_ids": torch.cumsum(mask, 1) - 1})
+                                            "attention_mask": mask, "position_ids": torch.cumsum(mask, 1) - 1,
+                                            "rollout_log_probs": -(resp.float() % 11) / 11 - 0.05})
 
     def ref_log_prob(data, calculate_entropy=False):
         return -(data.batch["input_ids"][:, -R:].float() % 7) / 7 - 0.1, None
@@ -193,7 +195,7 @@ def _step(cache_on: bool, recompute: bool) -> dict:
     batch.batch["token_level_scores"] = batch.batch["token_level_rewards"] = scores
     batch = compute_advantage(batch, adv_estimator="grpo", num_repeat=N)
     wg.update_actor(batch)
-    keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "ref_log_prob"]
+    keys = ["input_ids", "attention_mask", "position_ids", "responses", "advantages", "ref_log_prob", "rollout_log_probs"]
     keys += ["old_log_probs"] if recompute else []
     return {"digest": _digest({k: seen["update"][k] for k in keys}), "sent": sent, "entropy": entropy,
             "update_keys": sorted(seen["update"]), "host_keys": sorted(out.batch.keys())}

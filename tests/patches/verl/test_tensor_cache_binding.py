@@ -39,6 +39,8 @@ def test_real_worker_bodies_cache_on_equals_off_and_sends_only_host_fields():
         # Every rank's update got bit-identical inputs with and without the cache.
         assert [r["digest"] for r in mode(on)] == [r["digest"] for r in mode(off)]
     assert mode("on_recompute")[0]["entropy"] == mode("off_recompute")[0]["entropy"]
+    # The rollout's log-probs reach the update from the cache (in the digests above: bit-identical).
+    assert all("rollout_log_probs" in r["update_keys"] for r in mode("on") + mode("on_recompute"))
     sent_off, sent_on, sent_re = mode("off")[0]["sent"], mode("on")[0]["sent"], mode("on_recompute")[0]["sent"]
     assert {"input_ids", "position_ids", "responses", "attention_mask"} <= set(sent_off["update_actor"])
     assert sent_on["compute_ref_log_prob"] == [ROW_KEY] and sent_re["compute_log_prob"] == [ROW_KEY]

@@ -11,6 +11,11 @@ caller (FSDP actor, tests, a recompute run) reaches the original unchanged.
 Why it is exact: on-policy GRPO takes one optimizer step per batch, so the policy of the update's
 forward pass is the policy that produced the rollout; log_prob - log_prob.detach() is 0 in value and
 d ratio / d log_prob = ratio = 1, the same gradient as the recomputed path.
+
+The same call measures the rollout-vs-train mismatch: when the update is given an UpdateProbe
+(verl_patches/mismatch.py), the old_log_prob it receives is the rollout's log-prob (or the NaN
+placeholder without rollout.calculate_log_probs), and before substituting it the wrapper adds the
+masked per-token comparison and the micro-batch's entropy to the probe, on the device.
 """
 
 from __future__ import annotations
@@ -18,22 +23,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Callable, Iterator
+import inspect
+from typing import Any, Callable, Iterator, Optional
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
 _REUSE: contextvars.ContextVar[bool] = contextvars.ContextVar("verl_patches_reuse_old_log_prob", default=False)
+_PROBE: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("verl_patches_update_probe", default=None)
 
 
 @contextlib.contextmanager
-def reusing_old_log_prob() -> Iterator[None]:
-    """While active, compute_policy_loss ignores the old_log_prob it is given (a NaN placeholder
-    in the recipe: any path that misses the substitution yields a NaN loss, never a silent error)."""
-    token = _REUSE.set(True)
+def reusing_old_log_prob(probe: Optional[Any] = None) -> Iterator[None]:
+    """While active, compute_policy_loss ignores the old_log_prob it is given (the rollout's
+    log-prob, or a NaN placeholder: the update wrapper checks that every micro-batch's loss went
+    through the substitution before the optimizer steps). With ``probe`` (an UpdateProbe), each
+    call also adds the rollout-vs-actor comparison and the entropy to it."""
+    token, probe_token = _REUSE.set(True), _PROBE.set(probe)
     try:
         yield
     finally:
+        _PROBE.reset(probe_token)
         _REUSE.reset(token)
 
 
@@ -41,10 +51,25 @@ def reuse_active() -> bool:
     return _REUSE.get()
 
 
+def active_probe() -> Optional[Any]:
+    """The UpdateProbe of the running update under reuse, else None."""
+    return _PROBE.get() if _REUSE.get() else None
+
+
 def wrap_compute_policy_loss(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def compute_policy_loss(old_log_prob, log_prob, *args, **kwargs):
         if _REUSE.get():
+            probe = _PROBE.get()
+            if probe is not None:
+                bound = signature.bind(old_log_prob, log_prob, *args, **kwargs)
+                bound.apply_defaults()
+                mask = bound.arguments["response_mask"]
+                probe.add(log_prob, mask, probe.take_entropy(mask.shape[-1]),
+                          rollout_log_prob=old_log_prob if probe.compare else None,
+                          loss_agg_mode=bound.arguments["loss_agg_mode"])
             old_log_prob = log_prob.detach()
         return original(old_log_prob, log_prob, *args, **kwargs)
 

@@ -11,8 +11,9 @@ before the first step and names every setting it cannot serve.
 
 - Old log-prob reuse (actor.recompute_old_log_prob=False): compute_log_prob becomes a local call that
   sends nothing and runs no forward; the workers' update uses log_prob.detach()
-  (patch_workers_megatron_workers_*.py, patch_trainer_ppo_core_algos.py). Invalid configurations are
-  rejected with the reason.
+  (patch_workers_actor_megatron_actor.py, patch_trainer_ppo_core_algos.py) and measures the
+  rollout-vs-train mismatch (with rollout.calculate_log_probs=True) and the entropy from its own
+  forward. Invalid configurations are rejected with the reason.
 - TensorCache (actor_rollout_ref.rollout.recipe.tensor_cache, default True as in the recipe):
   generation keeps its outputs on the devices and returns only the host fields; the later stages
   receive only what the host computed (advantages) plus the row ids of the driver's current order.
@@ -75,9 +76,6 @@ def check_reuse_config(config: Any) -> None:
     if _select(config, "algorithm.use_kl_in_reward", False):
         problems.append("algorithm.use_kl_in_reward=True: the KL penalty in the reward needs the old log-prob "
                         "on the host before the update")
-    if _select(config, "actor_rollout_ref.rollout.calculate_log_probs", False):
-        problems.append("rollout.calculate_log_probs=True: the trainer compares rollout and actor old log-probs, "
-                        "and the latter are not computed")
     strategy = _select(config, "actor_rollout_ref.actor.strategy", "megatron")
     if strategy != "megatron":
         problems.append(f"actor.strategy={strategy!r}: the reuse is wired into the Megatron worker only")
@@ -90,8 +88,12 @@ def check_reuse_config(config: Any) -> None:
 def skipped_compute_log_prob(data: Any) -> Any:
     """Stand-in for actor_rollout_wg.compute_log_prob: no worker call, no forward pass.
 
-    The trainer still reads ``entropys`` for its actor/entropy metric; it gets NaN (not computed),
-    as a zero would read as a real entropy. No old_log_probs: the update makes its own."""
+    The trainer still reads ``entropys`` for its actor/entropy metric, and, when the rollout's
+    log-probs are on the host (rollout.calculate_log_probs=True without the TensorCache),
+    ``old_log_probs`` for its training/rollout_probs_diff_* metrics. Both get NaN (not computed
+    here), as a zero would read as a real figure: the update measures both from its own forward
+    and its metrics, merged after these, replace them (a NaN that reached the report would stop
+    the run). No old_log_probs otherwise: the update makes its own."""
     import torch
 
     from verl.protocol import DataProto
@@ -99,7 +101,10 @@ def skipped_compute_log_prob(data: Any) -> Any:
     rows, width = len(data), data.batch["responses"].shape[-1]
     # A stride-0 view: the metric needs the shape, not B x R floats.
     nan = torch.full((1, 1), float("nan"), dtype=torch.float32).expand(rows, width)
-    return DataProto.from_dict(tensors={"entropys": nan})
+    tensors = {"entropys": nan}
+    if "rollout_log_probs" in data.batch.keys():
+        tensors["old_log_probs"] = nan
+    return DataProto.from_dict(tensors=tensors)
 
 
 setattr(skipped_compute_log_prob, LOCAL_ATTR, True)
