@@ -44,6 +44,10 @@ KEYS: dict[str, Key] = {
     "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/megatron_args.py)"),
     "device_memory_gib": Key(float, None, "the device's memory, to check the memory estimate against"),
     "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/report.py)"),
+    "tensorboard_dir": Key(str, None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's "
+                                      "default, tensorboard_log/<project>/<experiment> under the driver's directory"),
+    "devices_per_card": Key(int, None, "devices (verl's GPUs: dies on Ascend) per card, for perf/tps_per_card; "
+                                       "null: by trainer.device (npu 2, cuda 1; the CPU platform 1)"),
 }
 
 
