@@ -92,9 +92,17 @@ tiny_banner() {
 }
 tiny_banner "$@"
 
+dry=0
+case " $* " in *" --dry-run "*|*" -h "*|*" --help "*) dry=1 ;; esac
+if ((dry == 0)); then
+  # A run's record starts afresh: the report appends to metrics.jsonl and tensorboard adds event files.
+  rm -rf -- "$TINY_OUT/metrics.jsonl" "$TINY_OUT/tensorboard" "$TINY_OUT/plots" "$LOG_DIR/trainer.log"
+fi
 rc=0
 launch_main tiny_deepseek_v3 "$@" || rc=$?
-case " $* " in *" --dry-run "*|*" -h "*|*" --help "*) exit "$rc" ;; esac
+((dry == 0)) || exit "$rc"
+# Ray and the trainer are stopped before the plots are drawn (the EXIT trap would do it after).
+bringup_stop
 if ((rc == 0)) || [[ -s "$TINY_OUT/metrics.jsonl" ]]; then
   # The curves of the run (also of a failed one, up to where it stopped).
   "$PY" -m verl_patches plot "$TINY_OUT" || rc=$((rc ? rc : 1))

@@ -73,7 +73,7 @@ def _mb(x: float) -> str:
 
 
 def _gb(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+    return f"{x / 2**30:.2f} GiB" if x >= 2**30 else _mb(x)
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class RunReport:
     total_steps: int
     reuse_old_log_prob: bool = False
     metrics_file: Path | None = None
-    out: TextIO = field(default=sys.stdout)
+    out: TextIO = field(default_factory=lambda: sys.stdout)
     history: list[dict[str, Any]] = field(default_factory=list)
     cards: Cards | None = None
     tensorboard_dir: str | None = None
@@ -208,7 +208,7 @@ class RunReport:
         tps = [r[TPS_PER_CARD] for r in train if TPS_PER_CARD in r]
         if tps and self.cards is not None:
             lines.append(f"throughput: {sum(tps) / len(tps):.1f} tokens/s per card on average, {tps[-1]:.1f} at the "
-                         f"last step ({self.cards.describe()})")
+                         f"last step ({TPS_PER_CARD}, {self.cards.count} card(s): {self.cards.why})")
         peaks = [(r[DEVICE_PEAKS[0]], r.get(DEVICE_PEAKS[1], 0.0)) for r in train if DEVICE_PEAKS[0] in r]
         ledger = [r[SWITCH_PREFIX + "ledger_peak_bytes"] for r in train if SWITCH_PREFIX + "ledger_peak_bytes" in r]
         if peaks or ledger:
