@@ -244,7 +244,7 @@ launch_start() {
   mkdir -p "$LOG_DIR"
   local log="${LOG_DIR}/trainer.log" out filter_pid=""
   launch_say "Ray head up with ${NNODES} x ${DEVICES_PER_NODE} $(bringup_resource_name); starting the trainer; its whole output: ${log}"
-  if [[ "$LAUNCH_CONSOLE" == steps ]]; then
+  if [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then
     exec {out}> >("$PYTHON" -m verl_patches.console "$log" >&3 2>&4)
     filter_pid=$!
   else
@@ -264,7 +264,7 @@ launch_start() {
     BRINGUP_PIDS+=("$filter_pid")
   fi
   launch_say "trainer exited with status $rc"
-  if ((rc)) && [[ "$LAUNCH_CONSOLE" == steps ]]; then
+  if ((rc)) && [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then
     launch_show_tail "$log" "the trainer failed (status $rc)"
     LAUNCH_FAILED_LOG=shown
   fi
