@@ -97,12 +97,15 @@ class Cards:
     @classmethod
     def of(cls, devices: int, trainer_device: str | None, platform: str, setting: int | None = None) -> "Cards":
         """Cards of a run: the setting if given, else by verl's ``trainer.device`` (npu: 2 dies per card,
-        cuda: 1 GPU); on the CPU platform (``platform``, the driver's) each worker is one device and card."""
+        cuda: 1 GPU); on the CPU platform (``platform``, the driver's, with a trainer.device other than npu:
+        the CPU run's launcher asks Ray for GPU slots) each worker is one device and one card."""
         if setting is not None:
             return cls(devices, setting, f"recipe.devices_per_card={setting}")
-        if platform == "cpu":
-            return cls(devices, 1, "CPU platform: each worker counts as one device and one card")
         kind = (trainer_device or platform).lower()
+        # verl's trainer.device first: Ray may hide the accelerator from verl's driver process itself.
+        if platform == "cpu" and kind != "npu":
+            return cls(devices, 1, "CPU platform (no accelerator in the driver): each worker counts as one device "
+                                   "and one card")
         if kind not in DEVICES_PER_CARD:
             raise CardsError(f"trainer.device={kind!r}: no card size known for it (known: {sorted(DEVICES_PER_CARD)});"
                              " set actor_rollout_ref.rollout.recipe.devices_per_card")
