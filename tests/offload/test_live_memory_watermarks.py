@@ -101,3 +101,31 @@ def test_memory_figures_per_step_and_since_the_previous_switch(device):
     # A step that has not run yet reads 0 (here: none; a fresh loop has them all at 0).
     _, fresh = _measured(device, ACTOR, REF, ROLLOUT)
     assert set(memory_figures(fresh).values()) == {0.0}
+
+
+@pytest.mark.skipif(accelerator.device_type() == "cpu", reason="the allocator's statistics need a device")
+def test_on_a_device_the_generation_peak_is_in_its_entry_and_the_figures():
+    """The real allocator (torch.cuda / torch.npu behind verl_patches.accelerator): a generation that
+    holds 64 MiB for a moment shows in 'generate' and in the figures' maximum, reserved >= allocated."""
+    import torch
+
+    d, switch = attached(ACTOR, REF, ROLLOUT)
+    assert switch.measure_device
+    gen, burst = d.generate, 64 * 2**20
+
+    def generate():
+        x = torch.empty(burst, dtype=torch.uint8, device=accelerator.current_device())
+        x.fill_(1)
+        del x
+        return gen()
+
+    d.generate = generate
+    training_step(d, switch)
+    by_step = {e.step: e for e in switch.ledger.entries}
+    e = by_step["generate"]
+    assert e.measured_peak >= burst + e.measured_allocated - 2**20, e
+    assert e.measured_reserved_peak >= e.measured_peak
+    assert by_step["release_rollout_weights"].measured_peak < burst  # reset after 'generate'
+    figures = memory_figures(switch)
+    assert figures[DEVICE_PEAKS[0]] == max(x.measured_peak for x in switch.ledger.entries)
+    assert figures[f"{MEM_PREFIX}generate/allocated_peak_bytes"] == e.measured_peak
