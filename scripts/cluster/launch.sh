@@ -179,13 +179,11 @@ launch_say() {
   if [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then echo "$*" >&3; fi
 }
 
-# On the console's stderr (fd 4): why it stopped, from the end of a log.
+# On stderr: why it stopped, from the end of a log.
 launch_show_tail() {
   local log="$1" what="$2"
-  {
-    echo "error: ${what}; the end of ${log}:"
-    tail -n "${LAUNCH_TAIL_LINES:-30}" "$log" | sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^/  | /'
-  } >&4
+  echo "error: ${what}; the end of ${log}:" >&2
+  tail -n "${LAUNCH_TAIL_LINES:-30}" "$log" | sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^/  | /' >&2
 }
 
 # Print, validate and start this node's part. fd 3 and 4: the console's stdout and stderr.
@@ -265,7 +263,7 @@ launch_start() {
   fi
   launch_say "trainer exited with status $rc"
   if ((rc)) && [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then
-    launch_show_tail "$log" "the trainer failed (status $rc)"
+    launch_show_tail "$log" "the trainer failed (status $rc)" 2>&4
     LAUNCH_FAILED_LOG=shown
   fi
   return "$rc"
