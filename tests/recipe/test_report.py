@@ -137,3 +137,17 @@ def test_the_tracker_patch_builds_the_report_and_writes_tensorboard(tmp_path, mo
     assert "step 1/2 | reward 0.250" in printed and "step:1 - " not in printed  # verl's dump left out
     header = [line for line in printed.splitlines() if line.startswith("report: ")]
     assert len(header) == 1 and header[0].endswith(f"tensorboard {tmp_path / 'tb'}")
+
+
+def test_the_console_filter_names_a_log_it_cannot_write(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("x")
+    r = subprocess.run([sys.executable, "-m", "verl_patches.console", str(tmp_path / "file" / "trainer.log")],
+                       input=b"step 1/1 | reward 0.1\n", capture_output=True, timeout=60)
+    assert r.returncode == 2 and b"error: cannot write the log" in r.stderr and b"Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "verl_patches.console", str(tmp_path / "logs" / "trainer.log")],
+                       input=b"noise\n(TaskRunner pid=1) step 1/1 | reward 0.1\n", capture_output=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == b"step 1/1 | reward 0.1\n"
+    assert (tmp_path / "logs" / "trainer.log").read_bytes() == b"noise\n(TaskRunner pid=1) step 1/1 | reward 0.1\n"
