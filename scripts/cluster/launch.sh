@@ -183,7 +183,9 @@ launch_say() {
 launch_show_tail() {
   local log="$1" what="$2"
   echo "error: ${what}; the end of ${log}:" >&2
-  tail -n "${LAUNCH_TAIL_LINES:-30}" "$log" | sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^/  | /' >&2
+  # Long lines (a worker's config dump) are cut: the lines around the error stay on the screen.
+  tail -n "${LAUNCH_TAIL_LINES:-30}" "$log" | sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^\(.\{240\}\).*/\1 [...]/' \
+    -e 's/^/  | /' >&2
 }
 
 # Print, validate and start this node's part. fd 3 and 4: the console's stdout and stderr.

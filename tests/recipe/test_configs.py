@@ -109,6 +109,8 @@ def test_true_weight_without_checkpoint_is_an_error(model):
     ("trainer.nnodes=15", "world size"),
     ("actor_rollout_ref.rollout.recipe.fixed_routing=yes", "fixed_routing must be true or false"),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "YaRN RoPE"),
+    ("actor_rollout_ref.rollout.recipe.devices_per_card=3", "is not whole cards of 3 device(s)"),
+    ("actor_rollout_ref.rollout.recipe.devices_per_card=two", "devices_per_card must be an integer"),
 ])
 def test_each_layout_rule_can_fail(override, message, model):
     rep = RC.validate(RC.compose("deepseekv3_256die_random_init", [override]), model)

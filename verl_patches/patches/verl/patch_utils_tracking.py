@@ -48,6 +48,8 @@ def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
         from verl_patches import accelerator, settings
         from verl_patches.report import Cards, RunReport
 
+        # Upstream's __del__ reads self.logger: a setting refused below must not add an AttributeError to it.
+        self.logger = {}
         # Read (and checked) before verl builds its loggers: a wrong setting stops the run here.
         metrics_file = settings.read(recipe, "metrics_file")
         tb_dir = settings.read(recipe, "tensorboard_dir")
