@@ -233,7 +233,7 @@ def fig_switch(s: Series, plt: Any) -> Any:
     for k in moved:
         _line(axes[0], s, k, k.removeprefix("switch/").removesuffix("_bytes"), scale=scale)
     axes[0].set_ylabel(f"{unit} per rank")
-    axes[0].set_title("bytes moved by the switch since the previous one (averaged over ranks)")
+    axes[0].set_title("bytes moved since the previous switch (mean over ranks)")
     if moved:
         axes[0].legend(fontsize=8)
     unit, scale = _bytes_unit(s, peaks)
@@ -241,9 +241,8 @@ def fig_switch(s: Series, plt: Any) -> Any:
         _line(axes[1], s, k, k.removeprefix("switch/").removesuffix("_bytes"), scale=scale)
     axes[1].set_ylabel(unit)
     device = any(k.startswith("switch/device_") for k in peaks)
-    axes[1].set_title("peaks: the offload ledger's resident bytes" + (
-        ", the device's allocated and reserved watermarks (max over ranks)" if device
-        else " (no device watermarks: none measured on this platform)"))
+    axes[1].set_title("peaks: offload ledger" + (", device watermarks (max over ranks)" if device
+                                                  else " (no device watermarks on this platform)"))
     if peaks:
         axes[1].legend(fontsize=8)
     if per_step:

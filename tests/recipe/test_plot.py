@@ -16,12 +16,18 @@ from verl_patches import plot
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _row(step: int, mismatch: bool = True) -> dict:
+def _row(step: int, mismatch: bool = True, device: bool = True) -> dict:
     row = {"step": step, "critic/score/mean": 0.1 * step, "response_length/mean": 16.0, "response_length/max": 16,
            "timing_s/gen": 1.0, "timing_s/reshard": 0.1, "timing_s/ref": 0.5, "timing_s/update_actor": 1.5,
            "timing_s/step": 3.5, "perf/tps_per_card": 100.0 + step, "perf/throughput": 100.0 + step,
            "switch/reshard_sent_bytes": 2.8e5, "switch/reshard_recv_bytes": 2.8e5, "switch/link_bytes": 4e6,
            "switch/ledger_peak_bytes": 8e6}
+    if device:  # the device's watermarks (a run on NPU or GPU)
+        row.update({"switch/device_allocated_peak_bytes": 40 * 2**30, "switch/device_reserved_peak_bytes": 44 * 2**30,
+                    "switch/mem/reshard/allocated_peak_bytes": 30 * 2**30,
+                    "switch/mem/reshard/reserved_peak_bytes": 33 * 2**30,
+                    "switch/mem/generate/allocated_peak_bytes": 40 * 2**30,
+                    "switch/mem/generate/reserved_peak_bytes": 44 * 2**30})
     if mismatch:
         row.update({"training/rollout_probs_diff_max": 0.01 * step, "training/rollout_probs_diff_mean": 0.001,
                     "training/rollout_kl_k3": 1e-4, "actor/entropy": 2.0 - 0.1 * step,
@@ -55,7 +61,7 @@ def test_plot_writes_every_figure_from_metrics_jsonl(tmp_path):
 
 
 def test_absent_mismatch_metrics_are_skipped_and_said(tmp_path):
-    run = _run_dir(tmp_path, [_row(s, mismatch=False) for s in (1, 2)])
+    run = _run_dir(tmp_path, [_row(s, mismatch=False, device=False) for s in (1, 2)])
     r = _cli(run)
     assert r.returncode == 0, r.stderr
     assert "mismatch.png not drawn: none of training/rollout_probs_diff_*" in r.stdout
