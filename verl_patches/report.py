@@ -64,6 +64,10 @@ class NonFiniteMetricError(ValueError):
     """A metric is NaN or infinite: the run's numbers would be silently wrong from here on."""
 
 
+class MetricsFileError(ValueError):
+    """The run's JSONL record cannot be written where the setting says."""
+
+
 class CardsError(ValueError):
     """The devices of a run do not make whole cards: the per-card throughput would be wrong."""
 
@@ -136,6 +140,16 @@ class RunReport:
     history: list[dict[str, Any]] = field(default_factory=list)
     cards: Cards | None = None
     tensorboard_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics_file is not None:  # checked now, not after the first validation
+            try:
+                self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.metrics_file, "a"):
+                    pass
+            except OSError as e:
+                raise MetricsFileError(f"actor_rollout_ref.rollout.recipe.metrics_file={self.metrics_file}: cannot "
+                                       f"write it ({e.strerror}); give a writable path or null") from None
 
     def header(self) -> str:
         """The report's first line: what the figures mean and where they go."""

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from verl_patches import console
-from verl_patches.report import CONSOLE_LINE, Cards, CardsError, NonFiniteMetricError, RunReport, tps_per_card
+from verl_patches.report import (CONSOLE_LINE, Cards, CardsError, MetricsFileError, NonFiniteMetricError, RunReport,
+                                 tps_per_card)
 
 STEP = {"critic/score/mean": 0.25, "response_length/mean": 16.0, "actor/pg_loss": 0.0, "timing_s/gen": 0.6,
         "timing_s/reshard": 0.02, "timing_s/step": 3.0, "perf/total_num_tokens": 1912, "perf/time_per_step": 3.0,
@@ -77,6 +78,12 @@ def test_device_watermarks_are_shown_and_per_step_ones_stay_out_of_the_line():
                  "timing_s/switch/mem/reshard/allocated_peak_bytes": 2 * 2**30}, 1)
     line = out.getvalue().splitlines()[0]
     assert "device peak 3.00 GiB allocated, 4.00 GiB reserved" in line and "mem/" not in line
+
+
+def test_an_unwritable_metrics_file_is_refused_when_the_report_is_built(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(MetricsFileError, match="recipe.metrics_file=.*cannot write it"):
+        RunReport(total_steps=1, metrics_file=tmp_path / "file" / "m.jsonl")
 
 
 def test_a_nan_stops_the_run_naming_the_metric():
