@@ -11,7 +11,12 @@
 # DEVICE=cpu (default) runs on the host with the CPU platform's stand-ins (verl_patches/cpu/: vLLM's
 # model receives the reshard and transformers generates from it); DEVICE=cuda needs 4 GPUs and an
 # environment with vLLM's CUDA build (VENV=...). Outputs under TINY_OUT (default out/tiny): the
-# generated model and data, checkpoints, logs, metrics.jsonl and the run summary.
+# generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/.
+#
+# The console after the environment build: a banner (what runs, where everything goes), one line
+# per phase, the run report's line per step and its summary (verl_patches/report.py), then the plots
+# (python -m verl_patches plot). Everything else goes to the logs the banner names
+# (LAUNCH_CONSOLE=steps of scripts/cluster/launch.sh; LAUNCH_CONSOLE=full shows it all).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
@@ -22,23 +27,29 @@ PY="$VENV/bin/python"
 TINY_OUT="${TINY_OUT:-$ROOT/out/tiny}"
 mkdir -p "$TINY_OUT"
 TINY_OUT="$(cd "$TINY_OUT" && pwd)"
+export LOG_DIR="${LOG_DIR:-$TINY_OUT/logs}"
+mkdir -p "$LOG_DIR"
+SETUP_LOG="$LOG_DIR/setup.log"
+: >"$SETUP_LOG"
 
 # The model directory, its Megatron checkpoint and the data: generated, deterministic, offline, built
 # once (TINY_ASSETS: a build to share between runs).
 TINY_ASSETS="${TINY_ASSETS:-$TINY_OUT/assets}"
-"$PY" -m verl_patches.tiny.assets "$TINY_ASSETS" >/dev/null
+"$PY" -m verl_patches.tiny.assets "$TINY_ASSETS" >>"$SETUP_LOG" 2>&1 \
+  || { echo "error: building the tiny assets failed; see $SETUP_LOG" >&2; tail -n 20 "$SETUP_LOG" >&2; exit 1; }
 
 # The one line, as on the cluster: verl's worker module imports the overlay's prelude. The venv's
 # verl is left as installed; a copy of it with the hook line goes first on PYTHONPATH
 # (README, "copy their packages next to verl_patches").
 UPSTREAM_ROOT="$TINY_OUT/upstream"
-"$PY" -m verl_patches.tiny.upstream "$UPSTREAM_ROOT"
+"$PY" -m verl_patches.tiny.upstream "$UPSTREAM_ROOT" >>"$SETUP_LOG" 2>&1 \
+  || { echo "error: copying verl with the prelude line failed; see $SETUP_LOG" >&2; tail -n 20 "$SETUP_LOG" >&2; exit 1; }
 
 export RECIPE_ROOT="$ROOT" UPSTREAM_ROOT PYTHON="$PY" RAY_BIN="$VENV/bin/ray"
 export DEVICE="${DEVICE:-cpu}" NNODES=1 DEVICES_PER_NODE="${DEVICES_PER_NODE:-4}" MASTER_ADDR=127.0.0.1
 export MODEL_PATH="$TINY_ASSETS/model" TRAIN_FILES="$TINY_ASSETS/data/train.parquet"
 export VAL_FILES="$TINY_ASSETS/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-$TINY_OUT/checkpoints}"
-export LOG_DIR="${LOG_DIR:-$TINY_OUT/logs}" WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}"
+export WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}" LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-steps}"
 # A Ray of its own: a free port between Ray's own worker ports (10002-19999) and the kernel's
 # ephemeral range, a short private temp dir (Ray's socket paths are limited to 107 characters).
 RAY_PORT="${RAY_PORT:-$("$PY" -c 'from verl_patches.ports import free_port_block; print(free_port_block(1, low=20000))')}"
@@ -60,7 +71,40 @@ launch_run_hook() {
     "actor_rollout_ref.actor.megatron.dist_checkpointing_path=${TINY_ASSETS}/dist_ckpt"
     "actor_rollout_ref.rollout.recipe.vllm_dp.master_port_base=${VLLM_DP_PORT}"
     "actor_rollout_ref.rollout.recipe.metrics_file=${TINY_OUT}/metrics.jsonl"
+    "actor_rollout_ref.rollout.recipe.tensorboard_dir=${TINY_OUT}/tensorboard"
   )
 }
 
-launch_main tiny_deepseek_v3 "$@"
+# What runs and where it goes (a --dry-run or --help prints its own).
+tiny_banner() {
+  local steps=12 arg
+  for arg in "$@"; do
+    case "$arg" in
+      --dry-run|-h|--help) return 0 ;;
+      trainer.total_training_steps=*) steps="${arg#*=}" ;;
+    esac
+  done
+  echo "== train_tiny: ${steps} GRPO steps of a 4-layer DeepSeek-V3 through verl's trainer (verl.trainer.main_ppo)"
+  echo "   with every patch of the overlay, on ${DEVICES_PER_NODE} ${DEVICE} workers (train TP2 x PP2 x EP2, rollout DP2 x TP2)"
+  echo "   outputs:     ${TINY_OUT}"
+  echo "   logs:        ${LOG_DIR}/ (setup.log, launch.log: bring-up and checks, trainer.log: the trainer's whole output)"
+  echo "   metrics:     ${TINY_OUT}/metrics.jsonl, tensorboard: ${TINY_OUT}/tensorboard, plots: ${TINY_OUT}/plots"
+}
+tiny_banner "$@"
+
+dry=0
+case " $* " in *" --dry-run "*|*" -h "*|*" --help "*) dry=1 ;; esac
+if ((dry == 0)); then
+  # A run's record starts afresh: the report appends to metrics.jsonl and tensorboard adds event files.
+  rm -rf -- "$TINY_OUT/metrics.jsonl" "$TINY_OUT/tensorboard" "$TINY_OUT/plots" "$LOG_DIR/trainer.log"
+fi
+rc=0
+launch_main tiny_deepseek_v3 "$@" || rc=$?
+((dry == 0)) || exit "$rc"
+# Ray and the trainer are stopped before the plots are drawn (the EXIT trap would do it after).
+bringup_stop
+if ((rc == 0)) || [[ -s "$TINY_OUT/metrics.jsonl" ]]; then
+  # The curves of the run (also of a failed one, up to where it stopped).
+  "$PY" -m verl_patches plot "$TINY_OUT" || rc=$((rc ? rc : 1))
+fi
+exit "$rc"

@@ -172,6 +172,15 @@ def max_memory_allocated() -> int:
     return int(device_module().max_memory_allocated())
 
 
+def memory_reserved() -> int:
+    return int(device_module().memory_reserved())
+
+
+def max_memory_reserved() -> int:
+    """The caching allocator's reserved peak since the last reset (0 on CPU: nothing is reserved)."""
+    return int(device_module().max_memory_reserved())
+
+
 def reset_peak_memory_stats() -> None:
     device_module().reset_peak_memory_stats()
 

@@ -1,4 +1,4 @@
-"""``python -m verl_patches``: doctor, patches, diff, docs, hook, fingerprint, plan, preflight."""
+"""``python -m verl_patches``: doctor, patches, diff, docs, hook, fingerprint, plan, preflight, plot."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 DELEGATED = {
     "plan": ("verl_patches.reshard.cli:main", "reshard plan for a model and two layouts (ours vs baselines)"),
     "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
+    "plot": ("verl_patches.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
 }
 
 

@@ -270,6 +270,13 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
             rep.check(bool(path) and str(path).strip() != "",
                       f"{who}.megatron.use_dist_checkpointing=True but dist_checkpointing_path is empty (set DIST_CKPT_PATH)")
 
+    # perf/tps_per_card divides by whole cards (verl_patches/report.py: Cards); checked here, before a run.
+    per_card = recipe.get("devices_per_card")
+    if world is not None and isinstance(per_card, int) and not isinstance(per_card, bool):
+        rep.check(per_card >= 1 and world % per_card == 0,
+                  f"{RECIPE_SECTION}.devices_per_card={per_card}: the world size {world} (trainer.nnodes {nnodes} x "
+                  f"trainer.n_gpus_per_node {per_node}) is not whole cards of {per_card} device(s)")
+
     memory = _check_memory(rep, cfg, recipe, model, world=world, tp=tp, pp=pp, expert_group=expert_group,
                            layer_list=layer_list, rollout_tp=rtp, rollout_ep=rep_ep)
 

@@ -47,6 +47,10 @@ KEYS: dict[str, Key] = {
     "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/report.py)"),
     "fingerprint_every": Key(int, 10, "check every N switches that each rollout parameter holds exactly what the "
                                      "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
+    "tensorboard_dir": Key(str, None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's "
+                                      "default, tensorboard_log/<project>/<experiment> under the driver's directory"),
+    "devices_per_card": Key(int, None, "devices (verl's GPUs: dies on Ascend) per card, for perf/tps_per_card; "
+                                       "null: by trainer.device (npu 2, cuda 1; the CPU platform 1)"),
 }
 
 

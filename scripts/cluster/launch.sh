@@ -3,6 +3,12 @@
 # command for one config, validate (doctor, config composition, layout arithmetic),
 # then bring up Ray (head or worker) and run verl's trainer on the head.
 # Source it after bringup.sh and call launch_main CONFIG_NAME "$@".
+#
+# LAUNCH_CONSOLE=full (default) shows everything on the console and copies the trainer's output to
+# LOG_DIR/trainer.log. LAUNCH_CONSOLE=steps (scripts/train_tiny.sh) keeps the console to what a
+# person reads: the bring-up, the checks and Ray's messages go to LOG_DIR/launch.log, the trainer's
+# whole output to LOG_DIR/trainer.log, and the console gets one line per phase, the run report's
+# lines (python -m verl_patches.console) and, on a failure, the end of the log that says why.
 
 # Run instead of sourced: say how it is used, define nothing, run nothing.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
@@ -26,7 +32,8 @@ Run the same command on every node. Environment (defaults in parentheses):
   MASTER_ADDR (first local address), RAY_PORT (6379), NNODES (16), DEVICES_PER_NODE (16),
   DEVICE (npu | cuda | cpu), UPSTREAM_ROOT (copied upstream packages, first on PYTHONPATH), SOCKET_IFNAME (the interface routing to MASTER_ADDR),
   CANN_ENV_SCRIPT, NNAL_ENV_SCRIPT, MODEL_PATH, TRAIN_FILES, VAL_FILES, CKPT_SAVE_DIR,
-  LOG_DIR, RAY_TEMP_DIR, RAY_NUM_CPUS, WAIT_TIMEOUT_S (900), PYTHON (python3), RAY_BIN (ray)
+  LOG_DIR, RAY_TEMP_DIR, RAY_NUM_CPUS, WAIT_TIMEOUT_S (900), PYTHON (python3), RAY_BIN (ray),
+  LAUNCH_CONSOLE (full | steps: the console shows the report's lines, the rest goes to LOG_DIR)
   ${LAUNCH_EXTRA_USAGE:-}
 USAGE
 }
@@ -154,7 +161,45 @@ launch_main() {
   local role
   role="$(bringup_role)" || return $?
   launch_build_trainer_cmd
+  LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-full}"
+  case "$LAUNCH_CONSOLE" in
+    full|steps) ;;
+    *) echo "error: LAUNCH_CONSOLE must be full or steps, got '$LAUNCH_CONSOLE'" >&2; return 2 ;;
+  esac
+  if [[ $dry == 1 || "$LAUNCH_CONSOLE" == full ]]; then
+    launch_run "$role" "$dry" 3>&1 4>&2
+    return $?
+  fi
+  # steps: this shell's output goes to launch.log; fds 3 and 4 stay the console's.
+  mkdir -p "$LOG_DIR"
+  LAUNCH_LOG="${LOG_DIR}/launch.log"
+  : >"$LAUNCH_LOG"
+  local rc=0
+  launch_run "$role" "$dry" 3>&1 4>&2 >>"$LAUNCH_LOG" 2>&1 || rc=$?
+  if ((rc)) && [[ "${LAUNCH_FAILED_LOG:-}" != shown ]]; then
+    launch_show_tail "$LAUNCH_LOG" "launch failed (status $rc)"
+  fi
+  return "$rc"
+}
 
+# To the console (fd 3) when LAUNCH_CONSOLE=steps; in the log otherwise too.
+launch_say() {
+  echo "$*"
+  if [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then echo "$*" >&3; fi
+}
+
+# On stderr: why it stopped, from the end of a log.
+launch_show_tail() {
+  local log="$1" what="$2"
+  echo "error: ${what}; the end of ${log}:" >&2
+  # Long lines (a worker's config dump) are cut: the lines around the error stay on the screen.
+  tail -n "${LAUNCH_TAIL_LINES:-30}" "$log" | sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^\(.\{240\}\).*/\1 [...]/' \
+    -e 's/^/  | /' >&2
+}
+
+# Print, validate and start this node's part. fd 3 and 4: the console's stdout and stderr.
+launch_run() {
+  local role="$1" dry="$2"
   echo "== ${CONFIG_NAME}: role ${role}$([[ $dry == 1 ]] && echo ' (dry run: nothing is started)')"
   echo "== environment"
   bringup_print_env MODEL_PATH TRAIN_FILES VAL_FILES CKPT_SAVE_DIR "${LAUNCH_EXTRA_VARS[@]}"
@@ -182,6 +227,7 @@ launch_main() {
   if [[ "$role" == head ]]; then
     launch_check_inputs 0 || return 2
     launch_validate || return 1
+    launch_say "checks passed: python environment, doctor, prelude hook, config composition, layout and data"
   fi
   launch_start "$role"
 }
@@ -205,12 +251,31 @@ launch_start() {
   bringup_start_head
   bringup_wait_devices || return $?
   mkdir -p "$LOG_DIR"
-  echo "starting trainer; log: ${LOG_DIR}/trainer.log"
-  "$PYTHON" -m verl_patches.procs exec -- "${TRAINER_CMD[@]}" > >(tee -a "${LOG_DIR}/trainer.log") 2>&1 &
+  local log="${LOG_DIR}/trainer.log" out filter_pid=""
+  launch_say "Ray head up with ${NNODES} x ${DEVICES_PER_NODE} $(bringup_resource_name); starting the trainer; its whole output: ${log}"
+  if [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then
+    exec {out}> >("$PYTHON" -m verl_patches.console "$log" >&3 2>&4)
+    filter_pid=$!
+  else
+    exec {out}> >(tee -a "$log")
+  fi
+  "$PYTHON" -m verl_patches.procs exec -- "${TRAINER_CMD[@]}" >&"$out" 2>&1 &
   local trainer_pid=$!
+  exec {out}>&-
   BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")
   local rc=0
   wait "$trainer_pid" || rc=$?
-  echo "trainer exited with status $rc"
+  if [[ -n "$filter_pid" ]]; then
+    # The console filter ends at the end of the trainer's output; teardown stops it if a leftover
+    # process still holds that output open.
+    local waited=0
+    while bringup_alive "$filter_pid" && ((waited < 50)); do sleep 0.1; waited=$((waited + 1)); done
+    BRINGUP_PIDS+=("$filter_pid")
+  fi
+  launch_say "trainer exited with status $rc"
+  if ((rc)) && [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then
+    launch_show_tail "$log" "the trainer failed (status $rc)" 2>&4
+    LAUNCH_FAILED_LOG=shown
+  fi
   return "$rc"
 }

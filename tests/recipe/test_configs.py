@@ -109,6 +109,8 @@ def test_true_weight_without_checkpoint_is_an_error(model):
     ("trainer.nnodes=15", "world size"),
     ("actor_rollout_ref.rollout.recipe.fixed_routing=yes", "fixed_routing must be true or false"),
     ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True", "YaRN RoPE"),
+    ("actor_rollout_ref.rollout.recipe.devices_per_card=3", "is not whole cards of 3 device(s)"),
+    ("actor_rollout_ref.rollout.recipe.devices_per_card=two", "devices_per_card must be an integer"),
 ])
 def test_each_layout_rule_can_fail(override, message, model):
     rep = RC.validate(RC.compose("deepseekv3_256die_random_init", [override]), model)
@@ -127,7 +129,8 @@ def test_verl_strictness_new_keys_need_plus():
 def test_recipe_section_keys(random_init):
     rec = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.recipe)
     assert set(rec) == {"reshard_method", "tensor_cache", "dp_sync_on_device", "offload", "rollout_torch_compile",
-                        "fixed_routing", "device_memory_gib", "vllm_dp", "megatron", "metrics_file", "fingerprint_every"}
+                        "fixed_routing", "device_memory_gib", "vllm_dp", "megatron", "metrics_file",
+                        "tensorboard_dir", "devices_per_card", "fingerprint_every"}
     # verl 0.4.1's own tree has no recipe section and no recompute_old_log_prob: both are ours.
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra

@@ -2,7 +2,9 @@
 trainer (verl.trainer.main_ppo) with every patch of the overlay, on 4 Ray workers of this machine.
 
 One uninterrupted run (A), then a second (B) resumed from A's checkpoint in the middle with the
-upstream reshard instead of the direct one. B's steps must equal A's bit for bit: that is resume ==
+upstream reshard instead of the direct one. A's console is what a person reads (a banner, one line
+per step, the summary, the plots; within a budget of lines), its curves are in tensorboard's event
+files and PNGs, and everything else is in the logs it names. B's steps must equal A's bit for bit: that is resume ==
 uninterrupted and upstream reshard == direct reshard at once (either fault alone breaks it; the
 run's reshard-only comparison from a fresh start is in docs/TINY_RUN.md).
 
@@ -29,12 +31,27 @@ STEPS, SAVE_AT = 6, 4
 # (the upstream reshard moves other bytes by design).
 NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "switch/", "global_seqlen/", "val-")
 REWARD_RISE = 0.15  # mean reward of the last 2 steps over the first 2, on the toy task
+# The console after the environment build, for the 12 steps of the default run: at most 60 lines, of
+# which one per step (and step 0, the validation before training); the rest is a fixed budget.
+CONSOLE_LINES_12_STEPS = 60
+CONSOLE_FIXED = CONSOLE_LINES_12_STEPS - 13
+BANNER = "== train_tiny: "
+PNGS = ("reward", "phases", "switch", "throughput")
 
 
 def _run(out: Path, assets: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The script as a person runs it: stdout and stderr in one stream, as a terminal shows them."""
     env = dict(os.environ, TINY_OUT=str(out), TINY_ASSETS=str(assets))
     return subprocess.run(["bash", str(REPO / "scripts" / "train_tiny.sh"), *overrides], env=env, cwd=str(REPO),
-                          capture_output=True, text=True, timeout=timeout)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+
+
+def _console(r: subprocess.CompletedProcess) -> list[str]:
+    """What the console showed from the banner on (the environment build before it is not counted)."""
+    lines = r.stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(BANNER)]
+    assert starts, r.stdout[-3000:]
+    return lines[starts[0]:]
 
 
 def _metrics(out: Path) -> dict[int, dict]:
@@ -52,13 +69,19 @@ def runs(tmp_path_factory):
     assets = base / "assets"
     a = _run(base / "a", assets, f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_AT}",
              "trainer.val_before_train=True", f"trainer.test_freq={STEPS}")
-    assert a.returncode == 0, a.stdout[-6000:] + a.stderr[-6000:]
+    assert a.returncode == 0, a.stdout[-6000:] + _log(base / "a", "trainer.log")[-6000:]
     ckpt = base / "a" / "checkpoints" / f"global_step_{SAVE_AT}"
     b = _run(base / "b", assets, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1",
              "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.resume_mode=resume_path",
              f"trainer.resume_from_path={ckpt}", "actor_rollout_ref.rollout.recipe.reshard_method=upstream")
-    assert b.returncode == 0, b.stdout[-6000:] + b.stderr[-6000:]
+    assert b.returncode == 0, b.stdout[-6000:] + _log(base / "b", "trainer.log")[-6000:]
+    a.out_dir = base / "a"
     return a, _metrics(base / "a"), b, _metrics(base / "b")
+
+
+def _log(out: Path, name: str) -> str:
+    path = out / "logs" / name
+    return path.read_text(errors="replace") if path.exists() else f"({path} absent)"
 
 
 def test_the_run_logs_every_step_without_nan_and_ends_with_a_summary(runs):
@@ -69,9 +92,10 @@ def test_the_run_logs_every_step_without_nan_and_ends_with_a_summary(runs):
         assert not bad, f"step {step}: {bad}"
     out = a.stdout
     assert f"step {STEPS}/{STEPS} | reward " in out and f"summary: {STEPS} step(s); reward " in out
-    assert "switch " in out and "mean time per step: gen " in out
+    assert "switch " in out and "mean time per step: gen " in out and "tps/card " in out
+    log = _log(a.out_dir, "trainer.log")
     # The stand-in is named in the run's output (CPU platform).
-    assert "generation by the stand-in" in a.stdout + a.stderr
+    assert "generation by the stand-in" in log
     # Every patch of each phase applied through the prelude line in verl's worker module, in the
     # driver (verl's TaskRunner actor) and in each of the 4 worker-group actors, as on the cluster
     # (the applier is strict: a patch that cannot bind stops the process).
@@ -80,7 +104,42 @@ def test_the_run_logs_every_step_without_nan_and_ends_with_a_summary(runs):
     for phase, processes in (("driver", 1), ("worker", 4)):
         line = (f"verl_patches: applied {len(patches_for(phase, device_type='cpu'))} patch(es) for the {phase} "
                 "phase on the cpu platform")
-        assert (a.stdout + a.stderr).count(line) == processes, line
+        assert log.count(line) == processes, line
+
+
+def test_the_console_is_a_banner_one_line_per_step_and_the_summary(runs):
+    a, _, _, _ = runs
+    console = _console(a)
+    steps = [line for line in console if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == [f"step {s}/{STEPS}" for s in range(STEPS + 1)]
+    assert len(console) - len(steps) <= CONSOLE_FIXED, "\n".join(console)
+    text = "\n".join(console)
+    for what in ("logs:", "trainer.log", "metrics:", "tensorboard", "report: perf/tps_per_card",
+                 f"summary: {STEPS} step(s)", "trainer exited with status 0", "plots of"):
+        assert what in text, what
+    # What used to fill it is in the trainer's log, or gone.
+    assert "MLATransformerConfig" not in text and "MLATransformerConfig" in _log(a.out_dir, "trainer.log")
+    assert "CPU RNG state changed within GPU RNG context" not in text + _log(a.out_dir, "trainer.log")
+
+
+def test_the_curves_are_in_tensorboard_and_the_pngs(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    a, ma, _, _ = runs
+    events = sorted((a.out_dir / "tensorboard").rglob("events.out.tfevents.*"))
+    assert events, "no tensorboard event files"
+    acc = EventAccumulator(str(events[0].parent), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    for tag in ("critic/score/mean", "perf/tps_per_card", "switch/link_bytes", "timing_s/step"):
+        assert tag in tags, (tag, tags)
+        assert [e.step for e in acc.Scalars(tag)] == list(range(1, STEPS + 1)), tag
+    assert [e.value for e in acc.Scalars("critic/score/mean")] == [
+        pytest.approx(ma[s]["critic/score/mean"]) for s in range(1, STEPS + 1)]
+    for name in PNGS:
+        png = a.out_dir / "plots" / f"{name}.png"
+        assert png.read_bytes().startswith(b"\x89PNG"), png
+        assert str(png) in a.stdout
 
 
 def test_the_toy_reward_rises(runs):

@@ -13,6 +13,8 @@ KEYS: dict[str, str] = {
     "memory": "the rollout's offload-engine memory, on vLLM's LLM (sleep / wake_up route to it)",
     "reshard": "the reshard session (plan, binding), on verl's sharding manager",
     "moved_reported": "bytes moved already reported by the switch metrics, on the actor's memory",
+    "mem_reported": "the last ledger entry whose device watermarks the switch metrics sent, on the switch's ledger",
+    "mem_known": "the latest device watermarks per switch step, on the live switch",
     "report": "the per-step RunReport, on verl's Tracking",
     "stable_build": "the address-stable region build, on the vLLM worker",
     "kv_cache_configs": "the KV cache configs kept for re-initialisation, on vLLM's engine core",

@@ -27,6 +27,7 @@ class LedgerEntry:
     seconds: float
     measured_allocated: int | None = None
     measured_peak: int | None = None
+    measured_reserved_peak: int | None = None  # the caching allocator's reserved peak (None on CPU)
     error: str | None = None
 
 

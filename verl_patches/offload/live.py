@@ -32,6 +32,10 @@ order. Rules:
 - The loop starts where an update ends: memory attached before the first step is put where the
   steps so far leave it (the rollout engine's weights and KV cache released, the reference on
   host, the grads released). That is also what the engine's build-time sleep amounts to.
+- On a device (not on the CPU platform) each ledger entry carries the allocator's allocated and
+  reserved peaks since the previous entry ended, so verl's work between two reached steps counts
+  in the next one (the generation in ``generate``, which runs when the release is reached); the
+  sharding manager sends them to the run's report (``switch/mem/<step>/...``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
+from verl_patches import accelerator
 from verl_patches.offload.groups import Location, OffloadGroup
 from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
 from verl_patches.offload.schedule import (OUR_INITIAL, ROLES, Action, ScheduleError, StepSpec, SwitchSchedule,
@@ -66,7 +71,8 @@ class LiveSwitch(SwitchSchedule):
         # SwitchSchedule's fields, set here: the groups are the members' (a property), not a mapping given once.
         self.steps = tuple(steps if steps is not None else our_steps(keep_grads=keep_grads, empty_cache=empty_cache))
         self.name, self.hooks, self.ledger = "live", {}, MemoryLedger()
-        self.initial, self.measure_device, self.prepared = dict(OUR_INITIAL), False, True
+        self.initial, self.prepared = dict(OUR_INITIAL), True
+        self.measure_device = accelerator.device_type() != "cpu"
         self.keep_grads = keep_grads
         self.members: list[Any] = []
         self.engine: Any = None
@@ -76,6 +82,15 @@ class LiveSwitch(SwitchSchedule):
     def _restart(self) -> None:
         # Where an update ends: update_end has run.
         self.index, self.iteration, self.started = self._at("update_end") + 1, 0, False
+
+    def _measure_begin(self) -> None:
+        """Nothing: the peaks run from the previous entry's end (verl's work between steps counts)."""
+
+    def _measure_end(self) -> tuple[int | None, int | None, int | None]:
+        out = super()._measure_end()
+        if self.measure_device:
+            accelerator.reset_peak_memory_stats()
+        return out
 
     @property
     def groups(self) -> dict[str, OffloadGroup]:  # type: ignore[override]

@@ -293,11 +293,22 @@ class SwitchSchedule:
             self.iteration += 1
         return entry
 
-    def _run(self, spec: StepSpec, hooks: Mapping[str, Callable]) -> LedgerEntry:
-        """Run one step's actions and record them; on failure record the true residency and re-raise."""
+    def _measure_begin(self) -> None:
+        """A step's allocator statistics start from here (the peak of the step's own actions)."""
         if self.measure_device:
             accelerator.synchronize()
             accelerator.reset_peak_memory_stats()
+
+    def _measure_end(self) -> tuple[int | None, int | None, int | None]:
+        """(allocated now, allocated peak, reserved peak) of the device; Nones when not measured."""
+        if not self.measure_device:
+            return None, None, None
+        accelerator.synchronize()
+        return accelerator.memory_allocated(), accelerator.max_memory_allocated(), accelerator.max_memory_reserved()
+
+    def _run(self, spec: StepSpec, hooks: Mapping[str, Callable]) -> LedgerEntry:
+        """Run one step's actions and record them; on failure record the true residency and re-raise."""
+        self._measure_begin()
         t0 = time.perf_counter()
         res = self.resident()
         peak, peak_res = sum(res.values()), res
@@ -312,16 +323,13 @@ class SwitchSchedule:
                     peak, peak_res = sum(res.values()), res
         except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
             error = exc
-        measured = measured_peak = None
-        if self.measure_device:
-            accelerator.synchronize()
-            measured, measured_peak = accelerator.memory_allocated(), accelerator.max_memory_allocated()
+        measured, measured_peak, reserved_peak = self._measure_end()
         res = self.resident()
         entry = LedgerEntry(schedule=self.name, iteration=self.iteration, step=spec.name, resident=res,
                             total=sum(res.values()), step_peak=max(peak, sum(res.values())),
                             step_peak_resident=peak_res, h2d_bytes=h2d, d2h_bytes=d2h,
                             seconds=time.perf_counter() - t0, measured_allocated=measured,
-                            measured_peak=measured_peak,
+                            measured_peak=measured_peak, measured_reserved_peak=reserved_peak,
                             error=None if error is None else f"{type(error).__name__}: {error}")
         self.ledger.record(entry)
         if error is not None:

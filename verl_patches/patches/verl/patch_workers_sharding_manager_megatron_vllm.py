@@ -158,6 +158,57 @@ def _addresses_checked(manager: Any) -> float:
     return float(total - last)
 
 
+def memory_figures(switch: Any) -> dict[str, float]:
+    """The device's watermarks per step of the switch loop (verl_patches/offload/live.py), for the report:
+    ``switch/mem/<step>/allocated_peak_bytes`` and ``.../reserved_peak_bytes`` for every step of the loop
+    (the latest measurement of each; 0 until a step first ran), and their maxima over what ran since the
+    previous switch, excursions included, as ``switch/device_allocated_peak_bytes`` and
+    ``switch/device_reserved_peak_bytes``. The maximum over ranks is taken here: verl's timing channel
+    then averages equal values. Nothing on the CPU platform (the loop measures no device there); the
+    keys are the same on every rank (the loop's steps), as verl's average needs."""
+    from verl_patches.report import DEVICE_PEAKS, MEM_PREFIX
+
+    if switch is None or not switch.measure_device:
+        return {}
+    ledger = switch.ledger
+    last = stash.get(ledger, "mem_reported", None)
+    fresh: dict[str, tuple[int, int]] = {}
+    for entry in reversed(ledger.entries):
+        if entry is last:
+            break
+        if entry.measured_peak is not None:
+            a, r = fresh.get(entry.step, (0, 0))
+            fresh[entry.step] = (max(a, entry.measured_peak), max(r, entry.measured_reserved_peak or 0))
+    if ledger.entries:
+        stash.put(ledger, "mem_reported", ledger.entries[-1])
+    names = [s.name for s in switch.steps]
+    known = stash.get(switch, "mem_known", None) or {}
+    known.update({k: v for k, v in fresh.items() if k in names})
+    stash.put(switch, "mem_known", known)
+    out = {}
+    for name in names:
+        a, r = known.get(name, (0, 0))
+        out[f"{MEM_PREFIX}{name}/allocated_peak_bytes"] = float(a)
+        out[f"{MEM_PREFIX}{name}/reserved_peak_bytes"] = float(r)
+    out[DEVICE_PEAKS[0]] = float(max((a for a, _ in fresh.values()), default=0))
+    out[DEVICE_PEAKS[1]] = float(max((r for _, r in fresh.values()), default=0))
+    return _max_over_ranks(out)
+
+
+def _max_over_ranks(figures: dict[str, float]) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from verl_patches import accelerator
+
+    if not figures or not dist.is_initialized():
+        return figures
+    keys = sorted(figures)
+    values = torch.tensor([figures[k] for k in keys], dtype=torch.float32, device=accelerator.current_device())
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, values.tolist()))
+
+
 def recipe_enter(manager: Any, settings: Any) -> None:
     from verl.utils.debug.performance import simple_timer
     from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
@@ -204,6 +255,7 @@ def recipe_enter(manager: Any, settings: Any) -> None:
         _wake(manager, "kv_cache")  # step init_kv_cache
     checks["graph_addresses_checked"] = _addresses_checked(manager)
     manager.timing.update(switch_figures(stats, None if switch is None else switch.ledger, checks))
+    manager.timing.update(memory_figures(switch))
     _swap_rng_for_generation(manager)
 
 
