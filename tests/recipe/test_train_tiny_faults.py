@@ -29,7 +29,8 @@ def test_a_corrupted_rollout_stops_the_run_at_that_step_naming_rank_and_paramete
     r = subprocess.run(["bash", str(REPO / "scripts" / "train_tiny.sh"), "trainer.total_training_steps=4",
                         "trainer.save_freq=-1", "trainer.val_before_train=False", "trainer.test_freq=-1"],
                        env=env, cwd=str(REPO), capture_output=True, text=True, timeout=900)
-    text = r.stdout + r.stderr
+    log = out / "logs" / "trainer.log"  # the trainer's whole output; the console keeps the report's lines
+    text = r.stdout + r.stderr + (log.read_text(errors="replace") if log.exists() else "")
     assert r.returncode != 0, "the run went on with corrupted rollout weights:\n" + text[-6000:]
     injected = dict(re.findall(r"FAULT INJECTED \(VERL_PATCHES_INJECT_FAULT\): \w+ of (\S+) on rank (\d+) at step 3",
                                text))
