@@ -21,7 +21,7 @@ from tests.helpers import REPO
 SCRIPTS = {
     "scripts/bench_offload.py": "tests/offload/test_bench_offload_script.py::test_bench_offload_tiny",
     "scripts/bench_reshard.py": "tests/test_scripts.py::test_bench_reshard_tiny",
-    "scripts/bench_fingerprint.py": "tests/test_scripts.py::test_bench_fingerprint_tiny",
+    "scripts/bench_self_check.py": "tests/test_scripts.py::test_bench_self_check_tiny",
     "scripts/measure_tensorcache_bytes.py": "tests/test_scripts.py::test_measure_tensorcache_bytes_tiny",
     "scripts/fetch_sdist.py": "scripts/setup_test_env.sh (fetches vLLM's sdist for every CI run)",
     "scripts/setup_test_env.sh": "scripts/test.sh (CI's command)",
@@ -119,17 +119,19 @@ def test_bench_reshard_tiny(tmp_path):
     assert all(" True" in line for line in r.stdout.splitlines() if line.startswith("tp1 pp2 ep1 -> tp2 dp1"))
 
 
-def test_bench_fingerprint_tiny(tmp_path):
+def test_bench_self_check_tiny(tmp_path):
     out = tmp_path / "fp.json"
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fingerprint.py"), "--device", "cpu",
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_self_check.py"), "--device", "cpu",
                         "--gib", "0.002", "--repeats", "1", "--model", "configs/model/tiny_deepseek_v3.json",
-                        "--train", "tp=2,pp=2,ep=1,layers=3,1", "--rollout", "tp=2,dp=2", "--json-out", str(out)],
+                        "--train", "tp=2,pp=2,ep=1,layers=3,1", "--rollout", "tp=2,dp=2",
+                        "--entropy-tokens", "64", "--vocab-shard", "256", "--json-out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=str(REPO))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["paper"]["ranks"] == 4 and res["paper"]["shard_gb"] > 0
     assert all(res["measured"][f"{k}_gib_s"] > 0 for k in ("copy", "receive", "send"))
-    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fingerprint.py"), "--gib", "0"],
+    assert res["mismatch"]["entropy_gib_s"] > 0 and res["mismatch"]["paper_entropy_s"] > 0
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_self_check.py"), "--gib", "0"],
                          capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert bad.returncode == 2 and "--gib must be in (0, 64]" in bad.stderr
 
@@ -147,3 +149,26 @@ def test_measure_tensorcache_bytes_tiny(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_tensorcache_bytes.py"), "--prompts", "2"],
                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert bad.returncode == 2 and "--prompts 2 must be a multiple of --workers 8" in bad.stderr
+
+
+def test_bench_self_checks_entropy_is_verls_at_tensor_parallel_1():
+    # The bench times verl's entropy arithmetic without importing verl (the GPU image has none); here,
+    # where verl is installed, the two agree on one gloo rank (megatron's TP group of 1).
+    code = """
+import importlib.util, os, torch, torch.distributed as dist
+from verl_patches.ports import free_port_block
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1, low=20000)))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as mpu
+mpu.initialize_model_parallel(1, 1)
+from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy
+spec = importlib.util.spec_from_file_location("bench", "scripts/bench_self_check.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+x = torch.randn(64, 300, generator=torch.Generator().manual_seed(0)) * 4
+print("maxdiff", (vocab_parallel_entropy(x) - bench._entropy_tp1(x)).abs().max().item())
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert r.returncode == 0, r.stderr[-3000:]
+    diff = float(r.stdout.split("maxdiff")[1])
+    assert diff < 1e-5, diff  # float32 rounding of the same formula, summed in another order

@@ -23,7 +23,7 @@ it asks "which element of vLLM's parameter should hold this training element", f
 placements, and the rollout side answers from the raw parameter. Padding the rollout zero-fills
 (vocab rows) contributes nothing and must therefore be zero.
 
-Cost (measured by scripts/bench_fingerprint.py, figures in docs/benchmarks.md): the rollout rank
+Cost (measured by scripts/bench_self_check.py, figures in docs/benchmarks.md): the rollout rank
 reads its shard once (per chunk: a multiply by the key table and two sums); a sending rank reads
 what it sent and looks each element's key up by its destination index; temporaries are bounded by
 one chunk (2**22 elements) plus the 16 MiB key table; one all-reduce of 8 bytes per (rank,

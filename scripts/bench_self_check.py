@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""What the weight fingerprint (verl_patches/reshard/checksum.py) costs: its throughput on this device
-beside a plain copy (the memory-bandwidth reference), and its share of a switch at the reference scale
-worked out on paper from the reshard plan's bytes.
+"""What the run's self-checks cost: the weight fingerprint (verl_patches/reshard/checksum.py), its
+throughput on this device beside a plain copy (the memory-bandwidth reference) and its share of a switch
+at the reference scale worked out on paper from the reshard plan's bytes; and what the rollout-vs-train
+mismatch adds to an update (verl_patches/mismatch.py): the entropy pass over the logits, per GiB of
+logits, and on paper per step at the reference scale.
 
-    python scripts/bench_fingerprint.py                       # the device here, DeepSeek-V3 at 256 dies
-    python scripts/bench_fingerprint.py --device cpu --gib 0.05 --repeats 3 \\
+    python scripts/bench_self_check.py                       # the device here, DeepSeek-V3 at 256 dies
+    python scripts/bench_self_check.py --device cpu --gib 0.05 --repeats 3 \\
         --model configs/model/tiny_deepseek_v3.json --train tp=2,pp=2,ep=2,layers=3,1 --rollout tp=2,dp=2
 
 Measured, on a bf16 tensor of --gib GiB (median of --repeats after one warm-up):
@@ -15,6 +17,13 @@ Measured, on a bf16 tensor of --gib GiB (median of --repeats after one warm-up):
 GiB/s counts the bf16 bytes checked. Paper: per rank, the fingerprint reads its rollout shard once
 (receive rate) and what it sent once (send rate); the largest rank's time over --switch-s, the
 reference's published switch (17 s: 11.5 s reshard + 5.5 s offload, docs/PERFORMANCE.md).
+
+The mismatch: chunked_entropy (the overlay's, 1024 tokens a chunk, no autograd) over fp32 logits of
+--entropy-tokens x --vocab-shard, with verl's vocab_parallel_entropy's arithmetic at tensor parallel 1
+(its all-reduces are then no-ops; verl itself is not imported, so this runs on a device image without
+verl), plus UpdateProbe.add on the same tokens. Paper: the last pipeline stage's tokens per step at
+the reference (--step-tokens: 512 prompts x 16 x (77.8 + 1576.6) tokens / training DP 8) times the
+vocabulary shard (129280 / TP 4), over the published update (319.3 s) and step (859.7 s).
 """
 
 from __future__ import annotations
@@ -44,6 +53,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--train", default=DEFAULT_TRAIN)
     p.add_argument("--rollout", default=DEFAULT_ROLLOUT)
     p.add_argument("--switch-s", type=float, default=17.0, help="the switch's seconds to compare with")
+    p.add_argument("--entropy-tokens", type=int, default=8192, help="tokens of the timed entropy pass")
+    p.add_argument("--vocab-shard", type=int, default=129280 // 4, help="vocabulary per tensor-parallel rank")
+    p.add_argument("--step-tokens", type=float, default=512 * 16 * (77.8 + 1576.6) / 8,
+                   help="tokens the last pipeline stage of one training DP rank processes per step")
     p.add_argument("--json-out", default=None)
     a = p.parse_args(argv)
     if a.gib is not None and not 0 < a.gib <= 64:
@@ -52,6 +65,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--repeats must be at least 1, got {a.repeats}")
     if a.switch_s <= 0:
         p.error(f"--switch-s must be positive, got {a.switch_s}")
+    for name in ("entropy_tokens", "vocab_shard"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if a.step_tokens <= 0:
+        p.error(f"--step-tokens must be positive, got {a.step_tokens}")
     if not (ROOT / a.model).is_file() and not Path(a.model).is_file():
         p.error(f"--model {a.model}: no such file")
     return a
@@ -102,6 +120,38 @@ def measure(device, gib: float, repeats: int) -> dict[str, float]:
     return out
 
 
+def _entropy_tp1(logits):
+    """verl 0.4.1's _VocabParallelEntropy.forward at tensor parallel 1 (its all-reduces are no-ops)."""
+    m = logits.max(dim=-1, keepdim=True).values
+    exp = (logits - m).exp()
+    sum_exp = exp.sum(dim=-1, keepdim=True)
+    return (m + sum_exp.log() - ((exp / sum_exp) * logits).sum(dim=-1, keepdim=True)).squeeze(-1)
+
+
+def measure_mismatch(device, tokens: int, vocab: int, repeats: int) -> dict[str, float]:
+    import torch
+
+    from verl_patches import accelerator
+    from verl_patches.mismatch import UpdateProbe, chunked_entropy
+
+    sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)
+    logits = torch.randn(tokens, vocab, device=device, dtype=torch.float32)
+    rows = max(1, tokens // 1024)
+    lp = torch.randn(rows, tokens // rows, device=device).clamp(max=0)
+    mask = torch.ones_like(lp, dtype=torch.bool)
+
+    def probe():
+        p = UpdateProbe(compare=True, loss_agg_mode="token-mean")
+        p.add(lp, mask, lp.abs(), rollout_log_prob=lp + 1e-3)
+        return p.local_stats()
+
+    ent_s = _timed(lambda: chunked_entropy(logits, _entropy_tp1), repeats, sync)
+    probe_s = _timed(probe, repeats, sync)
+    nbytes = logits.numel() * 4
+    return {"logits_bytes": float(nbytes), "entropy_s": ent_s, "entropy_gib_s": nbytes / ent_s / (1 << 30),
+            "probe_s": probe_s, "tokens": float(tokens)}
+
+
 def paper(model: str, train: str, rollout: str, rates: dict[str, float], switch_s: float) -> dict[str, float]:
     from verl_patches.reshard.planner import build_plan
 
@@ -128,8 +178,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"paper: {a.model} train {a.train} -> rollout {a.rollout} ({p['ranks']} ranks): the busiest rank checks "
           f"its {p['shard_gb']:.2f} GB shard and the {p['sent_gb']:.2f} GB it sent in {p['fingerprint_s']:.3f} s "
           f"at these rates = {100 * p['share']:.2f}% of a {a.switch_s:g} s switch")
+    e = measure_mismatch(device, a.entropy_tokens, a.vocab_shard, a.repeats)
+    step_bytes = a.step_tokens * a.vocab_shard * 4
+    e["paper_entropy_s"] = step_bytes / (1 << 30) / e["entropy_gib_s"]
+    e["paper_probe_s"] = e["probe_s"] * a.step_tokens / a.entropy_tokens
+    print(f"mismatch: entropy over {a.entropy_tokens} x {a.vocab_shard} fp32 logits {e['entropy_s'] * 1e3:.2f} ms "
+          f"({e['entropy_gib_s']:.1f} GiB/s), the probe's comparison {e['probe_s'] * 1e3:.3f} ms")
+    print(f"paper: {a.step_tokens:.0f} tokens x {a.vocab_shard} logits per step on the last stage: entropy "
+          f"{e['paper_entropy_s']:.2f} s + comparison {e['paper_probe_s']:.3f} s = "
+          f"{100 * (e['paper_entropy_s'] + e['paper_probe_s']) / 319.3:.2f}% of the 319.3 s update, "
+          f"{100 * (e['paper_entropy_s'] + e['paper_probe_s']) / 859.7:.2f}% of the 859.7 s step")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"device": str(device), "measured": m, "paper": p}, indent=1))
+        Path(a.json_out).write_text(json.dumps({"device": str(device), "measured": m, "paper": p, "mismatch": e},
+                                               indent=1))
     return 0
 
 
