@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
@@ -131,20 +131,50 @@ def self_check(manager: Any, session: Any, settings: Any, train: dict, model: An
     return out
 
 
-def upstream_self_check(manager: Any, settings: Any, model: Any) -> None:
+def upstream_self_check(manager: Any, settings: Any, model: Any) -> dict[str, float]:
     """verl's own reshard (reshard_method=upstream) checked like ours, against the direct method's
-    plan, while the training params are still resident: under the switch loop (verl's param offload
-    is off, the loop offloads after generation) or without any param offload."""
+    plan. Run when verl's __enter__ asks for the KV cache: its weights are loaded and the training
+    params still resident (under the switch loop the KV cache's step first runs offload_train_params;
+    without the loop, only when verl's param offload is off). {} when they are not resident."""
     from verl_patches.reshard.binding import megatron_params, vllm_params
-    from verl_patches.report import SWITCH_PREFIX
+    from verl_patches.rollout.mla import redo_mla_post_load
 
     if stash.get(manager, "actor_memory") is None and manager.offload_param:
-        return
+        return {}
+    redo_mla_post_load(model, next(model.parameters()).dtype)
     train = megatron_params(manager.actor_module)
     session = getattr(manager, SESSION_ATTR, None) or _build_session(manager, settings, train, vllm_params(model),
                                                                      method="direct")
-    checks = self_check(manager, session, settings, train, model)
+    return self_check(manager, session, settings, train, model)
+
+
+def upstream_enter(manager: Any, settings: Any, original: Callable[..., Any]) -> Any:
+    """verl's __enter__ as shipped, plus MLA's redo and the self-check right before it wakes the KV
+    cache (an instance attribute over LLM.wake_up for the duration of the call)."""
+    from verl_patches.report import SWITCH_PREFIX
+    from verl_patches.rollout.mla import redo_mla_post_load
+
+    engine, model = manager.inference_engine, _model(manager)
+    wake_up = engine.wake_up
+    checks: dict[str, float] = {}
+    ran = []
+
+    def wake_up_checked(tags: Optional[list[str]] = None):
+        if tags and "kv_cache" in tags and not ran:
+            ran.append(True)
+            checks.update(upstream_self_check(manager, settings, model))
+        return wake_up(tags=tags)
+
+    engine.wake_up = wake_up_checked
+    try:
+        out = original(manager)
+    finally:
+        del engine.wake_up
+    if not ran:  # verl did not wake the KV cache through tags (an engine without them)
+        redo_mla_post_load(model, next(model.parameters()).dtype)
+    checks["graph_addresses_checked"] = _addresses_checked(manager)
     manager.timing.update({f"{SWITCH_PREFIX}{k}": float(v) for k, v in checks.items()})
+    return out
 
 
 def _addresses_checked(manager: Any) -> float:
@@ -266,13 +296,7 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
         if settings is None:  # a rollout not built by the recipe's constructor: upstream throughout
             return original(self)
         if settings.reshard_method == "upstream":
-            from verl_patches.rollout.mla import redo_mla_post_load
-
-            out = original(self)
-            model = _model(self)
-            redo_mla_post_load(model, next(model.parameters()).dtype)
-            upstream_self_check(self, settings, model)
-            return out
+            return upstream_enter(self, settings, original)
         return recipe_enter(self, settings)
 
     return __enter__
