@@ -18,7 +18,7 @@ from verl_patches.core.lock import Component, load_lock
 from verl_patches.core.record import Patch
 from verl_patches.core.upstream import locate, module_file
 
-STATUSES = ("ok", "missing", "changed", "version-mismatch")
+STATUSES = ("ok", "missing", "changed", "version-mismatch", "invalid")  # invalid: an env:VERL_PATCHES_* setting
 
 
 @dataclass(frozen=True)
