@@ -119,6 +119,8 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
         reader = DistCheckpointReader(ckpt)
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
         raise ConversionError(f"{ckpt}/.metadata is not a readable torch_dist metadata file ({e})") from None
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
     spec = detect_spec(reader)
     all_units = units(cfg)
     try:
