@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        if not (math.isfinite(args.bucket_mb) and 0 < args.bucket_mb <= MAX_BUCKET_MB):
-            raise LayoutError(f"--bucket-mb must be positive, finite and <= {MAX_BUCKET_MB}, got {args.bucket_mb}")
+        if not (math.isfinite(args.bucket_mb) and 0 < args.bucket_mb and 1 / 1024 <= args.bucket_mb <= MAX_BUCKET_MB):
+            raise LayoutError(f"--bucket-mb must be positive, finite, at least 1/1024 (1 KiB) and at most "
+                              f"{MAX_BUCKET_MB}, got {args.bucket_mb}")
         model = load_model(args.model)
         train, rollout = TrainLayout.parse(args.train), RolloutLayout.parse(args.rollout)
         check_sizes(train, rollout)

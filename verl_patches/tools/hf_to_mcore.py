@@ -28,6 +28,25 @@ class ConversionError(RuntimeError):
 
 
 MODEL_KEYS = ("num_hidden_layers", "n_routed_experts", "first_k_dense_replace", "num_attention_heads")
+# Upper bounds of the config values the tools compute with: far above DeepSeek-V3 (61 layers, 256
+# experts, 128 heads, 7168 hidden), low enough that a mistyped value is an error, not hours of work.
+CONFIG_BOUNDS = {"num_hidden_layers": 1024, "n_routed_experts": 1 << 14, "first_k_dense_replace": 1024,
+                 "num_attention_heads": 1 << 12, "hidden_size": 1 << 17, "vocab_size": 1 << 24,
+                 "q_lora_rank": 1 << 14, "kv_lora_rank": 1 << 14, "qk_nope_head_dim": 1 << 12,
+                 "qk_rope_head_dim": 1 << 12, "v_head_dim": 1 << 12, "intermediate_size": 1 << 18,
+                 "moe_intermediate_size": 1 << 18, "n_shared_experts": 1 << 10, "num_nextn_predict_layers": 1024}
+
+
+def check_model_config(cfg: dict, path: Path) -> None:
+    """The values the tools compute with: MODEL_KEYS present, every value in CONFIG_BOUNDS that is
+    given (and not null) a whole number in [0, bound]; ConversionError naming the file and keys."""
+    bad = [k for k in MODEL_KEYS if k not in cfg]
+    bad += [f"{k}={cfg[k]!r}" for k, hi in CONFIG_BOUNDS.items() if cfg.get(k) is not None and (
+        not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or not 0 <= cfg[k] <= hi)]
+    if bad:
+        raise ConversionError(f"{path}: {bad} missing or not whole numbers in range "
+                              f"({', '.join(f'{k} <= {hi}' for k, hi in CONFIG_BOUNDS.items() if any(b.startswith(k) for b in bad))}; "
+                              "a DeepSeek-V3 config.json is expected)")
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -49,10 +68,7 @@ def load_hf_index(hf: Path) -> tuple[dict, dict[str, str]]:
     cfg = read_json(hf / "config.json", "config.json")
     if cfg.get("quantization_config"):
         raise ConversionError(f"{hf}: config has quantization_config (FP8): run python -m verl_patches.tools.fp8_to_bf16 first")
-    bad = [k for k in MODEL_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 0]
-    if bad:
-        raise ConversionError(f"{hf / 'config.json'}: {bad} missing or not non-negative integers "
-                              "(a DeepSeek-V3 config.json is expected)")
+    check_model_config(cfg, hf / "config.json")
     idx = hf / "model.safetensors.index.json"
     if idx.is_file():
         weight_map = read_json(idx, "the safetensors index").get("weight_map")

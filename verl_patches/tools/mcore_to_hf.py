@@ -16,7 +16,8 @@ import torch
 
 from verl_patches import atomic
 from verl_patches.tools import manifest
-from verl_patches.tools.hf_to_mcore import MODEL_KEYS, ConversionError, read_json, shape_mismatches, unit_plan, units
+from verl_patches.tools.hf_to_mcore import (ConversionError, check_model_config, read_json, shape_mismatches, unit_plan,
+                                            units)
 from verl_patches.tools.mcore_layout import DistCheckpointReader
 
 
@@ -112,9 +113,7 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
 
     ckpt, out = Path(ckpt), Path(out)
     cfg = read_json(config, "the model config")
-    bad = [k for k in MODEL_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
-    if bad:
-        raise ConversionError(f"{config}: {bad} missing or not integers (a DeepSeek-V3 config.json is expected)")
+    check_model_config(cfg, config)
     try:
         reader = DistCheckpointReader(ckpt)
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
