@@ -133,3 +133,9 @@ def test_doctor_lists_a_valid_setting_after_the_findings():
     rows, base_rows = json.loads(r.stdout), json.loads(base.stdout)
     assert r.returncode == base.returncode and rows[:-1] == base_rows
     assert rows[-1]["id"] == "env:VERL_PATCHES_DEVICE" and rows[-1]["status"] == "ok"
+
+
+def test_the_readme_lists_every_variable():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(VERL_PATCHES_[A-Z0-9_]+)` \|", text, flags=re.M)
+    assert rows == [v.name for v in env.VARIABLES]

@@ -1,6 +1,11 @@
 """Convert a BF16 DeepSeek-V3 HF checkpoint to a Megatron-core torch_dist checkpoint, one layer at a time.
 
 ``python -m verl_patches.tools.hf_to_mcore --hf DIR --out DIR --tp 4 --pp 8 --ep 8 --num-layer-list 7,7,8,8,8,8,8,7 --moe-tp-extend-ep``
+
+Resumes and reuse are decided by content (verl_patches/tools/manifest.py): the input's every byte
+is hashed (SHA-256, about 1.2 GB/s per core measured on the development machine) and compared with
+the output directory's manifest, and each reused layer file must hash to what was recorded when it
+was written. An HF config that does not describe its shards' shapes is refused.
 """
 
 from __future__ import annotations

@@ -18,12 +18,14 @@ what was recorded when it was written: one that does not (a truncated ``.metadat
 shard), in a partial output or a finished one, is written again from the input, and the
 manifest lists it under ``changed_on_resume``.
 
-Cost (measured on the development machine, a 2-core Xeon with SHA extensions, files in the page
-cache): SHA-256 runs at about 1.2 GB/s per core, so identifying a 1.3 TB checkpoint reads it
-once at the storage's speed or 1.2 GB/s per hashing thread, whichever is lower (about 18 minutes
-on one core, ``HASH_THREADS`` threads in parallel). Recording an output re-reads the file just
-written (normally from the page cache). ``tests/tools/test_identity.py`` measures the rate of
-``hash_file`` on the machine that runs it and prints it.
+Cost, measured on the development machine (a 2-core Xeon with SHA extensions, files in the page
+cache): ``hash_file`` ran at 1.2 to 1.6 GB/s on an idle core and 0.45 to 0.75 GB/s while the two
+cores were shared with other jobs; plain reads of the same file ran at 3 to 4 GB/s, so hashing is
+CPU-bound. Identifying the 1.3 TB BF16 checkpoint therefore reads it once at the lower of the
+storage's speed and about 1.2 GB/s per hashing thread (``HASH_THREADS``, up to 8, one per file):
+about 18 minutes on one idle core. Recording an output re-reads the file just written (normally
+from the page cache); reusing one re-reads it once. ``tests/tools/test_identity.py`` prints the
+rate of ``hash_file`` on the machine that runs it.
 """
 
 from __future__ import annotations
