@@ -18,6 +18,7 @@ import json
 import math
 import shutil
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -33,9 +34,12 @@ from verl_patches.data import check as data_check
 from verl_patches.reshard import cli as plan_cli
 from verl_patches.tools import fp8_to_bf16, hf_to_mcore, mcore_to_hf
 
+# Never a hang: one example may take a minute at most (hypothesis fails it otherwise), one test
+# five minutes (pytest-timeout). Each test takes seconds here.
+pytestmark = pytest.mark.timeout(300)
 COUNTS: Counter = Counter()
 OUTCOMES: Counter = Counter()
-SETTINGS = dict(derandomize=True, deadline=None, database=None,
+SETTINGS = dict(derandomize=True, deadline=timedelta(seconds=60), database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                        HealthCheck.data_too_large])
 TINY_ARGS = ["--tp", "1", "--pp", "2", "--ep", "2", "--no-progress"]
@@ -81,7 +85,7 @@ def _finish(name: str) -> None:
 # ---------- the environment reader ----------
 
 def test_env_reader_properties():
-    @settings(max_examples=300, **SETTINGS)
+    @settings(max_examples=200, **SETTINGS)
     @given(var=st.sampled_from(env.VARIABLES), raw=st.one_of(number_text, st.text(max_size=20), json_values.map(json.dumps)))
     def prop(var, raw):
         COUNTS["env.get"] += 1
@@ -287,7 +291,11 @@ cells = {
         {"ground_truth": st.one_of(st.none(), st.text(max_size=6), st.integers(-5, 50), st.floats())})),
     "extra_info": st.one_of(st.none(), st.fixed_dictionaries({"index": st.integers(0, 9)})),
 }
-rows = st.lists(st.fixed_dictionaries({}, optional=cells), min_size=0, max_size=6)
+
+
+def _valid_row(i: int) -> dict:
+    return {"data_source": "deepscaler", "prompt": [{"role": "user", "content": f"What is {i}+1?"}],
+            "reward_model": {"ground_truth": str(i + 1)}, "extra_info": {"index": i}}
 
 
 @pytest.fixture(scope="module")
@@ -300,22 +308,33 @@ def test_data_check_properties(tmp_path_factory, scorer, monkeypatch):
     monkeypatch.setattr(data_check, "recipe_scorer", lambda config=None: (scorer, "the recipe's scorer"))
 
     @settings(max_examples=60, **SETTINGS)
-    @given(data=rows, raw=st.one_of(st.none(), st.binary(max_size=64)))
-    def prop(data, raw):
+    @given(n=st.integers(1, 6), which=st.sampled_from(["none", "cell", "column", "bytes", "empty"]), data=st.data())
+    def prop(n, which, data):
         COUNTS["data.check"] += 1
         f = root / f"d{next(_ids)}.parquet"
-        if raw is not None:
-            f.write_bytes(raw)
+        table = [_valid_row(i) for i in range(n)]
+        if which == "cell":
+            col = data.draw(st.sampled_from(sorted(cells)))
+            table[data.draw(st.integers(0, n - 1))][col] = data.draw(cells[col])
+        elif which == "column":
+            col = data.draw(st.sampled_from(sorted(cells)))
+            for r in table:
+                r.pop(col)
+        if which == "bytes":
+            f.write_bytes(data.draw(st.binary(max_size=64)))
         else:
             try:
-                table = pa.Table.from_pylist(data)
+                t = pa.Table.from_pylist(table[:0] if which == "empty" else table,
+                                         schema=pa.Table.from_pylist(table).schema)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
                 assume(False)
-            pq.write_table(table, str(f))
+            pq.write_table(t, str(f))
         rc, _, err = call(data_check.main, [str(f)])
-        assert_clean_failure(rc, err, str(f))
-        if raw is not None or not data:
+        if which == "none" or (which == "column" and col == "extra_info"):
+            assert rc == 0, err
+        if which in ("bytes", "empty"):
             assert rc != 0
+        assert_clean_failure(rc, err, str(f))
 
     prop()
     _finish("data.check")

@@ -241,9 +241,9 @@ def test_an_older_sampled_manifest_is_not_trusted(twins, tmp_path, capsys):
 
 
 def test_hash_file_reads_every_byte_and_its_rate(tmp_path):
-    """The cost the tools' docs state: SHA-256 of a 256 MiB file, streamed (printed, -s shows it)."""
+    """The cost the tools' docs state: SHA-256 of a 64 MiB file, streamed (printed, -s shows it)."""
     f = tmp_path / "blob"
-    data = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8).numpy().tobytes()
+    data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy().tobytes()
     f.write_bytes(data)
     t = time.perf_counter()
     got = manifest.hash_file(f)
