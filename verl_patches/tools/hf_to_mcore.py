@@ -49,8 +49,9 @@ def check_model_config(cfg: dict, path: Path) -> None:
     bad += [f"{k}={cfg[k]!r}" for k, hi in CONFIG_BOUNDS.items() if cfg.get(k) is not None and (
         not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or not 0 <= cfg[k] <= hi)]
     if bad:
-        raise ConversionError(f"{path}: {bad} missing or not whole numbers in range "
-                              f"({', '.join(f'{k} <= {hi}' for k, hi in CONFIG_BOUNDS.items() if any(b.startswith(k) for b in bad))}; "
+        named = {b.split("=")[0] for b in bad}
+        bounds = ", ".join(f"{k} <= {hi}" for k, hi in CONFIG_BOUNDS.items() if k in named)
+        raise ConversionError(f"{path}: {bad} missing or not whole numbers in range ({bounds or 'required'}; "
                               "a DeepSeek-V3 config.json is expected)")
 
 
