@@ -42,7 +42,7 @@ from verl_patches import atomic
 
 MANIFEST = ".verl_patches_output.json"
 FORMAT = 2  # 1 identified inputs by 64 KiB sampled at each end of each file: not trusted any more
-CHUNK = 8 << 20
+CHUNK = 1 << 20  # per read; one buffer per hashing thread (bounded memory)
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
