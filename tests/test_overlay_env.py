@@ -108,7 +108,9 @@ def test_readers_use_the_table(monkeypatch):
 
 
 def test_nothing_set_nothing_reported():
-    assert env.settings({"PATH": "/bin", "VERL_PATCHES": "x"}) == [] and env.findings({}) == []
+    from verl_patches.core.doctor import env_findings
+
+    assert env.settings({"PATH": "/bin", "VERL_PATCHES": "x"}) == [] and env_findings({}) == []
     # Set but empty is set (and means the default): reported, valid.
     assert [(s.name, s.ok) for s in env.settings({"VERL_PATCHES_REWARD_TIMEOUT_S": ""})] == [
         ("VERL_PATCHES_REWARD_TIMEOUT_S", True)]

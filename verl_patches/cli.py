@@ -32,10 +32,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.upstream_root is not None and not args.upstream_root.is_dir():
         print(f"error: --upstream-root {args.upstream_root} is not a directory", file=sys.stderr)
         return 2
-    from verl_patches import env
+    from verl_patches.core.doctor import env_findings
 
     # The overlay's own variables that are set, each ok or invalid (none set: no line, no entry).
-    settings = env.findings()
+    settings = env_findings()
     if any(s.failed for s in settings):
         # Before anything that reads them (the platform, the registry, the lock).
         if args.json:

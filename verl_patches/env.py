@@ -6,7 +6,8 @@ the value where it is read; a value that is not of the type, outside the range, 
 would weaken a check (a timeout of 0, an endless one) raises ``EnvError`` naming the variable,
 the value and what is allowed. Unset or empty means the default.
 ``python -m verl_patches doctor`` reports every variable of the table that is set, with its
-validity (``findings``); nothing when none is set.
+validity (``settings``; verl_patches/core/doctor.py ``env_findings``); nothing when none is set.
+This module imports nothing of the overlay: every reader can use it.
 
 Numbers are read as Python reads them, but only finite ones: ``nan`` and ``inf`` are refused.
 Booleans are one of 1/0, true/false, yes/no, on/off (any case).
@@ -183,10 +184,3 @@ def settings(environ: Mapping[str, str] | None = None) -> list[Setting]:
         out.append(Setting(var.name, raw, True, f"{var.name}={value!r}: {var.doc} (read by {var.read_by})"))
     return out
 
-
-def findings(environ: Mapping[str, str] | None = None) -> list:
-    """The doctor's findings for the variables that are set: ok, or invalid (failing)."""
-    from verl_patches.core.doctor import Finding
-
-    return [Finding(f"env:{s.name}", "environment", "ok" if s.ok else "invalid", s.detail, s.raw,
-                    BY_NAME[s.name].allowed() if s.name in BY_NAME else None, True) for s in settings(environ)]

@@ -157,5 +157,15 @@ def run_doctor(patches: list[Patch], platform: str, root: Path | None = None,
     return findings, (1 if any(is_failing(f, strict) for f in findings) else 0)
 
 
+def env_findings(environ=None) -> list[Finding]:
+    """One finding per VERL_PATCHES_* variable that is set: ok, or invalid (failing); none when
+    none is set, so the doctor's output is then what it always was."""
+    from verl_patches import env
+
+    return [Finding(f"env:{s.name}", "environment", "ok" if s.ok else "invalid", s.detail, s.raw,
+                    env.BY_NAME[s.name].allowed() if s.name in env.BY_NAME else None, True)
+            for s in env.settings(environ)]
+
+
 def as_json(findings: list[Finding]) -> list[dict]:
     return [asdict(f) | {"failed": f.failed} for f in findings]
