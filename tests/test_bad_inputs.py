@@ -41,6 +41,14 @@ def ws(tmp_path):
     (tmp_path / "ckpt_garbage" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     (tmp_path / "model_strings.json").write_text('{"num_hidden_layers": "61", "first_k_dense_replace": 3, '
                                                  '"n_routed_experts": 256}')
+    (tmp_path / "hf_huge").mkdir()
+    (tmp_path / "hf_huge" / "config.json").write_text('{"num_hidden_layers": 1000000000, "n_routed_experts": 4, '
+                                                      '"first_k_dense_replace": 1, "num_attention_heads": 2}')
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"data_source": "deepscaler", "prompt": "What is 1+1?",
+                                          "reward_model": {"ground_truth": "2"}}]), str(tmp_path / "str_prompt.parquet"))
     return tmp_path
 
 
@@ -111,6 +119,14 @@ CASES = [
      "train tp must be >= 1"),
     ("plan-rollout-junk", PLAN, ["--model", "configs/model/tiny_deepseek_v3.json", "--train", "tp=1", "--rollout", "dp"],
      "rollout layout 'dp'"),
+    ("plan-bucket-nan", PLAN, ["--model", "configs/model/tiny_deepseek_v3.json", "--train", "tp=1", "--rollout", "dp=1",
+                               "--bucket-mb", "nan"], "--bucket-mb must be positive, finite"),
+    ("plan-model-string-value", PLAN, ["--model", "{ws}/model_strings.json", "--train", "tp=1", "--rollout", "dp=1"],
+     "num_hidden_layers='61'"),
+    ("plan-model-binary", PLAN, ["--model", "{ws}/bin.dat", "--train", "tp=1", "--rollout", "dp=1"],
+     "{ws}/bin.dat: not a JSON config.json"),
+    ("plan-world-huge", PLAN, ["--model", "configs/model/tiny_deepseek_v3.json", "--train", "tp=1",
+                               "--rollout", "tp=1,dp=100000000"], "rollout dp must be <= 8192"),
     ("plan-bucket", PLAN, ["--model", "configs/model/tiny_deepseek_v3.json", "--train", "tp=1", "--rollout", "dp=1",
                            "--bucket-mb", "-1"], "--bucket-mb must be positive"),
     # the recipe's config: wrong types, unknown keys and impossible layouts are named errors
@@ -161,12 +177,14 @@ CASES = [
     ("prepare-kind", PREPARE, ["math", "--out-dir", "{ws}/out"], "invalid choice: 'math'"),
     ("check-missing", CHECK, ["{ws}/nope.parquet"], "{ws}/nope.parquet"),
     ("check-not-parquet", CHECK, ["{ws}/bad.json"], "{ws}/bad.json: not a verl RL parquet file"),
+    ("check-string-prompt", CHECK, ["{ws}/str_prompt.parquet"], "{ws}/str_prompt.parquet: column prompt is string"),
     # checkpoint tools
     ("hf2mc-hf-missing", HF2MC, ["--hf", "{ws}/nope", "--out", "{ws}/out"], "{ws}/nope: not a directory"),
     ("hf2mc-no-config", HF2MC, ["--hf", "{ws}/hf_noconfig", "--out", "{ws}/out"], "{ws}/hf_noconfig: no config.json"),
     ("hf2mc-index-names-missing-shard", HF2MC, ["--hf", "{ws}/hf_badindex", "--out", "{ws}/out"], "missing.safetensors"),
     ("hf2mc-tp-zero", HF2MC, ["--hf", "{ws}/hf_badindex", "--out", "{ws}/out", "--tp", "0"], "--tp must be >= 1"),
     ("hf2mc-layer-list", HF2MC, ["--hf", "{ws}/hf_badindex", "--out", "{ws}/out", "--num-layer-list", "1,x"], "'1,x'"),
+    ("hf2mc-config-huge", HF2MC, ["--hf", "{ws}/hf_huge", "--out", "{ws}/out"], "num_hidden_layers=1000000000"),
     ("hf2mc-out-not-ours", HF2MC, ["--hf", "{ws}/hf_badindex", "--out", "{ws}/dir"], "missing.safetensors"),
     ("mc2hf-ckpt-missing", MC2HF, ["--ckpt", "{ws}/nope", "--config", "{ws}/hf_badindex/config.json", "--out",
                                    "{ws}/out"], "{ws}/nope is not a complete torch_dist checkpoint"),

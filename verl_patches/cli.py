@@ -33,12 +33,25 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if args.upstream_root is not None and not args.upstream_root.is_dir():
         print(f"error: --upstream-root {args.upstream_root} is not a directory", file=sys.stderr)
         return 2
+    from verl_patches.core.doctor import env_findings
+
+    # The overlay's own variables that are set, each ok or invalid (none set: no line, no entry).
+    settings = env_findings()
+    if any(s.failed for s in settings):
+        # Before anything that reads them (the platform, the registry, the lock).
+        if args.json:
+            print(json.dumps(as_json(settings), indent=2))
+        for f in settings if not args.json else ():
+            print(f.line())
+        print(f"doctor: {sum(s.failed for s in settings)} invalid environment setting(s): "
+              f"{', '.join(s.id for s in settings if s.failed)}", file=sys.stderr)
+        return 1
     platform = args.platform or _platform_default()
     findings, code = run_doctor(load_registry(), platform, args.upstream_root, strict=args.strict)
     if args.json:
-        print(json.dumps(as_json(findings), indent=2))
+        print(json.dumps(as_json(findings + settings), indent=2))
         return code
-    for f in findings:
+    for f in findings + settings:
         print(f.line())
     bad = [f for f in findings if is_failing(f, args.strict)]
     notes = [f for f in findings if f.status != "ok" and f.id.startswith("lock:") and f not in bad]

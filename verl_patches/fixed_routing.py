@@ -39,7 +39,9 @@ def configure_from_worker_config(worker_config) -> bool:
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    from verl_patches import env
+
+    return bool(env.get(ENV))
 
 
 def balanced_expert_ids(num_tokens: int, top_k: int, num_experts: int, device=None,

@@ -7,8 +7,7 @@ to verl's worker module, which every Ray worker imports), vLLM's general-plugin 
 
 from __future__ import annotations
 
-import os
-
+from verl_patches import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
 from verl_patches.core.record import Patch
@@ -17,7 +16,7 @@ from verl_patches.core.registry import load_registry
 
 def disabled_ids() -> set[str]:
     """VERL_PATCHES_DISABLE=id1,id2 leaves those patches out (an escape hatch for bisecting)."""
-    return {x.strip() for x in os.environ.get("VERL_PATCHES_DISABLE", "").split(",") if x.strip()}
+    return set(env.get("VERL_PATCHES_DISABLE"))
 
 
 def patches_for(phase: str, registry: list[Patch] | None = None, device_type: str | None = None) -> list[Patch]:
@@ -32,7 +31,7 @@ def patches_for(phase: str, registry: list[Patch] | None = None, device_type: st
 
 def apply_prelude(phase: str | None = None) -> list[str]:
     """Apply this phase's patches; return the ids newly applied (empty when already done)."""
-    if os.environ.get("VERL_PATCHES_OFF") == "1":
+    if env.get("VERL_PATCHES_OFF"):
         return []
     # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/compile_context.py).
     from verl_patches.compile_context import save_real_compile

@@ -377,7 +377,8 @@ def check_data(cfg, rep: Report) -> None:
     except Exception as e:  # noqa: BLE001 - a custom reward that does not load is the finding itself
         rep.errors.append(f"the configured reward cannot be loaded: {type(e).__name__}: {e}")
         return
-    problems = check_files(present, scorer)
+    prompt_key = _select(cfg, "data.prompt_key") or "prompt"
+    problems = check_files(present, scorer, str(prompt_key))
     rep.errors += problems
     if not problems:
         rep.notes.append(f"every data_source in {len(present)} data file(s) is scored by {what}")

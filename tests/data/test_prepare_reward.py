@@ -44,7 +44,8 @@ def test_a_source_the_reward_cannot_score_is_refused(tmp_path, capsys, source):
 def test_the_check_names_rows_the_reward_cannot_score(tmp_path, scorer):
     import pyarrow as pa
 
-    rows = [{"data_source": src, "reward_model": {"ground_truth": "18", "style": "rule"}}
+    rows = [{"data_source": src, "prompt": [{"role": "user", "content": "2*9?"}],
+             "reward_model": {"ground_truth": "18", "style": "rule"}}
             for src in ("deepscaler", "gsm8k", "openai/gsm8k")]
     f = tmp_path / "mixed.parquet"
     pq.write_table(pa.Table.from_pylist(rows), str(f))

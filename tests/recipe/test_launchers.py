@@ -153,7 +153,8 @@ def test_dry_run_fails_for_what_the_real_run_would_fail_on(tmp_path):
     manifest.claim(ckpt, "hf_to_mcore", tmp_path / "hf", "fp", {}, False, lambda p: False)
     (ckpt / "layer_000.distcp").write_bytes(b"x")
     data = tmp_path / "train.parquet"
-    pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "reward_model": {"ground_truth": "3"}}]), str(data))
+    pq.write_table(pa.Table.from_pylist([{"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+2?"}],
+                                          "reward_model": {"ground_truth": "3"}}]), str(data))
     r = _run(TRUE_WEIGHT, "--dry-run", DIST_CKPT_PATH=str(ckpt), NODE_RANK="0", DEVICE="npu",
              TRAIN_FILES=str(data), VAL_FILES=str(data), PYTORCH_NPU_ALLOC_CONF="expandable_segments:True")
     err = r.stdout + r.stderr

@@ -18,7 +18,7 @@ from verl_patches.core.lock import Component, load_lock
 from verl_patches.core.record import Patch
 from verl_patches.core.upstream import locate, module_file
 
-STATUSES = ("ok", "missing", "changed", "version-mismatch")
+STATUSES = ("ok", "missing", "changed", "version-mismatch", "invalid")  # invalid: an env:VERL_PATCHES_* setting
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,16 @@ def run_doctor(patches: list[Patch], platform: str, root: Path | None = None,
     patch_findings = [check_patch(p, lock, platform, root) for p in patches]
     findings = comp_findings + patch_findings
     return findings, (1 if any(is_failing(f, strict) for f in findings) else 0)
+
+
+def env_findings(environ=None) -> list[Finding]:
+    """One finding per VERL_PATCHES_* variable that is set: ok, or invalid (failing); none when
+    none is set, so the doctor's output is then what it always was."""
+    from verl_patches import env
+
+    return [Finding(f"env:{s.name}", "environment", "ok" if s.ok else "invalid", s.detail, s.raw,
+                    env.BY_NAME[s.name].allowed() if s.name in env.BY_NAME else None, True)
+            for s in env.settings(environ)]
 
 
 def as_json(findings: list[Finding]) -> list[dict]:

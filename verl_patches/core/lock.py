@@ -5,7 +5,6 @@ Read with the standard library only, so the doctor runs before anything else is 
 
 from __future__ import annotations
 
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,9 @@ class Component:
 
 
 def load_lock(path: Path | None = None) -> dict[str, Component]:
-    path = Path(path or os.environ.get(LOCK_ENV) or LOCK_PATH)
+    from verl_patches import env
+
+    path = Path(path or env.get(LOCK_ENV) or LOCK_PATH)
     if not path.is_file():
         raise FileNotFoundError(f"upstream lock not found: {path}")
     with open(path, "rb") as f:

@@ -12,10 +12,11 @@ from verl_patches.core.record import PHASES
 
 
 def current_phase() -> str:
-    forced = os.environ.get("VERL_PATCHES_PHASE", "").strip()
+    from verl_patches import env
+
+    forced = env.get("VERL_PATCHES_PHASE")
     if forced:
-        if forced not in PHASES:
-            raise ValueError(f"VERL_PATCHES_PHASE={forced!r}: expected one of {PHASES}")
+        assert forced in PHASES, forced  # env's table lists PHASES (tests/test_env.py checks they agree)
         return forced
     # vLLM v1 names the process it starts for the engine core "EngineCore_<n>".
     if multiprocessing.current_process().name.startswith("EngineCore"):

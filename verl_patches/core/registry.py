@@ -7,7 +7,6 @@ module level, so the doctor and the docs work without the upstream stack importa
 from __future__ import annotations
 
 import importlib
-import os
 
 from verl_patches.core.record import Patch, PatchDefinitionError
 
@@ -18,7 +17,9 @@ def load_registry(modules: tuple[str, ...] | None = None) -> list[Patch]:
         from verl_patches.patches import PATCH_MODULES
 
         # Extra catalogue modules (a site's own patches; tests use it for fixtures).
-        extra = tuple(m.strip() for m in os.environ.get("VERL_PATCHES_EXTRA_MODULES", "").split(",") if m.strip())
+        from verl_patches import env
+
+        extra = env.get("VERL_PATCHES_EXTRA_MODULES")
         modules = PATCH_MODULES + extra
     seen: dict[str, str] = {}
     out: list[Patch] = []

@@ -1,4 +1,10 @@
-"""Check that the reward a run configures can score every data source in its parquet files.
+"""Check a run's parquet files against what the recipe reads, and that its reward can score them.
+
+Every row of every file is read, in record batches (bounded memory whatever the file's size), and
+checked for the columns verl's RL dataset and reward manager use, with their types: a string
+``data_source``; a ``prompt`` (``data.prompt_key``) that is a non-empty list of ``{role, content}``
+messages; ``reward_model.ground_truth`` a non-empty string or a finite number; ``extra_info``, when
+present, a struct in every row. Each problem names the file, the row (counted from 1) and the column.
 
 verl picks the scorer per row by ``data_source``; a source it has no scorer for fails the first
 training step, one whose scorer expects another answer format scores every answer 0. Each
@@ -10,14 +16,24 @@ the boxed one). The recipe's reward patch is in place while probing, as in the t
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 REWARD_PATCH = "verl.reward_score.deepscaler"
-# Rows tried per data source: enough to catch a scorer that rejects the source, cheap on 40k rows.
+# Rows scored per data source: enough to catch a scorer that rejects the source, cheap on 40k rows.
+# (Every row's columns and types are checked; scoring is what is sampled.)
 PROBES_PER_SOURCE = 3
+# Rows per record batch: what the check holds in memory at once, whatever the file's size.
+BATCH_ROWS = 4096
+# Rows reported one by one per file; the rest are counted.
+MAX_ROW_PROBLEMS = 20
+# The columns the recipe reads: verl's RLHFDataset (the prompt, extra_info.index) and its reward
+# manager (data_source, reward_model.ground_truth, extra_info).
+DATA_SOURCE, PROMPT_KEY, REWARD_MODEL, GROUND_TRUTH, EXTRA_INFO = (
+    "data_source", "prompt", "reward_model", "ground_truth", "extra_info")
 
 
 def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
@@ -56,18 +72,132 @@ def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
     return wrap(default_compute_score), f"verl's default_compute_score with the patch {REWARD_PATCH}"
 
 
-def read_rows(path: Path) -> list[tuple[str, Any]]:
-    """(data_source, ground truth) of every row of a verl RL parquet file."""
+def _is_text(t) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_number(t) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _field(t, name: str):
+    idx = t.get_field_index(name)
+    return None if idx < 0 else t.field(idx).type
+
+
+def schema_problems(schema, prompt_key: str = PROMPT_KEY) -> list[str]:
+    """What is wrong with a file's columns for the recipe (empty when nothing): the columns verl's
+    RL dataset and reward manager read, with the types they need."""
+    import pyarrow as pa
+
+    missing = [c for c in (DATA_SOURCE, prompt_key, REWARD_MODEL) if schema.get_field_index(c) < 0]
+    if missing:
+        return [f"no column(s) {missing} (the recipe reads {DATA_SOURCE}, {prompt_key}, {REWARD_MODEL}."
+                f"ground_truth; has {schema.names})"]
+    out = []
+    t = schema.field(DATA_SOURCE).type
+    if not _is_text(t):
+        out.append(f"column {DATA_SOURCE} is {t}, must be string (verl picks the scorer by it)")
+    t = schema.field(prompt_key).type
+    msg = t.value_type if (pa.types.is_list(t) or pa.types.is_large_list(t)) else None
+    if msg is None or not pa.types.is_struct(msg) or not all(
+            _field(msg, k) is not None and _is_text(_field(msg, k)) for k in ("role", "content")):
+        out.append(f"column {prompt_key} is {t}, must be a list of {{role: string, content: string}} messages "
+                   "(verl applies the chat template to it)")
+    t = schema.field(REWARD_MODEL).type
+    gt = _field(t, GROUND_TRUTH) if pa.types.is_struct(t) else None
+    if gt is None or not (_is_text(gt) or _is_number(gt)):
+        out.append(f"column {REWARD_MODEL} is {t}, must be a struct with a string or number {GROUND_TRUTH} "
+                   "(the reward compares answers with it)")
+    if schema.get_field_index(EXTRA_INFO) >= 0 and not pa.types.is_struct(schema.field(EXTRA_INFO).type):
+        out.append(f"column {EXTRA_INFO} is {schema.field(EXTRA_INFO).type}, must be a struct (verl reads "
+                   f"{EXTRA_INFO}.index)")
+    return out
+
+
+def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tuple[str, str]]:
+    """(column, problem) for one row whose columns have the right types."""
+    out = []
+    src = row.get(DATA_SOURCE)
+    if src is None or not str(src).strip():
+        out.append((DATA_SOURCE, "null or empty"))
+    prompt = row.get(prompt_key)
+    if not prompt:
+        out.append((prompt_key, "null or no messages"))
+    else:
+        for i, m in enumerate(prompt):
+            if not m or not (m.get("role") or "").strip() or m.get("content") is None:
+                out.append((f"{prompt_key}[{i}]", "a message without a role or content"))
+                break
+        else:
+            if not any((m.get("content") or "").strip() for m in prompt):
+                out.append((prompt_key, "every message's content is empty"))
+    rm = row.get(REWARD_MODEL)
+    gt = rm.get(GROUND_TRUTH) if isinstance(rm, dict) else None
+    if rm is None:
+        out.append((REWARD_MODEL, "null"))
+    elif gt is None or (isinstance(gt, str) and not gt.strip()):
+        out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", "null or empty"))
+    elif isinstance(gt, float) and not math.isfinite(gt):
+        out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", f"{gt} is not a finite number"))
+    if EXTRA_INFO in row and row[EXTRA_INFO] is None:
+        out.append((EXTRA_INFO, "null (verl reads extra_info.index from every row)"))
+    return out
+
+
+def scan(path: Path, problems: list[str], prompt_key: str = PROMPT_KEY,
+         batch_rows: int = BATCH_ROWS) -> Iterator[tuple[str, Any]]:
+    """Read every row of a verl RL parquet file in record batches of ``batch_rows`` (bounded
+    memory), append one message per problem to ``problems`` (the first ``MAX_ROW_PROBLEMS`` rows
+    with one, then a count), and yield (data_source, ground truth) of each sound row."""
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(str(path), columns=["data_source", "reward_model"])
+        pf = pq.ParquetFile(str(path))
+        schema = pf.schema_arrow
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
-        raise ValueError(f"{path}: not a verl RL parquet file with data_source and reward_model columns ({e})") from None
-    out = []
-    for src, rm in zip(table.column("data_source").to_pylist(), table.column("reward_model").to_pylist()):
-        out.append((src, (rm or {}).get("ground_truth") if isinstance(rm, dict) else None))
-    return out
+        problems.append(f"{path}: not a verl RL parquet file ({type(e).__name__}: {e})")
+        return
+    bad_schema = schema_problems(schema, prompt_key)
+    if bad_schema:
+        problems += [f"{path}: {m}" for m in bad_schema]
+        return
+    columns = [DATA_SOURCE, prompt_key, REWARD_MODEL] + ([EXTRA_INFO] if schema.get_field_index(EXTRA_INFO) >= 0 else [])
+    n, bad_rows = 0, 0
+    try:
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            for row in batch.to_pylist():
+                n += 1
+                found = row_problems(row, prompt_key)
+                if found:
+                    bad_rows += 1
+                    if bad_rows <= MAX_ROW_PROBLEMS:
+                        problems.append(f"{path}: row {n}: " + "; ".join(f"column {c}: {p}" for c, p in found))
+                    continue
+                yield row[DATA_SOURCE], row[REWARD_MODEL][GROUND_TRUTH]
+    except Exception as e:  # noqa: BLE001 - a damaged row group reads as any pyarrow error
+        problems.append(f"{path}: unreadable after row {n} ({type(e).__name__}: {e})")
+        return
+    if bad_rows > MAX_ROW_PROBLEMS:
+        problems.append(f"{path}: and {bad_rows - MAX_ROW_PROBLEMS} more row(s) with problems "
+                        f"({bad_rows} of {n})")
+    if n == 0:
+        problems.append(f"{path}: no rows")
+
+
+def read_rows(path: Path, prompt_key: str = PROMPT_KEY) -> list[tuple[str, Any]]:
+    """(data_source, ground truth) of every sound row; ValueError naming every problem found."""
+    problems: list[str] = []
+    rows = list(scan(Path(path), problems, prompt_key))
+    if problems:
+        raise ValueError("\n".join(problems))
+    return rows
 
 
 def _score_value(result: Any) -> Any:
@@ -109,31 +239,33 @@ def unscorable(rows: Iterable[tuple[str, Any]], scorer: Callable[..., Any], wher
     return problems
 
 
-def check_files(files: Iterable[Path], scorer: Callable[..., Any]) -> list[str]:
+def check_files(files: Iterable[Path], scorer: Callable[..., Any], prompt_key: str = PROMPT_KEY) -> list[str]:
+    """Every problem of every file: its columns and types, every row, and whether ``scorer``
+    scores a correct answer of each data source 1.0. Streams each file (bounded memory)."""
     problems: list[str] = []
     for f in files:
-        try:
-            problems += unscorable(read_rows(Path(f)), scorer, str(f))
-        except ValueError as e:
-            problems.append(str(e))
+        found: list[str] = []
+        scoring = unscorable(scan(Path(f), found, prompt_key), scorer, str(f))
+        problems += found + scoring
     return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_patches.data.check", description=__doc__)
     p.add_argument("files", nargs="+", type=Path, help="verl RL parquet files (train / val)")
+    p.add_argument("--prompt-key", default=PROMPT_KEY, help="the prompt column (verl's data.prompt_key)")
     args = p.parse_args(argv)
     missing = [str(f) for f in args.files if not f.is_file()]
     if missing:
         print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     scorer, what = recipe_scorer()
-    problems = check_files(args.files, scorer)
+    problems = check_files(args.files, scorer, args.prompt_key)
     for msg in problems:
         print(f"error: {msg}", file=sys.stderr)
     if problems:
         return 1
-    print(f"every data source in {len(args.files)} file(s) is scored by {what}")
+    print(f"every row of {len(args.files)} file(s) has the recipe's columns; every data source is scored by {what}")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -14,6 +15,66 @@ from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import DTYPE_BYTES, build_plan
 from verl_patches.reshard.summary import plan_summaries
+
+
+# Input bounds: far above any DeepSeek-V3 layout (the recipe's world is 256 ranks), low enough that
+# a mistyped number is an error at once and never hours of planning or an exhausted host.
+MAX_WORLD = 8192
+MAX_BUCKET_MB = 1 << 20
+# HF config keys that decide shapes: (minimum, maximum); None: may be absent or null.
+MODEL_INTS = {
+    "hidden_size": (1, 1 << 17), "num_hidden_layers": (1, 1024), "first_k_dense_replace": (0, 1024),
+    "n_routed_experts": (0, 1 << 14), "moe_intermediate_size": (1, 1 << 18), "intermediate_size": (1, 1 << 18),
+    "num_attention_heads": (1, 1 << 12), "kv_lora_rank": (1, 1 << 14), "qk_nope_head_dim": (1, 1 << 12),
+    "qk_rope_head_dim": (1, 1 << 12), "v_head_dim": (1, 1 << 12), "vocab_size": (1, 1 << 24),
+}
+OPTIONAL_INTS = {"q_lora_rank": (1, 1 << 14), "n_shared_experts": (0, 1 << 10), "moe_layer_freq": (1, 1024),
+                 "num_nextn_predict_layers": (0, 1024)}
+
+
+def load_model(path: str) -> ModelConfig:
+    """The model config at ``path``, every shape-deciding value checked (LayoutError naming the
+    file and the key), before the planner computes anything from it."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 24)
+        cfg = json.loads(raw.decode("utf-8"))
+    except OSError as e:
+        raise LayoutError(f"--model {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise LayoutError(f"--model {path}: not a JSON config.json ({e})") from None
+    if not isinstance(cfg, dict):
+        raise LayoutError(f"--model {path}: a JSON object (a HF config.json) is expected, got {type(cfg).__name__}")
+    problems = []
+    for key, (lo, hi) in [*MODEL_INTS.items(), *OPTIONAL_INTS.items()]:
+        if key not in cfg or (key in OPTIONAL_INTS and cfg[key] is None):
+            continue
+        v = cfg[key]
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            problems.append(f"{key}={v!r} (a whole number in [{lo}, {hi}])")
+    if problems:
+        raise LayoutError(f"--model {path}: " + "; ".join(problems))
+    try:
+        return ModelConfig.from_hf(cfg)
+    except LayoutError as e:
+        raise LayoutError(f"--model {path}: {e}") from None
+
+
+def check_sizes(train: TrainLayout, rollout: RolloutLayout) -> None:
+    for what, v in (("train tp", train.tp), ("train pp", train.pp), ("train ep", train.ep),
+                    ("rollout tp", rollout.tp), ("rollout dp", rollout.dp), ("rollout instances", rollout.instances)):
+        if v < 1:
+            raise LayoutError(f"{what} must be >= 1, got {v}")
+        if v > MAX_WORLD:
+            raise LayoutError(f"{what} must be <= {MAX_WORLD}, got {v}")
+    if rollout.world > MAX_WORLD or train.tp * train.pp * train.ep > MAX_WORLD:
+        raise LayoutError(f"the world ({rollout.instances}x{rollout.dp}x{rollout.tp} = {rollout.world} ranks, train "
+                          f"tp*pp*ep = {train.tp * train.pp * train.ep}) exceeds {MAX_WORLD} ranks, what this planner "
+                          "is meant for")
+    if any(n < 0 or n > 1024 for n in train.layers):
+        raise LayoutError(f"train layers {list(train.layers)}: each stage holds 0 to 1024 layers")
+    if not 1 <= train.vocab_divisible_by <= 1 << 20:
+        raise LayoutError(f"train vocab_div must be in [1, {1 << 20}], got {train.vocab_divisible_by}")
 
 
 def _gb(n: float) -> str:
@@ -36,14 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        model = ModelConfig.load(args.model)
-        P = build_placements(model, TrainLayout.parse(args.train), RolloutLayout.parse(args.rollout))
-        if args.bucket_mb <= 0:
-            raise LayoutError(f"--bucket-mb must be positive, got {args.bucket_mb}")
+        if not (math.isfinite(args.bucket_mb) and 0 < args.bucket_mb and 1 / 1024 <= args.bucket_mb <= MAX_BUCKET_MB):
+            raise LayoutError(f"--bucket-mb must be positive, finite, at least 1/1024 (1 KiB) and at most "
+                              f"{MAX_BUCKET_MB}, got {args.bucket_mb}")
+        model = load_model(args.model)
+        train, rollout = TrainLayout.parse(args.train), RolloutLayout.parse(args.rollout)
+        check_sizes(train, rollout)
+        P = build_placements(model, train, rollout)
         plan = build_plan(model, P.train, P.rollout, bucket_bytes=int(args.bucket_mb * (1 << 20)),
                           dtype=args.dtype, placements=P)
         rows = plan_summaries(plan)
-    except (LayoutError, OSError, json.JSONDecodeError) as exc:
+    except (LayoutError, OSError) as exc:
         print(f"plan: error: {exc}", file=sys.stderr)
         return 2
     secs = time.perf_counter() - t0

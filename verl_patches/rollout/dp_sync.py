@@ -7,7 +7,6 @@ group (HCCL / NCCL) they take under 3 ms (docs/RECIPE.md item 6). Same results, 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -17,18 +16,13 @@ import torch.distributed as dist
 # The switch, exported by the rollout patch from actor_rollout_ref.rollout.recipe.dp_sync_on_device:
 # vLLM's engine loop calls these functions without any config object that could carry it.
 FLAG_ENV = "VERL_PATCHES_DP_SYNC_ON_DEVICE"
-_FALSE = {"0", "false", "no", "off"}
-_TRUE = {"1", "true", "yes", "on"}
 
 
 def dp_sync_on_device() -> bool:
     """On unless the flag says off (the recipe's default is on)."""
-    raw = os.environ.get(FLAG_ENV, "").strip().lower()
-    if not raw or raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{FLAG_ENV}={raw!r}: expected one of {sorted(_TRUE | _FALSE)}")
+    from verl_patches import env
+
+    return bool(env.get(FLAG_ENV))
 
 
 def any_unfinished(has_unfinished: bool, group: Any, device: torch.device) -> bool:

@@ -1,6 +1,10 @@
 """Dequantise DeepSeek-V3's released FP8 checkpoint (128x128 block scales, ``weight_scale_inv``) to BF16.
 
 ``python -m verl_patches.tools.fp8_to_bf16 --input HF_FP8_DIR --output HF_BF16_DIR [--drop-mtp]``; one shard in memory at a time.
+
+The output is labelled bfloat16: weights that are neither FP8 nor BF16 (FP32, say) are refused by
+name rather than copied under that label. Reuse is decided by content, as in
+verl_patches/tools/manifest.py (SHA-256 of every input byte, about 1.2 GB/s per core measured).
 """
 
 from __future__ import annotations
@@ -103,14 +107,22 @@ def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True,
         return not (drop_mtp and layer is not None and layer >= n_layers)
 
     shards = sorted(set(weight_map.values()))
-    inputs = [src / s for s in shards] + [p for p in (src / "config.json", src / INDEX_NAME) if p.is_file()]
+    wrong = not_bf16_weights(src, weight_map, keep)
+    if wrong:
+        raise ConversionError(f"{src}: the output is labelled bfloat16, but weight(s) that are not FP8 would be copied "
+                              f"with another dtype: {'; '.join(wrong[:3])}"
+                              + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+                              + " (this tool dequantises FP8 checkpoints whose other weights are bfloat16)")
+    inputs = {s: src / s for s in shards}
+    inputs.update({p.name: p for p in (src / "config.json", src / INDEX_NAME) if p.is_file()})
     try:
-        resuming = manifest.claim(dst, "fp8_to_bf16", src, manifest.fingerprint_files(inputs), {"drop_mtp": drop_mtp},
+        resuming = manifest.claim(dst, "fp8_to_bf16", src, manifest.identify(inputs), {"drop_mtp": drop_mtp},
                                   overwrite, _bf16_owned)
     except manifest.OutputDirError as e:
         raise ConversionError(str(e)) from None
     new_map: dict[str, str] = {}
     stats = {"shards": len(shards), "skipped_existing": 0, "dequantized": 0, "copied": 0, "dropped": 0}
+    stats["changed_on_resume"] = (manifest.read(dst) or {}).get("changed_on_resume", [])
     for shard in tqdm(shards, desc="fp8->bf16", unit="shard", disable=not progress):
         names = [k for k, v in weight_map.items() if v == shard and not k.endswith(SCALE_SUFFIX)]
         kept = [k for k in names if keep(k)]
@@ -118,10 +130,11 @@ def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True,
         for k in kept:
             new_map[k] = shard
         out = dst / shard
-        if resuming and out.is_file():
-            # Written by rename after a complete save, for this same input: present means finished.
+        if resuming and manifest.reusable(dst, shard):
+            # Recorded after a complete save for this same input content, and unchanged since.
             stats["skipped_existing"] += 1
             continue
+        manifest.forget(dst, shard)
         tensors: dict[str, torch.Tensor] = {}
         try:
             with safe_open(src / shard, "pt") as f:
@@ -137,6 +150,7 @@ def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True,
             raise ConversionError(f"{src / shard}: cannot be read as safetensors ({e})") from None
         with atomic.atomic_path(out) as tmp:
             save_file(tensors, str(tmp), metadata={"format": "pt"})
+        manifest.record(dst, shard)
         del tensors
     for stale in dst.glob("*.partial"):
         stale.unlink()  # left by an interrupted run whose shard has been written since
@@ -149,6 +163,7 @@ def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True,
         if drop_mtp:
             config["num_nextn_predict_layers"] = 0
         atomic.write_text(dst / "config.json", json.dumps(config, indent=2))
+    manifest.record(dst, INDEX_NAME, *(["config.json"] if config is not None else []))
     # Tokenizer, generation config, modelling code: everything that is not a weight.
     for p in src.iterdir():
         if p.is_file() and p.suffix != ".safetensors" and p.name not in (INDEX_NAME, "config.json", manifest.MANIFEST) \
@@ -157,6 +172,37 @@ def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True,
                 shutil.copy2(p, tmp)
     manifest.complete(dst)
     return stats
+
+
+# Dtypes a weight may keep when copied: the output is BF16 apart from FP32 vectors (the router's
+# e_score_correction_bias is FP32 in DeepSeek's release) and integer buffers.
+_COPY_OK = {"BF16", "F8_E4M3"}
+
+
+def not_bf16_weights(src: Path, weight_map: dict[str, str], keep) -> list[str]:
+    """Weights (2-D or more, kept, not FP8) that are not bfloat16, read from the shards' headers:
+    the output's config says bfloat16 and must not be wrong about them."""
+    from verl_patches.tools.mcore_layout import SafetensorsReader
+
+    by_shard: dict[str, list[str]] = {}
+    for k, v in weight_map.items():
+        if not k.endswith(SCALE_SUFFIX) and keep(k):
+            by_shard.setdefault(v, []).append(k)
+    out = []
+    for shard, names in sorted(by_shard.items()):
+        try:
+            with SafetensorsReader(src / shard) as f:
+                header = f.header
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{src / shard}: cannot be read as safetensors ({e})") from None
+        for k in names:
+            info = header.get(k)
+            if not isinstance(info, dict):
+                raise ConversionError(f"{src / shard}: the index maps {k} to it but its header lacks it")
+            dtype, shape = info.get("dtype"), info.get("shape") or []
+            if len(shape) >= 2 and str(dtype).startswith(("F", "BF")) and dtype not in _COPY_OK:
+                out.append(f"{k} is {dtype}")
+    return out
 
 
 def _bf16_owned(entry: Path) -> bool:

@@ -7,6 +7,11 @@ tests/tools/test_hf_mcore.py checks these lines against the composed configs):
     python -m verl_patches.tools.hf_to_mcore --hf DIR --out DIR --tp 4 --pp 8 --ep 32 --num-layer-list 7,7,8,8,8,8,8,7
   128 GPUs (configs/deepseekv3_128gpu_true_weight.yaml: TP8, PP8, EP16):
     python -m verl_patches.tools.hf_to_mcore --hf DIR --out DIR --tp 8 --pp 8 --ep 16 --num-layer-list 7,7,8,8,8,8,8,7
+
+Resumes and reuse are decided by content (verl_patches/tools/manifest.py): the input's every byte
+is hashed (SHA-256, about 1.2 GB/s per core measured on the development machine) and compared with
+the output directory's manifest, and each reused layer file must hash to what was recorded when it
+was written. An HF config that does not describe its shards' shapes is refused.
 """
 
 from __future__ import annotations
@@ -34,6 +39,26 @@ class ConversionError(RuntimeError):
 
 
 MODEL_KEYS = ("num_hidden_layers", "n_routed_experts", "first_k_dense_replace", "num_attention_heads")
+# Upper bounds of the config values the tools compute with: far above DeepSeek-V3 (61 layers, 256
+# experts, 128 heads, 7168 hidden), low enough that a mistyped value is an error, not hours of work.
+CONFIG_BOUNDS = {"num_hidden_layers": 1024, "n_routed_experts": 1 << 14, "first_k_dense_replace": 1024,
+                 "num_attention_heads": 1 << 12, "hidden_size": 1 << 17, "vocab_size": 1 << 24,
+                 "q_lora_rank": 1 << 14, "kv_lora_rank": 1 << 14, "qk_nope_head_dim": 1 << 12,
+                 "qk_rope_head_dim": 1 << 12, "v_head_dim": 1 << 12, "intermediate_size": 1 << 18,
+                 "moe_intermediate_size": 1 << 18, "n_shared_experts": 1 << 10, "num_nextn_predict_layers": 1024}
+
+
+def check_model_config(cfg: dict, path: Path) -> None:
+    """The values the tools compute with: MODEL_KEYS present, every value in CONFIG_BOUNDS that is
+    given (and not null) a whole number in [0, bound]; ConversionError naming the file and keys."""
+    bad = [k for k in MODEL_KEYS if k not in cfg]
+    bad += [f"{k}={cfg[k]!r}" for k, hi in CONFIG_BOUNDS.items() if cfg.get(k) is not None and (
+        not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or not 0 <= cfg[k] <= hi)]
+    if bad:
+        named = {b.split("=")[0] for b in bad}
+        bounds = ", ".join(f"{k} <= {hi}" for k, hi in CONFIG_BOUNDS.items() if k in named)
+        raise ConversionError(f"{path}: {bad} missing or not whole numbers in range ({bounds or 'required'}; "
+                              "a DeepSeek-V3 config.json is expected)")
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -55,10 +80,7 @@ def load_hf_index(hf: Path) -> tuple[dict, dict[str, str]]:
     cfg = read_json(hf / "config.json", "config.json")
     if cfg.get("quantization_config"):
         raise ConversionError(f"{hf}: config has quantization_config (FP8): run python -m verl_patches.tools.fp8_to_bf16 first")
-    bad = [k for k in MODEL_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool) or cfg[k] < 0]
-    if bad:
-        raise ConversionError(f"{hf / 'config.json'}: {bad} missing or not non-negative integers "
-                              "(a DeepSeek-V3 config.json is expected)")
+    check_model_config(cfg, hf / "config.json")
     idx = hf / "model.safetensors.index.json"
     if idx.is_file():
         weight_map = read_json(idx, "the safetensors index").get("weight_map")
@@ -79,11 +101,86 @@ def load_hf_index(hf: Path) -> tuple[dict, dict[str, str]]:
     return cfg, weight_map
 
 
-def hf_fingerprint(hf: Path, weight_map: dict[str, str]) -> str:
-    """The input's fingerprint: its config, index and every shard the index names."""
+def hf_identity(hf: Path, weight_map: dict[str, str]) -> dict:
+    """The input's identity by content: its config, index and every shard the index names, all bytes hashed."""
     hf = Path(hf)
-    files = [hf / "config.json", *[hf / n for n in ("model.safetensors.index.json",) if (hf / n).is_file()]]
-    return manifest.fingerprint_files(files + [hf / s for s in sorted(set(weight_map.values()))])
+    names = ["config.json", *[n for n in ("model.safetensors.index.json",) if (hf / n).is_file()],
+             *sorted(set(weight_map.values()))]
+    return manifest.identify({n: hf / n for n in names})
+
+
+def _dims(cfg: dict) -> dict[str, int]:
+    return {k: cfg.get(k) or 0 for k in ("hidden_size", "vocab_size", "num_attention_heads", "q_lora_rank",
+                                          "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                          "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                                          "n_shared_experts")}
+
+
+def hf_shape(cfg: dict, name: str) -> tuple[int, ...] | None:
+    """The shape ``cfg`` gives the HF tensor ``name`` (None for a name it does not decide)."""
+    d = _dims(cfg)
+    h, heads = d["hidden_size"], d["num_attention_heads"]
+    qk = d["qk_nope_head_dim"] + d["qk_rope_head_dim"]
+    edges = {"model.embed_tokens.weight": (d["vocab_size"], h), "lm_head.weight": (d["vocab_size"], h),
+             "model.norm.weight": (h,)}
+    if name in edges:
+        return edges[name]
+    parts = name.split(".")
+    if len(parts) < 4 or parts[:2] != ["model", "layers"]:
+        return None
+    suffix = ".".join(parts[3:])
+    i, mi = d["intermediate_size"], d["moe_intermediate_size"]
+    si = mi * d["n_shared_experts"]
+    table = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (heads * qk, h),
+        "self_attn.q_a_proj.weight": (d["q_lora_rank"], h), "self_attn.q_a_layernorm.weight": (d["q_lora_rank"],),
+        "self_attn.q_b_proj.weight": (heads * qk, d["q_lora_rank"]),
+        "self_attn.kv_a_proj_with_mqa.weight": (d["kv_lora_rank"] + d["qk_rope_head_dim"], h),
+        "self_attn.kv_a_layernorm.weight": (d["kv_lora_rank"],),
+        "self_attn.kv_b_proj.weight": (heads * (d["qk_nope_head_dim"] + d["v_head_dim"]), d["kv_lora_rank"]),
+        "self_attn.o_proj.weight": (h, heads * d["v_head_dim"]),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+        "mlp.gate.weight": (d["n_routed_experts"], h), "mlp.gate.e_score_correction_bias": (d["n_routed_experts"],),
+        "mlp.shared_experts.gate_proj.weight": (si, h), "mlp.shared_experts.up_proj.weight": (si, h),
+        "mlp.shared_experts.down_proj.weight": (h, si),
+    }
+    if suffix in table:
+        return table[suffix]
+    if suffix.startswith("mlp.experts.") and suffix.endswith(("gate_proj.weight", "up_proj.weight")):
+        return (mi, h)
+    if suffix.startswith("mlp.experts.") and suffix.endswith("down_proj.weight"):
+        return (h, mi)
+    return None
+
+
+def shape_mismatches(cfg: dict, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """One line per tensor whose shape is not the one ``cfg`` gives it."""
+    out = []
+    for name, shape in shapes.items():
+        want = hf_shape(cfg, name)
+        if want is not None and tuple(shape) != want:
+            out.append(f"{name} is {tuple(shape)}, the config gives {want}")
+    return out
+
+
+def hf_header_shapes(hf: Path, weight_map: dict[str, str], names) -> dict[str, tuple[int, ...]]:
+    """Shapes of ``names`` from the safetensors headers (no tensor data read)."""
+    by_shard: dict[str, list[str]] = {}
+    for n in names:
+        by_shard.setdefault(weight_map[n], []).append(n)
+    out = {}
+    for shard, ns in sorted(by_shard.items()):
+        try:
+            with SafetensorsReader(Path(hf) / shard) as f:
+                for n in ns:
+                    info = f.header.get(n)
+                    if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+                        raise ConversionError(f"{Path(hf) / shard}: the index maps {n} to it but its header lacks it")
+                    out[n] = tuple(info["shape"])
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConversionError(f"{Path(hf) / shard}: not a safetensors file ({e})") from None
+    return out
 
 
 def _mcore_owned(entry: Path) -> bool:
@@ -161,11 +258,15 @@ def convert(hf: Path, out: Path, layout: CheckpointLayout, spec: str = "te", ext
         raise ConversionError(f"{hf}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}")
     if out.resolve() == hf.resolve():
         raise ConversionError("--out must differ from --hf")
+    wrong = shape_mismatches(cfg, hf_header_shapes(hf, weight_map, needed))
+    if wrong:
+        raise ConversionError(f"{hf / 'config.json'} does not describe the tensors of {hf}: "
+                              + "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""))
     options = {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
                "num_layer_list": list(layout.num_layer_list) if layout.num_layer_list else None,
                "moe_tp_extend_ep": layout.moe_tp_extend_ep, "spec": spec, "extra_state": extra_state}
     try:
-        resuming = manifest.claim(out, "hf_to_mcore", hf, hf_fingerprint(hf, weight_map), options, overwrite,
+        resuming = manifest.claim(out, "hf_to_mcore", hf, hf_identity(hf, weight_map), options, overwrite,
                                   _mcore_owned)
     except manifest.OutputDirError as e:
         raise ConversionError(str(e)) from None
@@ -173,17 +274,23 @@ def convert(hf: Path, out: Path, layout: CheckpointLayout, spec: str = "te", ext
     state = out / STATE_DIR
     state.mkdir(exist_ok=True)
     stats = {"units": len(all_units), "resumed": 0, "tensors": 0, "bytes": 0, "verified": 0}
+    stats["changed_on_resume"] = (manifest.read(out) or {}).get("changed_on_resume", [])
     done = []
-    if resuming and (out / ".metadata").is_file():
+    finals = (".metadata", "common.pt", "metadata.json", "recipe_layout.json")
+    if resuming and manifest.is_complete(out):
+        # claim() re-hashed every file this output recorded: all are as written.
         stats["resumed"] = len(all_units)
     else:
         for unit in tqdm(all_units, desc="hf->mcore", unit="layer", disable=not progress):
             meta_file = state / f"{unit}.meta"
-            if meta_file.is_file() and (out / f"{unit}.distcp").is_file():
+            files = (f"{unit}.distcp", f"{STATE_DIR}/{unit}.meta")
+            recorded = manifest.read(out)
+            if resuming and all(manifest.reusable(out, f, recorded) for f in files):
                 with open(meta_file, "rb") as f:
                     done.append(pickle.load(f))
                 stats["resumed"] += 1
                 continue
+            manifest.forget(out, *files)
             writer = UnitWriter(out / f"{unit}.distcp")
             with ExitStack() as stack:
                 plan = unit_plan(cfg, unit, spec)
@@ -203,16 +310,24 @@ def convert(hf: Path, out: Path, layout: CheckpointLayout, spec: str = "te", ext
             with open(meta_file.with_suffix(".partial"), "wb") as f:
                 pickle.dump(meta, f)
             meta_file.with_suffix(".partial").replace(meta_file)
+            manifest.record(out, *files)
             done.append(meta)
-        write_metadata(out, done)
-        atomic.write_text(out / "recipe_layout.json", json.dumps({
-            "source": str(hf), "spec": spec, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
-            "num_layer_list": list(layout.num_layer_list or layout.even_layers(cfg["num_hidden_layers"])),
-            "moe_tp_extend_ep": layout.moe_tp_extend_ep, "expert_ranks": layout.expert_ranks,
-            "note": "storage chunks follow this layout; megatron's torch_dist loader reshards to any layout"}, indent=2))
+        recorded = manifest.read(out)
+        if not (resuming and stats["resumed"] == len(all_units)
+                and all(manifest.reusable(out, f, recorded) for f in finals)):
+            manifest.forget(out, *finals)
+            write_metadata(out, done)
+            atomic.write_text(out / "recipe_layout.json", json.dumps({
+                "source": str(hf), "spec": spec, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep,
+                "num_layer_list": list(layout.num_layer_list or layout.even_layers(cfg["num_hidden_layers"])),
+                "moe_tp_extend_ep": layout.moe_tp_extend_ep, "expert_ranks": layout.expert_ranks,
+                "note": "storage chunks follow this layout; megatron's torch_dist loader reshards to any layout"},
+                indent=2))
+            manifest.record(out, *finals)
     if verify:
         stats["verified"] = verify_checkpoint(hf, out, spec, progress)
     shutil.rmtree(state, ignore_errors=True)
+    manifest.forget(out, *[r for r in (manifest.read(out) or {}).get("outputs", {}) if r.startswith(STATE_DIR + "/")])
     manifest.complete(out)
     return stats
 

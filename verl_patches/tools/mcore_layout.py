@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -266,8 +269,16 @@ class DistCheckpointReader:
             raise ValueError(f"{self.ckpt / 'metadata.json'}: expected a JSON object")
         if info.get("sharded_backend", "torch_dist") != "torch_dist":
             raise ValueError(f"{self.ckpt}: sharded_backend {info.get('sharded_backend')!r}, only torch_dist is supported")
-        with open(meta, "rb") as f:
-            self.md = pickle.load(f)
+        try:
+            with open(meta, "rb") as f:
+                self.md = pickle.load(f)
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unpickling damaged bytes fails in many ways
+            raise ValueError(f"{meta} is not a readable torch_dist metadata file ({type(e).__name__}: {e})") from None
+        if not (isinstance(getattr(self.md, "state_dict_metadata", None), dict)
+                and isinstance(getattr(self.md, "storage_data", None), dict)):
+            raise ValueError(f"{meta} is not a readable torch_dist metadata file (no state_dict_metadata / storage_data)")
 
     def names(self) -> list[str]:
         C = dcp_classes()
@@ -309,6 +320,22 @@ _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
+def _check_entry(path: Path, name: str, info: Any, data_bytes: int) -> None:
+    """A header entry that names a known dtype, a shape of whole numbers and data inside the file
+    of exactly the shape's size (ValueError naming the file and tensor otherwise)."""
+    ok = (isinstance(info, dict) and info.get("dtype") in _ST_DTYPES and isinstance(info.get("shape"), list)
+          and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in info["shape"])
+          and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+          and all(isinstance(o, int) and not isinstance(o, bool) for o in info["data_offsets"]))
+    if not ok:
+        raise ValueError(f"{path}: header entry {name!r} is not a tensor description (dtype, shape, data_offsets)")
+    start, end = info["data_offsets"]
+    itemsize = torch.empty((), dtype=_ST_DTYPES[info["dtype"]]).element_size()
+    if not 0 <= start <= end <= data_bytes or end - start != math.prod(info["shape"]) * itemsize:
+        raise ValueError(f"{path}: {name} claims bytes {start}..{end} for shape {info['shape']} {info['dtype']}, "
+                         f"which the file ({data_bytes} data bytes) does not hold")
+
+
 class SafetensorsReader:
     """Reads single tensors from a .safetensors file with plain reads.
 
@@ -320,10 +347,21 @@ class SafetensorsReader:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.f = open(self.path, "rb")
-        n = int.from_bytes(self.f.read(8), "little")
-        self.header = json.loads(self.f.read(n))
-        self.header.pop("__metadata__", None)
-        self.base = 8 + n
+        try:
+            size = os.fstat(self.f.fileno()).st_size
+            n = int.from_bytes(self.f.read(8), "little")
+            if size < 8 or n > size - 8:
+                raise ValueError(f"{self.path}: header length {n} exceeds the file ({size} bytes)")
+            self.header = json.loads(self.f.read(n))
+            if not isinstance(self.header, dict):
+                raise ValueError(f"{self.path}: the header is not a JSON object")
+            self.header.pop("__metadata__", None)
+            self.base = 8 + n
+            for name, info in self.header.items():
+                _check_entry(self.path, name, info, size - self.base)
+        except BaseException:
+            self.f.close()
+            raise
 
     def keys(self):
         return list(self.header)

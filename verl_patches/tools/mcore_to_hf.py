@@ -1,6 +1,10 @@
 """Convert a Megatron-core torch_dist DeepSeek-V3 checkpoint back to HF safetensors, one layer per shard (for checking).
 
 ``python -m verl_patches.tools.mcore_to_hf --ckpt DIR --config HF_CONFIG.json --out DIR``; reads any chunking, ours or Megatron's.
+
+The config must describe the checkpoint's tensors (shapes, expert count, depth); outputs whose
+config.json would not match their tensors are refused. Reuse is decided by content, as in
+verl_patches/tools/manifest.py (SHA-256 of every input byte, about 1.2 GB/s per core measured).
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import torch
 
 from verl_patches import atomic
 from verl_patches.tools import manifest
-from verl_patches.tools.hf_to_mcore import MODEL_KEYS, ConversionError, read_json, unit_plan, units
+from verl_patches.tools.hf_to_mcore import (ConversionError, check_model_config, read_json, shape_mismatches, unit_plan,
+                                            units)
 from verl_patches.tools.mcore_layout import DistCheckpointReader
 
 
@@ -43,10 +48,59 @@ def detect_spec(reader: DistCheckpointReader) -> str:
     return "te" if any(n.endswith("linear_kv_up_proj.layer_norm_weight") for n in names) else "local"
 
 
-def ckpt_fingerprint(ckpt: Path) -> str:
-    """A torch_dist checkpoint's fingerprint: its metadata and every data file."""
+def input_identity(ckpt: Path, config: Path) -> dict:
+    """The identity by content of what the output is made from: the config and the checkpoint's
+    metadata and every data file, all bytes hashed."""
     ckpt = Path(ckpt)
-    return manifest.fingerprint_files([ckpt / ".metadata", *sorted(ckpt.glob("*.distcp"))])
+    files = {"config": Path(config), "ckpt/.metadata": ckpt / ".metadata"}
+    files.update({f"ckpt/{p.name}": p for p in sorted(ckpt.glob("*.distcp"))})
+    return manifest.identify(files)
+
+
+def hf_shapes(how: str, shape: tuple[int, ...], sources: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+    """The HF shapes ``split`` makes of a Megatron tensor of ``shape`` (from metadata, no data read)."""
+    if how == "copy":
+        return {sources[0]: shape}
+    if how == "cat":
+        return {s: (shape[0] // 2, *shape[1:]) for s in sources}
+    if how == "experts_fc1":
+        return {s: (shape[1] // 2, *shape[2:]) for s in sources}
+    if how == "experts_fc2":
+        return {s: tuple(shape[1:]) for s in sources}
+    raise ValueError(how)
+
+
+def _splittable(how: str, size: tuple[int, ...], n_sources: int) -> bool:
+    if how == "cat":
+        return len(size) >= 1 and size[0] % 2 == 0
+    if how == "experts_fc1":
+        return len(size) == 3 and 2 * size[0] == n_sources and size[1] % 2 == 0
+    if how == "experts_fc2":
+        return len(size) == 3 and size[0] == n_sources
+    return True
+
+
+def config_mismatches(reader: DistCheckpointReader, cfg: dict, spec: str) -> list[str]:
+    """Where ``cfg`` and the checkpoint's tensors disagree: a shape the config gives otherwise, a
+    tensor the config's model has and the checkpoint lacks, or a tensor the config's model lacks."""
+    meta = reader.md.state_dict_metadata
+    shapes, used, problems = {}, set(), []
+    for unit in units(cfg):
+        for name, srcs, how in unit_plan(cfg, unit, spec):
+            used.add(name)
+            if name not in meta:
+                problems.append(f"the config's model has {name}, the checkpoint does not")
+                continue
+            size = tuple(meta[name].size)
+            if not _splittable(how, size, len(srcs)):
+                problems.append(f"{name} is {size}, which cannot hold the config's {len(srcs)} source tensor(s)")
+                continue
+            shapes.update(hf_shapes(how, size, srcs))
+    problems += shape_mismatches(cfg, shapes)
+    extra = sorted(set(reader.names()) - used)
+    if extra:
+        problems.append(f"the checkpoint has {len(extra)} tensor(s) the config's model lacks, e.g. {extra[:2]}")
+    return problems
 
 
 def _hf_owned(entry: Path) -> bool:
@@ -63,22 +117,30 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
 
     ckpt, out = Path(ckpt), Path(out)
     cfg = read_json(config, "the model config")
-    bad = [k for k in MODEL_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
-    if bad:
-        raise ConversionError(f"{config}: {bad} missing or not integers (a DeepSeek-V3 config.json is expected)")
+    check_model_config(cfg, config)
     try:
         reader = DistCheckpointReader(ckpt)
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
         raise ConversionError(f"{ckpt}/.metadata is not a readable torch_dist metadata file ({e})") from None
+    except ValueError as e:
+        raise ConversionError(str(e)) from None
     spec = detect_spec(reader)
     all_units = units(cfg)
     try:
-        resuming = manifest.claim(out, "mcore_to_hf", ckpt,
-                                  manifest.fingerprint_files([Path(config)]) + ckpt_fingerprint(ckpt),
+        wrong = config_mismatches(reader, cfg, spec)
+    except KeyError as e:
+        raise ConversionError(f"{config}: lacks {e.args[0]!r}") from None
+    if wrong:
+        # The output's config.json would not describe its tensors: refused before anything is written.
+        raise ConversionError(f"{config} does not describe the checkpoint {ckpt}: " + "; ".join(wrong[:3])
+                              + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""))
+    try:
+        resuming = manifest.claim(out, "mcore_to_hf", ckpt, input_identity(ckpt, config),
                                   {"spec": spec}, overwrite, _hf_owned)
     except manifest.OutputDirError as e:
         raise ConversionError(str(e)) from None
     weight_map, skipped = {}, 0
+    changed = (manifest.read(out) or {}).get("changed_on_resume", [])
     for i, unit in enumerate(tqdm(all_units, desc="mcore->hf", unit="layer", disable=not progress)):
         shard = f"model-{i + 1:05d}-of-{len(all_units):05d}.safetensors"
         try:
@@ -87,9 +149,10 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
             raise ConversionError(f"{config}: lacks {e.args[0]!r}") from None
         for _, srcs, _ in plan:
             weight_map.update({s: shard for s in srcs})
-        if resuming and (out / shard).is_file():
+        if resuming and manifest.reusable(out, shard):
             skipped += 1
             continue
+        manifest.forget(out, shard)
         tensors = {}
         for name, srcs, how in plan:
             try:
@@ -98,11 +161,14 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
                 raise ConversionError(f"{ckpt}: {e.args[0]} (spec {spec}, {unit})") from e
         with atomic.atomic_path(out / shard) as tmp:
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+        manifest.record(out, shard)
     atomic.write_text(out / "model.safetensors.index.json", json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
     with atomic.atomic_path(out / "config.json") as tmp:
         shutil.copyfile(config, tmp)
+    manifest.record(out, "model.safetensors.index.json", "config.json")
     manifest.complete(out)
-    return {"shards": len(all_units), "resumed": skipped, "tensors": len(weight_map), "spec": spec}
+    return {"shards": len(all_units), "resumed": skipped, "tensors": len(weight_map), "spec": spec,
+            "changed_on_resume": changed}
 
 
 def main(argv: list[str] | None = None) -> int:
