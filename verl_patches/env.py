@@ -32,7 +32,7 @@ class EnvError(ValueError):
 @dataclass(frozen=True)
 class Var:
     name: str
-    kind: str  # float | int | bool | choice | list | path | json
+    kind: str  # float | int | bool | choice | list | path | json | text
     default: Any
     doc: str
     read_by: str
@@ -55,6 +55,8 @@ class Var:
             return "a comma-separated list of names"
         if self.kind == "json":
             return "a JSON object"
+        if self.kind == "text":
+            return "text"
         return "a path"
 
 
@@ -99,6 +101,9 @@ VARIABLES: tuple[Var, ...] = (
         "scripts/setup_test_env.sh"),
     Var("VERL_PATCHES_UPSTREAM_DIR", "path", None, "the folder with upstream release archives (MindSpeed)",
         "scripts/install_mindspeed.sh, scripts/setup_test_env.sh"),
+    Var("VERL_PATCHES_INJECT_FAULT", "text", "",
+        "TESTS ONLY: corrupt rollout weights after a named step's reshard, so the weight fingerprint must stop "
+        "the run there (e.g. flip,step=3,rank=1); never set in production", "verl_patches/reshard/faults.py"),
 )
 BY_NAME = {v.name: v for v in VARIABLES}
 PREFIX = "VERL_PATCHES_"

@@ -16,7 +16,6 @@ w13 stack.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -58,7 +57,9 @@ def parse(text: str) -> Fault:
 
 def configured() -> list[Fault]:
     """The faults in VERL_PATCHES_INJECT_FAULT (several separated by ';')."""
-    text = os.environ.get(ENV, "")
+    from verl_patches import env
+
+    text = env.get(ENV) or ""
     return [parse(part) for part in text.split(";") if part.strip()]
 
 
