@@ -44,8 +44,12 @@ def device(monkeypatch):
 
 
 def _measured(alloc, *parts):
-    d, switch = attached(*parts)
-    switch.measure_device = True  # as on a device (the loop turns it on off the CPU platform)
+    # Built as on the CPU platform (nothing measured while attaching, on any machine), then measuring
+    # as on a device (the loop turns it on off the CPU platform), through the stand-in allocator.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accelerator, "device_type", lambda: "cpu")
+        d, switch = attached(*parts)
+    switch.measure_device = True
     gen, train = d.generate, d.train
 
     def generate():  # verl's generation, between two reached steps
