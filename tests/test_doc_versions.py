@@ -40,7 +40,6 @@ NOT_OURS = {
     ("docs/GRAPH_MODE.md", "torch", "2.11"): "the H100 machine's own torch, where the backend was checked",
     ("docs/benchmarks.md", "torch", "2.11.0"): "the benchmark machines' own torch",
     ("docs/benchmarks.md", "transformers", "5.17"): "the H100 machine's own transformers",
-    ("docs/STATUS.md", "numpy", "2"): "the numpy release that breaks megatron-core 0.12.1's checkpoint save",
     ("docs/TINY_RUN.md", "numpy", "2"): "the numpy release that breaks megatron-core 0.12.1's checkpoint save",
 }
 
