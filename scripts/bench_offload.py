@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import json
 import os
 import statistics
 import sys
 import time
+import weakref
 
 import torch
 
@@ -203,52 +205,109 @@ def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
     return results, nbytes
 
 
-def bench_schedules(unit_bytes: int, iterations: int = 2) -> dict:
+class DeviceBytes:
+    """Bytes held on the device, for the schedules' peaks. On an accelerator: the caching allocator's
+    count. On CPU, which has no device allocator: the storages of the tensors the bench made for a
+    schedule (registered with ``track``) that are alive and not released; a tensor one method left
+    alive counts there as it does in the allocator."""
+
+    def __init__(self):
+        self._refs: list[weakref.ref] = []
+
+    def track(self, tensors) -> None:
+        self._refs.extend(weakref.ref(t) for t in tensors)
+
+    def alive(self) -> list[torch.Tensor]:
+        return [t for t in (r() for r in self._refs) if t is not None]
+
+    def now(self) -> int:
+        if accelerator.device_type() != "cpu":
+            return accelerator.memory_allocated()
+        return sum(t.untyped_storage().nbytes() for t in self.alive())
+
+
+SCHEDULES = {"ours": ours, "baseline": baseline}
+
+
+def bench_schedules(unit_bytes: int, iterations: int = 2, order: tuple[str, ...] = ("ours", "baseline")) -> dict:
     """Die-ratio model (per-die GB of the reference layout, 1 GB -> unit_bytes): params P=5.2,
-    grads 10.4, optimizer shard 3.9, reference 5.2, rollout shard 23, KV cache 30."""
+    grads 10.4, optimizer shard 3.9, reference 5.2, rollout shard 23, KV cache 30.
+
+    Each schedule runs in its own call and everything it made is released before the next starts
+    (checked through weak references): a tensor left alive into the next method's start, and freed
+    during it, would be counted in that method's floor and not in its peak."""
+    probe = DeviceBytes()
+    out = {}
+    for name in order:
+        _require_released(probe, before=name)
+        out[name] = _run_schedule(SCHEDULES[name], unit_bytes, iterations, probe)
+    _require_released(probe, before="the next section")
+    return out
+
+
+def _require_released(probe: DeviceBytes, before: str) -> None:
+    gc.collect()
+    accelerator.synchronize()
+    accelerator.empty_cache()
+    left = probe.alive()
+    if left:
+        raise RuntimeError(f"{len(left)} tensor(s) of an earlier schedule ({sum(t.nbytes for t in left)} bytes) are "
+                           f"still referenced before {before}; they would shift its memory floor. Release everything "
+                           f"a method makes (groups, hooks, schedule) before the next one starts")
+
+
+def _run_schedule(make, unit_bytes: int, iterations: int, probe: DeviceBytes) -> dict:
     dev = accelerator.current_device()
+    on_cpu = accelerator.device_type() == "cpu"
     ratio = {"train_params": 5.2, "grads": 10.4, "optimizer": 3.9, "ref_params": 5.2,
              "rollout_weights": 23.0, "kv_cache": 30.0}
-    out = {}
-    for make in (ours, baseline):
-        accelerator.synchronize()
-        accelerator.empty_cache()
-        floor = accelerator.memory_allocated()
-        eng = OffloadEngine(pool=HostBufferPool())
-        ts = {r: [torch.ones(int(v * unit_bytes) // 2, dtype=torch.bfloat16, device=dev)] for r, v in ratio.items()}
-        groups = {r: TensorGroup(eng, r, t, read_only=(r == "ref_params"), zero_on_allocate=(r == "grads"))
-                  for r, t in ts.items()}
+    floor = probe.now()
+    eng = OffloadEngine(pool=HostBufferPool())
+    ts = {r: [torch.ones(int(v * unit_bytes) // 2, dtype=torch.bfloat16, device=dev)] for r, v in ratio.items()}
+    for v in ts.values():
+        probe.track(v)
+    groups = {r: TensorGroup(eng, r, t, read_only=(r == "ref_params"), zero_on_allocate=(r == "grads"))
+              for r, t in ts.items()}
 
-        def reshard(tp, rw):
-            src = tp.storage_views()[0]
-            for v in rw.storage_views():
-                v[: src.numel()].copy_(src[: v.numel()])
+    def reshard(tp, rw):
+        src = tp.storage_views()[0]
+        for v in rw.storage_views():
+            v[: src.numel()].copy_(src[: v.numel()])
 
-        hooks = dict(reshard=reshard, generate=functools.partial(torch.Tensor.fill_, ts["kv_cache"][0], 2),
-                     ref_forward=functools.partial(torch.Tensor.sum, ts["ref_params"][0]),
-                     train=functools.partial(torch.Tensor.add_, ts["train_params"][0], 1))
-        s = make(groups, ledger=MemoryLedger())
-        s.prepare()
-        for _ in range(iterations):
-            s.run_iteration(**hooks)
-        it = iterations - 1
-        h2d, d2h = s.ledger.moved(it)
-        moves = [e for e in s.ledger.entries if e.iteration == it and (e.h2d_bytes or e.d2h_bytes)]
-        out[s.name] = {
-            "ledger_peak_bytes": s.ledger.peak_bytes, "ledger_peak_step": s.ledger.peak_step,
-            "measured_peak_bytes": (None if s.ledger.measured_peak_bytes is None
-                                    else s.ledger.measured_peak_bytes - floor),
-            "measured_peak_step": s.ledger.measured_peak_step,
-            "h2d_bytes_per_iteration": h2d, "d2h_bytes_per_iteration": d2h,
-            "copy_seconds_per_iteration": sum(e.seconds for e in moves),
-            "sizes": {r: g.nbytes for r, g in groups.items()},
-            "ledger_table": s.ledger.format_table(unit=1 << 20),
-        }
-        eng.close()
-        for g in groups.values():
-            g.close()
-        del groups, ts, s
-    return out
+    hooks = dict(reshard=reshard, generate=functools.partial(torch.Tensor.fill_, ts["kv_cache"][0], 2),
+                 ref_forward=functools.partial(torch.Tensor.sum, ts["ref_params"][0]),
+                 train=functools.partial(torch.Tensor.add_, ts["train_params"][0], 1))
+    s = make(groups, ledger=MemoryLedger())
+    s.prepare()
+    cpu_peak, cpu_peak_step = 0, None
+    for _ in range(iterations):
+        for spec in s.steps:
+            s.advance(**hooks)
+            if on_cpu:  # the storages alive at each step's end (every peak of both orders is a step's end)
+                now = probe.now()
+                if now > cpu_peak:
+                    cpu_peak, cpu_peak_step = now, spec.name
+    it = iterations - 1
+    h2d, d2h = s.ledger.moved(it)
+    moves = [e for e in s.ledger.entries if e.iteration == it and (e.h2d_bytes or e.d2h_bytes)]
+    if on_cpu:
+        measured, measured_step, source = cpu_peak - floor, cpu_peak_step, "live storages at step ends (CPU)"
+    else:
+        measured = None if s.ledger.measured_peak_bytes is None else s.ledger.measured_peak_bytes - floor
+        measured_step, source = s.ledger.measured_peak_step, "max_memory_allocated per step"
+    result = {
+        "ledger_peak_bytes": s.ledger.peak_bytes, "ledger_peak_step": s.ledger.peak_step,
+        "measured_peak_bytes": measured, "measured_peak_step": measured_step, "measured_peak_source": source,
+        "floor_bytes": floor,
+        "h2d_bytes_per_iteration": h2d, "d2h_bytes_per_iteration": d2h,
+        "copy_seconds_per_iteration": sum(e.seconds for e in moves),
+        "sizes": {r: g.nbytes for r, g in groups.items()},
+        "ledger_table": s.ledger.format_table(unit=1 << 20),
+    }
+    eng.close()
+    for g in groups.values():
+        g.close()
+    return result
 
 
 def bench_release_allocate(nbytes: int, reps: int, pieces: int = 16) -> dict:
