@@ -25,7 +25,7 @@ def test_the_shipped_configs_match_the_schema(name):
 
 @pytest.mark.parametrize("section, message", [
     ({"ofload": True}, "recipe.ofload: unknown key (did you mean 'offload'?)"),
-    ({"zzz": 1}, "recipe.zzz: unknown key (known: device_memory_gib, dp_sync_on_device, fingerprint_every, fixed_routing, megatron"),
+    ({"zzz": 1}, "recipe.zzz: unknown key (known: device_memory_gib, devices_per_card, dp_sync_on_device, fingerprint_every, fixed_routing"),
     ({"offload": "false"}, "recipe.offload must be true or false, got the string 'false' (write true or false"),
     ({"offload": 1}, "recipe.offload must be true or false, got 1 (int)"),
     ({"vllm_dp": {"dp_size": "8"}}, "recipe.vllm_dp.dp_size must be an integer, got the string '8'"),
