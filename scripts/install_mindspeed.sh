@@ -10,10 +10,18 @@
 #
 #   bash scripts/install_mindspeed.sh [--print] [PYTHON]
 #
-# --print names the source it would use (one line: "archive PATH", "git URL@TAG" or "skip: WHY") and
-# installs nothing; setup_test_env.sh puts that line into its venv stamp. PYTHON defaults to python3.
+# --print names the source it would use by its content, not its place (one line: "archive sha256:HASH
+# NAME", "git URL@TAG commit" or "skip: WHY") and installs nothing; setup_test_env.sh puts that line
+# into its venv stamp, so a moved or linked checkout keeps its venv. PYTHON defaults to python3.
 # GIT (git) and MINDSPEED_GIT_TIMEOUT_S (20) control the tag lookup.
 set -euo pipefail
+
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'; }
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  echo "usage: bash scripts/install_mindspeed.sh [--print] [PYTHON]"
+  usage
+  exit 0
+fi
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOCK=$ROOT/configs/upstream.lock.toml
@@ -62,7 +70,8 @@ choose_source() {
       log "error: $path has sha256 $sha; the lock's MindSpeed $REF archive has $ARCHIVE_SHA (a different MindSpeed would make every fingerprint check meaningless)"
       return 2
     fi
-    SOURCE="archive $(cd "$(dirname "$path")" && pwd)/$ARCHIVE"
+    ARCHIVE_PATH="$(cd "$(dirname "$path")" && pwd)/$ARCHIVE"
+    SOURCE="archive sha256:$sha $ARCHIVE"
     return 0
   fi
   local found
@@ -72,10 +81,10 @@ choose_source() {
       log "error: tag $REF of $REPO is commit $found; the lock pins $COMMIT"
       return 2
     fi
-    SOURCE="git $REPO@$REF"
+    SOURCE="git $REPO@$REF $found"
     return 0
   fi
-  SOURCE="skip: no $ARCHIVE in ${UPSTREAM_DIRS[*]} (set VERL_PATCHES_UPSTREAM_DIR) and tag $REF of $REPO not reachable"
+  SOURCE="skip: no $ARCHIVE found (set VERL_PATCHES_UPSTREAM_DIR) and tag $REF of $REPO not reachable"
 }
 
 choose_source
@@ -86,9 +95,9 @@ fi
 
 case "$SOURCE" in
   skip:*)
-    log "note: MindSpeed not installed ($SOURCE); its tests skip and doctor --strict reports it missing on Ascend"
+    log "note: MindSpeed not installed ($SOURCE; looked in ${UPSTREAM_DIRS[*]}); its tests skip and doctor --strict reports it missing on Ascend"
     exit 0 ;;
-  archive\ *) target=${SOURCE#archive } ;;
+  archive\ *) target=$ARCHIVE_PATH ;;
   git\ *) target="git+${REPO}@${REF}" ;;
 esac
 log "MindSpeed $REF from ${SOURCE%% *}: $target"

@@ -7,6 +7,12 @@
 # Idempotent: a venv whose stamp matches the lock and requirements is reused as is.
 set -euo pipefail
 
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  echo "usage: bash scripts/setup_test_env.sh     (VENV=DIR to choose the venv; PYTHON=python3.11)"
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 0
+fi
+
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3.11}
@@ -39,6 +45,9 @@ if [ -e "$VENV" ] || [ -L "$VENV" ]; then
     rm -rf "$VENV"
   elif [ -d "$VENV" ] && [ ! -L "$VENV" ] && [ -z "$(ls -A "$VENV")" ]; then
     rmdir "$VENV"
+  elif [ -L "$VENV" ]; then
+    log "error: VENV=$VENV is a symbolic link (to $(readlink "$VENV")) and its stamp does not match this checkout's lock and requirements: refusing to rebuild through a link; point VENV at the real directory, or remove the link"
+    exit 2
   else
     log "error: VENV=$VENV exists and was not made by this script (no $MARKER in it): refusing to delete or reuse it; choose a new path or remove it yourself"
     exit 2

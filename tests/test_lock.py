@@ -2,6 +2,7 @@
 
 import re
 
+import pytest
 from packaging.requirements import Requirement
 
 from tests.helpers import REPO
@@ -89,7 +90,8 @@ def _mindspeed_source(tmp_path, upstream_dir, **env):
 def test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_a_note(tmp_path):
     # GIT=false: the tag lookup fails as it does on a machine with registry access only.
     r = _mindspeed_source(tmp_path, tmp_path, GIT="false")
-    assert r.returncode == 0 and r.stdout.startswith("skip: no MindSpeed-2.1.0_core_r0.12.1.tar.gz in")
+    assert r.returncode == 0 and r.stdout.startswith("skip: no MindSpeed-2.1.0_core_r0.12.1.tar.gz found")
+    assert str(tmp_path) not in r.stdout  # the stamp's line names no place (a moved checkout keeps its venv)
     (tmp_path / load_lock()["mindspeed"].archive).write_bytes(b"not the release")
     r = _mindspeed_source(tmp_path, tmp_path, GIT="false")
     assert r.returncode == 2 and "has sha256" in r.stderr and load_lock()["mindspeed"].archive_sha256 in r.stderr
@@ -123,6 +125,34 @@ def test_install_mindspeed_without_a_folder_named_looks_inside_and_beside_the_ch
     (checkout / "upstream" / archive).write_bytes(b"inside")
     r = source()
     assert r.returncode == 2 and f"checkout/upstream/{archive}" in r.stderr
+
+
+def test_the_stamps_mindspeed_line_names_the_archive_by_content_not_by_place(tmp_path):
+    """setup_test_env.sh stamps its venv with install_mindspeed.sh --print: the release archive found in
+    two different folders gives one line (its sha256 and name), so a moved or linked checkout keeps
+    its venv. Needs the release archive (in an upstream/ folder beside the checkout, as on CI)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from verl_patches.core.lock import REPO_ROOT
+
+    ms = load_lock()["mindspeed"]
+    found = [d / ms.archive for d in [REPO_ROOT / "upstream", *REPO_ROOT.parent.glob("*/upstream")]
+             if (d / ms.archive).is_file()]
+    if not found:
+        pytest.skip(f"no {ms.archive} beside or inside the checkout")
+    lines = []
+    for where in ("a", "b/c"):
+        (tmp_path / where).mkdir(parents=True)
+        shutil.copy(found[0], tmp_path / where / ms.archive)
+        r = subprocess.run(["bash", str(REPO / "scripts" / "install_mindspeed.sh"), "--print", sys.executable],
+                           env=dict(os.environ, VERL_PATCHES_UPSTREAM_DIR=str(tmp_path / where), GIT="false"),
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        lines.append(r.stdout.strip())
+    assert lines[0] == lines[1] == f"archive sha256:{ms.archive_sha256} {ms.archive}"
 
 
 def test_the_mindspeed_record_names_the_locks_release():
