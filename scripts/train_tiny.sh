@@ -20,6 +20,11 @@
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+  echo "usage: bash scripts/train_tiny.sh [--dry-run] [HYDRA_OVERRIDE ...]"
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 export VENV="${VENV:-$ROOT/.venv}"
 
 bash "$ROOT/scripts/setup_test_env.sh"
