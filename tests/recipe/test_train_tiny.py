@@ -195,7 +195,7 @@ def test_every_step_proves_the_rollout_holds_the_trainers_weights(runs):
         for step, row in run.items():
             if step == 0:
                 continue
-            assert row["switch/fingerprint_ok"] == 1.0, (step, row.get("switch/fingerprint_ok"))
+            assert row["switch/fingerprint_passed"] == 1.0, (step, row.get("switch/fingerprint_passed"))
             # Each rank compares its rollout parameters: the tiny model's rollout TP2 shards.
             assert row["switch/fingerprint_params"] > 0 and row["switch/mla_layers_checked"] == 1.0, step
             assert row["switch/graph_addresses_checked"] == 0.0, step

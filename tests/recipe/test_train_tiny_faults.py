@@ -44,4 +44,4 @@ def test_a_corrupted_rollout_stops_the_run_at_that_step_naming_rank_and_paramete
     # Steps 1 and 2 ran and were checked; nothing of step 3 reached the log.
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [row["step"] for row in rows] == [1, 2]
-    assert all(row["switch/fingerprint_ok"] == 1.0 and row["switch/fingerprint_params"] > 0 for row in rows)
+    assert all(row["switch/fingerprint_passed"] == 1.0 and row["switch/fingerprint_params"] > 0 for row in rows)

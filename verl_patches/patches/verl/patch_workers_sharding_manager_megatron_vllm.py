@@ -121,10 +121,10 @@ def self_check(manager: Any, session: Any, settings: Any, train: dict, model: An
     roll = vllm_params(model)
     faults.inject_after_reshard(step, session.rank, roll)
     every = settings.fingerprint_every
-    out = {"fingerprint_ok": 0.0, "fingerprint_params": 0.0, "fingerprint_s": 0.0, "fingerprint_bytes": 0.0}
+    out = {"fingerprint_passed": 0.0, "fingerprint_params": 0.0, "fingerprint_s": 0.0, "fingerprint_bytes": 0.0}
     if every and session.switches % every == 0:
         res = session.verify(train, roll, step=step)
-        out.update(fingerprint_ok=1.0, fingerprint_params=res.params, fingerprint_s=res.seconds,
+        out.update(fingerprint_passed=1.0, fingerprint_params=res.params, fingerprint_s=res.seconds,
                    fingerprint_bytes=res.bytes_read)
         out["mla_layers_checked"] = float(check_mla_derived(model, session.switches // every))
     session.switches += 1
