@@ -6,7 +6,7 @@ at a time. derandomize=True and small example budgets keep the run the same and 
 machine; each test prints how many inputs it tried (pytest -s shows them).
 
 Entry points: verl_patches.env (the reader), python -m verl_patches plan, the checkpoint tools
-hf_to_mcore, mcore_to_hf and fp8_to_bf16, and the data check.
+hf_to_mcore, mcore_to_hf and fp8_to_bf16, the data check, and python -m verl_patches rollout-plan.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.tools.synth_dsv3 import random_bf16, tiny_config, write_hf
 from verl_patches import env
 from verl_patches.data import check as data_check
 from verl_patches.reshard import cli as plan_cli
+from verl_patches.rollout import planner as rollout_planner
 from verl_patches.tools import fp8_to_bf16, hf_to_mcore, mcore_to_hf
 
 # Never a hang: one example may take a minute at most (hypothesis fails it otherwise), one test
@@ -338,3 +339,80 @@ def test_data_check_properties(tmp_path_factory, scorer, monkeypatch):
 
     prop()
     _finish("data.check")
+
+
+# ---------- python -m verl_patches rollout-plan ----------
+
+TINY_METRICS = REPO / "tests" / "fixtures" / "rollout" / "tiny_run_metrics.jsonl"
+
+
+def test_rollout_plan_properties(tmp_path_factory):
+    """From a valid small plan, one input replaced: an option's value, the length spec, the TPOT
+    table (inline or a file's value), or the recorded metrics (one line's value, or its bytes).
+    Options that size the model skip the recommendation's search (each example stays short)."""
+    root = tmp_path_factory.mktemp("rollout_plan")
+    sized = ["--dp", "--prompts", "--n", "--max-len", "--max-num-seqs", "--prompt-len"]
+    other = ["--graph-batch-sizes", "--min-bucket-drop", "--max-imbalance", "--tail-fraction", "--seed",
+             "--min-gain", "--metrics-step"]
+    lines = TINY_METRICS.read_text().splitlines()
+    damaged = {
+        "option": st.tuples(st.sampled_from(sized + other), number_text),
+        "lengths": st.one_of(st.text(max_size=30), st.builds(
+            lambda k, p: f"{k}:{p}", st.sampled_from(["lognormal", "uniform", "fixed", "cap", "x"]),
+            st.lists(st.tuples(st.sampled_from(["median", "sigma", "low", "high", "value", "w"]), number_text)
+                     .map(lambda kv: f"{kv[0]}={kv[1]}"), max_size=3).map(",".join))),
+        "tpot": st.one_of(st.text(max_size=20), st.lists(
+            st.tuples(number_text, number_text).map(lambda kv: f"{kv[0]}={kv[1]}"), min_size=1, max_size=3).map(",".join)),
+        "tpot-file": st.tuples(st.sampled_from(["tpot_ms", "prefill_ms_per_token", "step_overhead_ms", "x"]),
+                               json_values),
+        "metrics-key": st.tuples(st.integers(1, len(lines) - 1),
+                                 st.sampled_from(["response_length/mean", "response_length/min", "response_length/max",
+                                                  "response_length/clip_ratio", "prompt_length/mean", "step"]),
+                                 json_values),
+        "metrics-bytes": st.tuples(st.sampled_from(["truncate", "overwrite", "replace"]), st.floats(0, 1),
+                                   st.binary(min_size=1, max_size=16)),
+    }
+
+    @settings(max_examples=80, **SETTINGS)
+    @given(which=st.sampled_from(["none", *damaged]), metrics=st.booleans(), data=st.data())
+    def prop(which, metrics, data):
+        COUNTS["rollout-plan"] += 1
+        new = data.draw(damaged[which]) if which != "none" else None
+        argv = ["--dp", "4", "--prompts", "4", "--n", "4", "--graph-batch-sizes", "2,4,8", "--rebalance",
+                "--no-png", "--json"]
+        tpot = "1=10,2=12,4=15,8=20"
+        lengths = "0.9*lognormal:median=20,sigma=0.8;0.1*cap"
+        if metrics or which.startswith("metrics"):
+            src = root / f"m{next(_ids)}.jsonl"
+            text = list(lines)
+            if which == "metrics-key":
+                rec = json.loads(text[new[0]])
+                rec[new[1]] = new[2]
+                text[new[0]] = json.dumps(rec)
+            src.write_text("\n".join(text))
+            if which == "metrics-bytes":
+                _damage_file(src, *new)
+            lengths = str(src)
+        else:
+            argv += ["--max-len", "64"]
+        if which == "option":
+            argv += [new[0], new[1]]
+            if new[0] in sized:
+                argv.append("--no-recommend")
+        elif which == "lengths":
+            lengths = new
+        elif which == "tpot":
+            tpot = new
+        elif which == "tpot-file":
+            f = root / f"t{next(_ids)}.json"
+            table = {"tpot_ms": {"1": 10, "2": 12, "4": 15, "8": {"0": 20, "64": 30}}}
+            table[new[0]] = new[1]
+            f.write_text(json.dumps(table))
+            tpot = str(f)
+        rc, out, err = call(rollout_planner.main, [*argv, "--lengths", lengths, "--tpot", tpot])
+        if which == "none":
+            assert rc == 0 and json.loads(out)["given"]["total_s"] > 0, err
+        assert_clean_failure(rc, err, *sized, *other, "--lengths", "--tpot", "graph batch size", "max_num_seqs")
+
+    prop()
+    _finish("rollout-plan")

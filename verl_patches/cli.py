@@ -1,4 +1,4 @@
-"""``python -m verl_patches``: doctor, patches, diff, docs, hook, fingerprint, plan, preflight, plot."""
+"""``python -m verl_patches``: doctor, patches, diff, docs, hook, fingerprint, plan, preflight, plot, rollout-plan."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ DELEGATED = {
     "plan": ("verl_patches.reshard.cli:main", "reshard plan for a model and two layouts (ours vs baselines)"),
     "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
     "plot": ("verl_patches.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
+    "rollout-plan": ("verl_patches.rollout.planner:main",
+                     "model the rollout's long tail (lockstep DP decode, graph buckets, rebalance) and recommend"),
 }
 
 

@@ -49,6 +49,14 @@ KEYS: dict[str, Key] = {
                                      "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
     "tensorboard_dir": Key(str, None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's "
                                       "default, tensorboard_log/<project>/<experiment> under the driver's directory"),
+    # The rollout's long-tail rebalance policy (verl_patches/rollout/rebalance.py, docs/ROLLOUT.md). Read
+    # by the planner (python -m verl_patches rollout-plan); no rollout patch consumes it yet.
+    "rebalance": Key(bool, False, "move unfinished requests between DP ranks so the DP group drops to a smaller "
+                                  "captured graph bucket (policy only: the rollout does not act on it yet)"),
+    "rebalance_min_bucket_drop": Key(int, 1, "rebalance only when it lowers the group's graph bucket by at least "
+                                             "this many steps of graph_batch_sizes", minimum=1),
+    "rebalance_max_imbalance": Key(float, None, "or, for a smaller drop, when the fullest DP rank holds more than "
+                                                "this many times the mean; null: only the drop counts", minimum=1.0),
     "devices_per_card": Key(int, None, "devices (verl's GPUs: dies on Ascend) per card, for perf/tps_per_card; "
                                        "null: by trainer.device (npu 2, cuda 1; the CPU platform 1)"),
 }

@@ -56,6 +56,8 @@ RECIPE_SCHEMA: dict[str, Any] = {
 }
 # Lower bounds of the integer keys (ports also have an upper one).
 _INT_MIN = {"dp_size": 1, "instances": 1, "port_stride": 1, "master_port_base": 1}
+# Lower bounds of the section's own numbers, from the settings table (written once).
+_TOP_MIN = {name: key.minimum for name, key in settings.KEYS.items() if key.minimum is not None}
 
 
 plain = settings.plain  # an OmegaConf node as plain containers (one implementation)
@@ -115,13 +117,16 @@ def recipe_problems(section: Any, where: str = SECTION) -> list[str]:
                 if not isinstance(value, str):
                     problems.append(f"{here} must be a string (a path), got {_describe(value)}")
             elif rule is float:
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                     problems.append(f"{here} must be a positive number, got {_describe(value)}")
+                elif path == where and key in _TOP_MIN and value < _TOP_MIN[key]:
+                    problems.append(f"{here} must be >= {_TOP_MIN[key]}, got {value}")
             elif rule is int:
                 if not isinstance(value, int) or isinstance(value, bool):
                     problems.append(f"{here} must be an integer, got {_describe(value)}")
-                elif value < _INT_MIN.get(key, 0) or (key == "master_port_base" and value > 65535):
-                    problems.append(f"{here} must be >= {_INT_MIN.get(key, 0)}"
+                elif value < (low := _TOP_MIN.get(key, 0) if path == where else _INT_MIN.get(key, 0)) \
+                        or (key == "master_port_base" and value > 65535):
+                    problems.append(f"{here} must be >= {low}"
                                     + (" and <= 65535" if key == "master_port_base" else "") + f", got {value}")
 
     walk(section, RECIPE_SCHEMA, where)

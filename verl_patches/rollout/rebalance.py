@@ -1,0 +1,320 @@
+"""The rollout's long-tail rebalance POLICY: which captured graph bucket each DP rank needs, and which
+unfinished requests to move between DP ranks so that the whole DP group can drop to a smaller bucket.
+
+Pure functions, no vLLM: the mechanism that moves a request inside vLLM (and the patch that would
+call this) is not written yet; ``python -m verl_patches rollout-plan`` (verl_patches/rollout/planner.py)
+runs this same code in its model of the rollout. docs/ROLLOUT.md explains the tail and the policy.
+
+Why the group, not a rank: the DP ranks of one vLLM instance step in lockstep (MoE all-to-all), and
+every rank pads its decode batch to the captured graph of the group's largest batch. The group's
+step therefore costs the bucket of its fullest rank.
+
+The plan, for the unfinished request ids per rank ``counts[r]``, buckets ``b_1 < ... < b_k`` and a
+per-rank capacity ``cap[r]`` (max_num_seqs, or less where a rank's KV cache is short):
+
+- target bucket: the smallest ``b`` with ``sum_r min(b, cap[r]) >= total`` (no plan of any kind can
+  put ``total`` requests on the ranks with fewer than ``min(b, cap[r])`` each otherwise, so no smaller
+  bucket is reachable);
+- moves: each rank above ``room[r] = min(b, cap[r])`` sends exactly ``counts[r] - room[r]`` requests,
+  to ranks below their room. That is the fewest moves: a move lowers one rank's count by one, so a rank
+  with ``counts[r] > room[r]`` must send at least the excess, and the sum of excesses is a lower bound;
+  the plan meets it because the free room ``sum_r max(0, room[r] - counts[r])`` is at least the excess
+  exactly when ``sum_r room[r] >= total`` (the reachability condition). No request moves twice and no
+  rank both sends and receives.
+
+Ties are broken deterministically: the requests a rank sends are its cheapest (``weights``, e.g. the
+tokens whose KV would move, default 0), then the smallest request ids; they go out in rank order, each
+to the rank with the most free room (then the lowest rank), which keeps the group balanced for the next
+drop. ``restore`` puts every output back on its original rank in its original order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
+
+from verl_patches import settings
+
+
+class RebalanceError(ValueError):
+    """Malformed input to the rebalance policy; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Move:
+    request: Hashable
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class RebalancePolicy:
+    """When to rebalance (recipe.rebalance*, verl_patches/settings.py). A plan is taken only when it
+    lowers the group's bucket at all, and then when it lowers it by at least ``min_bucket_drop``
+    buckets of the captured list, or when the fullest rank holds more than ``max_imbalance`` times
+    the mean (None: only the drop counts)."""
+
+    enabled: bool = settings.KEYS["rebalance"].default
+    min_bucket_drop: int = settings.KEYS["rebalance_min_bucket_drop"].default
+    max_imbalance: float | None = settings.KEYS["rebalance_max_imbalance"].default
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise RebalanceError(f"rebalance must be true or false, got {self.enabled!r}")
+        if not isinstance(self.min_bucket_drop, int) or isinstance(self.min_bucket_drop, bool) \
+                or self.min_bucket_drop < 1:
+            raise RebalanceError(f"rebalance_min_bucket_drop must be an integer >= 1, got {self.min_bucket_drop!r}")
+        m = self.max_imbalance
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 1.0
+                              or m == float("inf")):
+            raise RebalanceError(f"rebalance_max_imbalance must be a finite number >= 1 or null, got {m!r}")
+
+    @classmethod
+    def from_recipe(cls, section: Any) -> "RebalancePolicy":
+        """From the recipe section (a DictConfig, a mapping or None), through the one typed reader."""
+        try:
+            return cls(enabled=settings.read(section, "rebalance"),
+                       min_bucket_drop=settings.read(section, "rebalance_min_bucket_drop"),
+                       max_imbalance=settings.read(section, "rebalance_max_imbalance"))
+        except settings.SettingsError as e:
+            raise RebalanceError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class Decision:
+    needed: dict[int, int]  # rank -> the bucket its unfinished requests need now
+    current_bucket: int  # the group's bucket now (the largest needed)
+    target_bucket: int  # the smallest reachable bucket
+    moves: tuple[Move, ...]  # the plan to reach it (empty when it is the current one)
+    imbalance: float  # fullest rank / mean (1.0: even; 0 requests: 1.0)
+    rebalance: bool  # the policy takes the plan
+    reason: str
+
+    @property
+    def bucket_after(self) -> int:
+        return self.target_bucket if self.rebalance else self.current_bucket
+
+
+# ---------- input checks ----------
+
+def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """The captured graph batch sizes, strictly increasing positive integers."""
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence) or not buckets:
+        raise RebalanceError(f"graph batch sizes must be a non-empty sorted list of positive integers, got {buckets!r}")
+    for b in buckets:
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise RebalanceError(f"graph batch size {b!r} is not a positive integer (in {list(buckets)})")
+    if any(a >= b for a, b in zip(buckets, buckets[1:])):
+        raise RebalanceError(f"graph batch sizes must be strictly increasing, got {list(buckets)}")
+    return tuple(buckets)
+
+
+def _check_layout(layout: Mapping[int, Sequence[Hashable]]) -> dict[int, list]:
+    if not isinstance(layout, Mapping) or not layout:
+        raise RebalanceError(f"the unfinished requests must be a non-empty mapping rank -> request ids, got {layout!r}")
+    out: dict[int, list] = {}
+    seen: dict[Hashable, int] = {}
+    kinds: set[type] = set()
+    for rank, ids in layout.items():
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise RebalanceError(f"DP rank {rank!r} is not a non-negative integer")
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise RebalanceError(f"rank {rank}: request ids must be a list, got {ids!r}")
+        for rid in ids:
+            if isinstance(rid, bool) or not isinstance(rid, (int, str)):
+                raise RebalanceError(f"rank {rank}: request id {rid!r} is not an int or a str")
+            kinds.add(type(rid))
+            if rid in seen:
+                raise RebalanceError(f"request id {rid!r} is on rank {seen[rid]} and rank {rank}")
+            seen[rid] = rank
+        out[rank] = list(ids)
+    if len(kinds) > 1:
+        raise RebalanceError("request ids mix ints and strs; use one kind so ties break in one order")
+    return {r: out[r] for r in sorted(out)}
+
+
+def _capacities(ranks: Iterable[int], capacity: int | Mapping[int, int] | None, top: int) -> dict[int, int]:
+    caps: dict[int, int] = {}
+    for r in ranks:
+        c = top if capacity is None else capacity if not isinstance(capacity, Mapping) else capacity.get(r, top)
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            raise RebalanceError(f"rank {r}: capacity {c!r} is not a non-negative integer")
+        caps[r] = min(c, top)
+    return caps
+
+
+# ---------- (a) the bucket each rank needs ----------
+
+def bucket_for(count: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= count (a rank with no request runs the smallest: the group still steps)."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise RebalanceError(f"a request count must be a non-negative integer, got {count!r}")
+    for b in buckets:
+        if b >= count:
+            return b
+    raise RebalanceError(f"{count} unfinished requests exceed the largest graph batch size {buckets[-1]} "
+                         f"(graph_batch_sizes {list(buckets)}; max_num_seqs must not exceed it)")
+
+
+def needed_buckets(layout: Mapping[int, Sequence[Hashable]], buckets: Sequence[int]) -> dict[int, int]:
+    """rank -> the bucket its unfinished requests need."""
+    buckets = check_buckets(buckets)
+    return {r: bucket_for(len(ids), buckets) for r, ids in _check_layout(layout).items()}
+
+
+# ---------- (b) the move plan ----------
+
+def target_bucket(counts: Mapping[int, int], buckets: Sequence[int],
+                  capacity: int | Mapping[int, int] | None = None) -> int:
+    """The smallest bucket b with sum_r min(b, cap[r]) >= total: the smallest any plan can reach."""
+    buckets = check_buckets(buckets)
+    total = sum(counts.values())
+    if capacity is None or not isinstance(capacity, Mapping):  # one capacity for all: no per-rank sum
+        cap = _capacities((0,), capacity, buckets[-1])[0]
+        fits = [b for b in buckets if len(counts) * min(b, cap) >= total]
+    else:
+        caps = _capacities(counts, capacity, buckets[-1])
+        fits = [b for b in buckets if sum(min(b, c) for c in caps.values()) >= total]
+    if not fits:
+        raise RebalanceError(f"{total} unfinished requests do not fit {len(counts)} DP ranks at the largest graph "
+                             f"batch size {buckets[-1]} within the ranks' capacities")
+    return fits[0]
+
+
+def plan_moves(layout: Mapping[int, Sequence[Hashable]], buckets: Sequence[int],
+               capacity: int | Mapping[int, int] | None = None,
+               weights: Mapping[Hashable, float] | None = None) -> tuple[int, tuple[Move, ...]]:
+    """(the smallest reachable bucket, the fewest moves that reach it); see the module docstring."""
+    buckets = check_buckets(buckets)
+    layout = _check_layout(layout)
+    caps = _capacities(layout, capacity, buckets[-1])
+    for r, ids in layout.items():
+        bucket_for(len(ids), buckets)  # a count beyond the largest bucket is malformed
+        if len(ids) > caps[r]:
+            raise RebalanceError(f"rank {r} holds {len(ids)} requests, more than its capacity {caps[r]}")
+    weights = weights or {}
+    counts = {r: len(ids) for r, ids in layout.items()}
+    b = target_bucket(counts, buckets, caps)
+    room = {r: min(b, caps[r]) for r in layout}
+    # Receivers: most free room first, then the lowest rank (a heap of (-free, rank)).
+    free = [(-(room[r] - counts[r]), r) for r in layout if room[r] > counts[r]]
+    heapq.heapify(free)
+    moves: list[Move] = []
+    for r, ids in layout.items():
+        excess = counts[r] - room[r]
+        if excess <= 0:
+            continue
+
+        def key(rid: Hashable) -> tuple:
+            w = weights.get(rid, 0)
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or w != w:
+                raise RebalanceError(f"request {rid!r}: weight {w!r} is not a number")
+            return (w, rid)
+
+        for rid in sorted(ids, key=key)[:excess]:
+            neg, dst = heapq.heappop(free)  # never empty: the free room covers the excess
+            moves.append(Move(rid, r, dst))
+            if neg + 1 < 0:
+                heapq.heappush(free, (neg + 1, dst))
+    return b, tuple(moves)
+
+
+def imbalance(counts: Mapping[int, int]) -> float:
+    """The fullest rank's count over the mean (1.0 when even or empty)."""
+    total = sum(counts.values())
+    return 1.0 if total == 0 else max(counts.values()) * len(counts) / total
+
+
+@dataclass(frozen=True)
+class Verdict:
+    current_bucket: int
+    target_bucket: int
+    imbalance: float
+    rebalance: bool
+    reason: str
+
+
+def judge(counts: Mapping[int, int], buckets: Sequence[int], policy: RebalancePolicy,
+          capacity: int | Mapping[int, int] | None = None) -> Verdict:
+    """Whether ``policy`` rebalances the unfinished request counts per rank (counts only: cheap enough
+    for every step of a scheduler; ``decide`` adds the plan)."""
+    buckets = check_buckets(buckets)
+    if not isinstance(counts, Mapping) or not counts:
+        raise RebalanceError(f"the request counts must be a non-empty mapping rank -> count, got {counts!r}")
+    for r, c in counts.items():
+        if type(c) is not int or c < 0:  # noqa: E721 - exactly int (not bool), and fast on every step
+            raise RebalanceError(f"rank {r!r}: a request count must be a non-negative integer, got {c!r}")
+    current = bucket_for(max(counts.values()), buckets)
+    target = target_bucket(counts, buckets, capacity)
+    imb = imbalance(counts)
+    drop = buckets.index(current) - buckets.index(target)
+    if not policy.enabled:
+        take, why = False, "rebalance is off"
+    elif drop <= 0:
+        take, why = False, f"bucket {current} is already the smallest reachable"
+    elif drop >= policy.min_bucket_drop:
+        take, why = True, f"bucket {current} -> {target} ({drop} step(s) >= {policy.min_bucket_drop})"
+    elif policy.max_imbalance is not None and imb > policy.max_imbalance:
+        take, why = True, f"bucket {current} -> {target}: imbalance {imb:.2f} > {policy.max_imbalance}"
+    else:
+        take, why = False, (f"bucket {current} -> {target} is {drop} step(s) < {policy.min_bucket_drop}"
+                            + (f" and imbalance {imb:.2f} <= {policy.max_imbalance}"
+                               if policy.max_imbalance is not None else ""))
+    return Verdict(current, target, imb, take, why)
+
+
+def decide(layout: Mapping[int, Sequence[Hashable]], buckets: Sequence[int], policy: RebalancePolicy,
+           capacity: int | Mapping[int, int] | None = None,
+           weights: Mapping[Hashable, float] | None = None) -> Decision:
+    """The buckets needed now, the best reachable plan, and whether ``policy`` takes it."""
+    buckets = check_buckets(buckets)
+    needed = needed_buckets(layout, buckets)
+    target, moves = plan_moves(layout, buckets, capacity, weights)
+    v = judge({r: len(ids) for r, ids in _check_layout(layout).items()}, buckets, policy, capacity)
+    assert v.target_bucket == target and v.current_bucket == max(needed.values())
+    return Decision(needed, v.current_bucket, target, moves if v.rebalance else (), v.imbalance, v.rebalance, v.reason)
+
+
+# ---------- applying a plan and restoring the outputs ----------
+
+def apply_moves(layout: Mapping[int, Sequence[Hashable]], moves: Iterable[Move]) -> dict[int, list]:
+    """The layout after ``moves`` (each request appended to its destination, in plan order)."""
+    out = {r: list(ids) for r, ids in _check_layout(layout).items()}
+    for m in moves:
+        if m.src not in out or m.dst not in out:
+            raise RebalanceError(f"move of {m.request!r}: rank {m.src if m.src not in out else m.dst} is not in the layout")
+        if m.request not in out[m.src]:
+            raise RebalanceError(f"move of {m.request!r} from rank {m.src}: the request is not there")
+        out[m.src].remove(m.request)
+        out[m.dst].append(m.request)
+    return out
+
+
+def origins(layout: Mapping[int, Sequence[Hashable]]) -> dict[Hashable, tuple[int, int]]:
+    """request id -> (its original rank, its index there): the restore map, from the layout before
+    any move (requests may move several times; only where they started matters)."""
+    return {rid: (r, i) for r, ids in _check_layout(layout).items() for i, rid in enumerate(ids)}
+
+
+def restore(original: Mapping[int, Sequence[Hashable]],
+            outputs: Mapping[int, Iterable[tuple[Hashable, Any]]]) -> dict[int, list]:
+    """Every output back on its original rank in its original order. ``outputs``: rank -> (request
+    id, output) pairs wherever the requests finished. Each original request must come back exactly once."""
+    where = origins(original)
+    back: dict[int, list] = {r: [None] * len(ids) for r, ids in _check_layout(original).items()}
+    got: dict[Hashable, int] = {}
+    for rank, pairs in outputs.items():
+        for rid, out in pairs:
+            if rid not in where:
+                raise RebalanceError(f"rank {rank} returned request {rid!r}, which no rank started with")
+            if rid in got:
+                raise RebalanceError(f"request {rid!r} came back twice (ranks {got[rid]} and {rank})")
+            got[rid] = rank
+            r, i = where[rid]
+            back[r][i] = out
+    missing = [rid for rid in where if rid not in got]
+    if missing:
+        raise RebalanceError(f"{len(missing)} request(s) did not come back, e.g. {missing[:3]}")
+    return back
