@@ -101,7 +101,7 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
 
         before = probe.calls
         out = original(self, *args, **kwargs)
-        _note_split(probe, bound.arguments, out)
+        _note_split(probe, _arguments(bound), out)
         # Megatron's schedule returns one loss output per micro-batch on the last pipeline stage (none
         # on the others): each of them must have gone through the substitution.
         losses, intercepted = len(out["output"]), probe.calls - before
@@ -117,6 +117,15 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
     return forward_backward_batch
 
 
+def _arguments(bound: inspect.BoundArguments) -> dict:
+    """The call's arguments by name, those taken by a ``**kwargs`` parameter included."""
+    out = dict(bound.arguments)
+    for name, param in bound.signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(out.pop(name, {}))
+    return out
+
+
 def _note_split(probe: Any, arguments: dict, out: dict) -> None:
     """Tell the probe how forward_backward_batch split this rank's batch: verl's own partition with
     use_dynamic_bsz (out["indices"], rows of the batch per micro-batch), else its split into
@@ -127,13 +136,16 @@ def _note_split(probe: Any, arguments: dict, out: dict) -> None:
 
     data = arguments["data"]
     rows = len(data)
-    if arguments["use_dynamic_bsz"]:
+    if arguments.get("use_dynamic_bsz", False):
         if "indices" not in out:
             raise MismatchError("forward_backward_batch ran with use_dynamic_bsz=True but returned no micro-batch "
                                 "indices (verl 0.4.1 returns them as out['indices'])")
         parts = [list(p) for p in out["indices"]]
     else:
-        size = arguments["micro_batch_size"]
+        size = arguments.get("micro_batch_size")
+        if not isinstance(size, int) or size < 1:
+            raise MismatchError(f"forward_backward_batch ran without dynamic batch sizes and with micro_batch_size="
+                                f"{size!r}: cannot tell how the update split its batch")
         parts = [list(range(s, min(s + size, rows))) for s in range(0, rows, size)]
     if sorted(i for p in parts for i in p) != list(range(rows)):
         raise MismatchError(f"the update's micro-batches {parts} do not cover the {rows} rows of the batch once each")
