@@ -134,3 +134,32 @@ def test_chunked_entropy_equals_one_pass():
     got = M.chunked_entropy(logits, entropy, chunk=8)
     assert got.shape == (1, 37) and not got.requires_grad
     torch.testing.assert_close(got, entropy(logits.detach()), rtol=0, atol=0)
+
+
+def test_the_split_is_reported_and_combines_over_ranks():
+    # Rank 0 ran micro-batches of 2 and 4 rows (verl's dynamic split), rank 1 three of 2 (a smaller batch
+    # on a rank cannot happen with verl's equal chunks, but the combination must not care).
+    batches = _micro_batches()
+    ranks = [_probe(batches[:1]), _probe(batches[1:])]
+    ranks[0].note_split([2, 4], torch.tensor(18))
+    ranks[1].note_split([2, 2, 2], torch.tensor(11))
+    rows = torch.stack([torch.cat([p.local_stats(), p.local_split()]) for p in ranks]).double()
+    got = M.metrics_from(rows, True, "token-mean")
+    assert {k: got[k] for k in M.MICRO_METRICS} == {
+        M.MICRO_BATCHES: 3.0, M.MICRO_ROWS + "min": 2.0, M.MICRO_ROWS + "max": 4.0, M.MICRO_TOKENS_MAX: 18.0}
+    # The split's slots change none of the other figures.
+    plain = M.metrics_from(torch.stack([p.local_stats() for p in ranks]).double(), True, "token-mean")
+    assert {k: v for k, v in got.items() if k not in M.MICRO_METRICS} == plain
+    # One rank's reduce reports its own split.
+    assert ranks[0].reduce()[M.MICRO_ROWS + "max"] == 4.0
+
+
+def test_a_second_split_in_one_update_adds_up_and_bad_splits_are_refused():
+    p = M.UpdateProbe(False, "token-mean")
+    p.note_split([3, 5], torch.tensor(40))
+    p.note_split([1, 7], torch.tensor(30))
+    assert [float(x) for x in p.local_split()] == [4.0, 1.0, 7.0, 40.0]
+    with pytest.raises(M.MismatchError, match="at least one"):
+        p.note_split([], torch.tensor(0))
+    with pytest.raises(M.MismatchError, match="at least one"):
+        p.note_split([4, 0], torch.tensor(9))

@@ -19,6 +19,15 @@ Definitions, over the tokens of the response mask (a = actor log-prob, r = rollo
   KL(rollout || actor) from tokens the rollout sampled (non-negative per token);
 - ``actor/entropy``: the actor's entropy over the same logits, aggregated with the actor's
   loss_agg_mode over the whole batch as verl's trainer aggregates its ``entropys``.
+
+How the update split its batch (fixed micro-batches or verl's dynamic ones, ``use_dynamic_bsz``),
+recorded per rank by the update's wrapper and reduced over the data-parallel group with the rest:
+- ``actor/micro_batches``: micro-batches per rank (the most of any rank; verl's dynamic split
+  gives every rank the same count);
+- ``actor/micro_batch_rows_{min,max}``: sequences in the smallest and the largest micro-batch;
+- ``actor/micro_batch_tokens_max``: the non-padded tokens (attention mask) of the largest.
+Every statistic above is a sum over tokens or a max, so it does not depend on how the rows were
+split or ordered: verl's dynamic split reorders rows, but every field of a row moves with it.
 """
 
 from __future__ import annotations
@@ -34,6 +43,10 @@ KL_K3 = "training/rollout_kl_k3"
 ENTROPY = "actor/entropy"
 MISMATCH_METRICS = (PROBS_DIFF + "mean", PROBS_DIFF + "max", PROBS_DIFF + "std",
                     LOGPROB_DIFF + "mean", LOGPROB_DIFF + "max", KL_K3)
+MICRO_BATCHES = "actor/micro_batches"
+MICRO_ROWS = "actor/micro_batch_rows_"
+MICRO_TOKENS_MAX = "actor/micro_batch_tokens_max"
+MICRO_METRICS = (MICRO_BATCHES, MICRO_ROWS + "min", MICRO_ROWS + "max", MICRO_TOKENS_MAX)
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # Tokens per entropy chunk: the entropy pass's temporaries are a few [chunk, vocab / TP] fp32
 # tensors instead of a few copies of the micro-batch's whole logits.
@@ -42,6 +55,8 @@ ENTROPY_CHUNK_TOKENS = 1024
 # Slots of the per-rank statistics vector (all float32 on the device).
 _N, _MEAN, _M2, _PD_MAX, _LP_SUM, _LP_MAX, _K3_SUM, _ENT_NUM, _ENT_DEN = range(9)
 _WIDTH = 9
+# The split's slots, after the statistics in the gathered vector: count, fewest rows, most rows, most tokens.
+_SPLIT_WIDTH = 4
 
 
 class MismatchError(RuntimeError):
@@ -81,6 +96,22 @@ class UpdateProbe:
         self.calls = 0  # loss calls intercepted (micro-batches compared)
         self._stats: Optional[torch.Tensor] = None
         self._entropy: Optional[torch.Tensor] = None
+        self._split: Optional[torch.Tensor] = None
+
+    # -- how the update split the batch ------------------------------------------------------------
+    def note_split(self, rows: list[int], tokens_max: torch.Tensor) -> None:
+        """The micro-batches of this rank's update: the sequences of each (in the order run) and the
+        most non-padded tokens in one of them (a device scalar: no host sync)."""
+        if not rows or min(rows) < 1:
+            raise MismatchError(f"the update's micro-batches have {rows} sequences: every one must hold at least one")
+        split = torch.zeros(_SPLIT_WIDTH, dtype=torch.float32, device=tokens_max.device)
+        split[0], split[1], split[2] = float(len(rows)), float(min(rows)), float(max(rows))
+        split[3] = tokens_max.detach().float()
+        prev = self._split
+        if prev is not None:  # another forward_backward_batch in the same update: counts add up
+            split = torch.stack([prev[0] + split[0], torch.minimum(prev[1], split[1]),
+                                 torch.maximum(prev[2], split[2]), torch.maximum(prev[3], split[3])])
+        self._split = split
 
     # -- entropy hand-over (forward -> loss of one micro-batch) ------------------------------------
     def put_entropy(self, entropy: torch.Tensor) -> None:
@@ -160,12 +191,19 @@ class UpdateProbe:
             return self._stats
         return torch.zeros(_WIDTH, dtype=torch.float32, device=device)
 
+    def local_split(self, device: Any = None) -> torch.Tensor:
+        """The split's slots (zeros when the update's wrapper noted none)."""
+        if self._split is not None:
+            return self._split
+        return torch.zeros(_SPLIT_WIDTH, dtype=torch.float32, device=device)
+
     def reduce(self, group: Any = None, device: Any = None) -> dict[str, float]:
         """Global metrics: one all_gather of this rank's statistics over ``group`` (the data-parallel
         group; None without torch.distributed: this rank alone). Every rank gets the same figures."""
         import torch.distributed as dist
 
-        local = self.local_stats(device)
+        stats = self.local_stats(device)
+        local = torch.cat([stats, self.local_split(stats.device)])
         if dist.is_available() and dist.is_initialized():
             gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
             dist.all_gather(gathered, local, group=group)
@@ -189,8 +227,10 @@ def merge(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def metrics_from(rows: torch.Tensor, compare: bool, loss_agg_mode: str) -> dict[str, float]:
-    """The metrics of stacked per-rank statistics [ranks, width]. A batch without a response token
-    gives NaN, which the run's report refuses to log."""
+    """The metrics of stacked per-rank statistics [ranks, width], the split's slots optionally after
+    them. A batch without a response token gives NaN, which the run's report refuses to log."""
+    split = rows[:, _WIDTH:_WIDTH + _SPLIT_WIDTH]
+    rows = rows[:, :_WIDTH]
     total = rows[0].clone()
     for row in rows[1:]:
         total = merge(total, row)
@@ -209,4 +249,10 @@ def metrics_from(rows: torch.Tensor, compare: bool, loss_agg_mode: str) -> dict[
     else:
         den = float(total[_ENT_DEN])
         out[ENTROPY] = float(total[_ENT_NUM]) / den if den > 0 and n > 0 else nan
+    noted = split[split[:, 0] > 0] if split.shape[1] == _SPLIT_WIDTH else split[:0]
+    if len(noted):
+        out[MICRO_BATCHES] = float(noted[:, 0].max())
+        out[MICRO_ROWS + "min"] = float(noted[:, 1].min())
+        out[MICRO_ROWS + "max"] = float(noted[:, 2].max())
+        out[MICRO_TOKENS_MAX] = float(noted[:, 3].max())
     return out

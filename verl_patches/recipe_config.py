@@ -91,6 +91,46 @@ def _positive_int(rep: Report, name: str, value: Any) -> int | None:
     return value if ok else None
 
 
+def _flag(rep: Report, name: str, value: Any) -> bool | None:
+    """``value`` if it is true or false (None, unset, counts as verl's default False), else None with
+    the error recorded."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        msg = f"{name} must be true or false, got {value!r}"
+        if msg not in rep.errors:  # said once, however many rules read the key
+            rep.errors.append(msg)
+        rep.bad_values = True
+        return None
+    return value
+
+
+# Dynamic batch sizes (verl's use_dynamic_bsz): the switch and its token budget per device, for the
+# update and for the two log-prob forwards (verl's YAML interpolates the latter from the actor's).
+DYNAMIC_BSZ_KEYS = (
+    ("actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+    ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+    ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+)
+
+
+def _check_token_budgets(rep: Report, cfg, max_len: int) -> None:
+    """verl's rearrange_micro_batches asserts, at the first step, that a micro-batch's token budget
+    (the per-device setting x context parallel) holds one whole padded sequence (prompt + response);
+    the budget must be a whole number. Said here, before anything starts, naming the keys."""
+    cp = _select(cfg, "actor_rollout_ref.actor.megatron.context_parallel_size")
+    cp = cp if isinstance(cp, int) and not isinstance(cp, bool) and cp >= 1 else 1
+    for switch, budget_key in DYNAMIC_BSZ_KEYS:
+        if not _flag(rep, switch, _select(cfg, switch)):
+            continue
+        budget = _positive_int(rep, budget_key, _select(cfg, budget_key))
+        if budget is not None:
+            rep.check(budget * cp >= max_len,
+                      f"{budget_key}={budget} (x context parallel {cp}) is less than one padded sequence, "
+                      f"data.max_prompt_length + data.max_response_length = {max_len}: verl's dynamic batch "
+                      f"split (use_dynamic_bsz) needs room for one; raise it to at least {-(-max_len // cp)}")
+
+
 def _select(cfg, key: str) -> Any:
     from omegaconf import OmegaConf
 
@@ -196,10 +236,13 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     bsz = pos("data.train_batch_size")
     n = pos(f"{R}.n")
     mini = pos("actor_rollout_ref.actor.ppo_mini_batch_size")
-    micro = pos("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    dynamic = _flag(rep, "actor_rollout_ref.actor.use_dynamic_bsz", _select(cfg, "actor_rollout_ref.actor.use_dynamic_bsz"))
     epochs = _select(cfg, "actor_rollout_ref.actor.ppo_epochs")
-    if None not in (bsz, n, dp, micro):
-        rep.check((bsz * n) % (dp * micro) == 0, f"train batch {bsz} x n {n} not divisible by actor DP{dp} x micro {micro}")
+    if dynamic is False:  # with dynamic batch sizes verl splits by tokens and ignores the micro batch size
+        micro = pos("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+        if None not in (bsz, n, dp, micro):
+            rep.check((bsz * n) % (dp * micro) == 0,
+                      f"train batch {bsz} x n {n} not divisible by actor DP{dp} x micro {micro}")
     if None not in (bsz, mini):
         rep.check(bsz % mini == 0, f"train_batch_size {bsz} not divisible by ppo_mini_batch_size {mini}")
     recompute = _select(cfg, "actor_rollout_ref.actor.recompute_old_log_prob")
@@ -242,6 +285,7 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     prompt_len, resp_len = pos("data.max_prompt_length"), pos("data.max_response_length")
     if prompt_len and resp_len:
         max_len = prompt_len + resp_len
+        _check_token_budgets(rep, cfg, max_len)
         if isinstance(model.get("max_position_embeddings"), int):
             rep.check(max_len <= model["max_position_embeddings"],
                       f"prompt + response = {max_len} exceeds max_position_embeddings {model['max_position_embeddings']}")

@@ -117,6 +117,46 @@ def test_each_layout_rule_can_fail(override, message, model):
     assert any(message in e for e in rep.errors), rep.errors
 
 
+DYNAMIC = ["actor_rollout_ref.actor.use_dynamic_bsz=True"]
+
+
+def test_dynamic_batch_sizes_validate_with_a_budget_of_one_sequence(model):
+    # prompt 1024 + response 3072: the smallest budget verl's dynamic split accepts. The fixed micro batch
+    # size no longer counts (verl ignores it with use_dynamic_bsz): an odd one is not an error then.
+    ok = DYNAMIC + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"]
+    assert RC.validate(RC.compose("deepseekv3_256die_random_init", ok), model).errors == []
+    fixed = RC.validate(RC.compose("deepseekv3_256die_random_init", ok[2:]), model)
+    assert any("not divisible by actor DP8 x micro 3" in e for e in fixed.errors), fixed.errors
+
+
+def test_dynamic_batch_budgets_below_one_sequence_are_refused_naming_each_key(model):
+    # The reference's and the rollout's log-prob budgets follow the actor's in verl's YAML, so all three
+    # are too small; verl would assert in rearrange_micro_batches at the first step.
+    rep = RC.validate(RC.compose("deepseekv3_256die_random_init",
+                                 DYNAMIC + ["actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4095"]), model)
+    for key in ("actor.ppo_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu",
+                "rollout.log_prob_max_token_len_per_gpu"):
+        assert any(f"actor_rollout_ref.{key}=4095" in e and "= 4096" in e and "at least 4096" in e
+                   for e in rep.errors), (key, rep.errors)
+    # Only the one whose switch is on.
+    rep = RC.validate(RC.compose("deepseekv3_256die_random_init",
+                                 ["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+                                  "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=100"]), model)
+    assert [e for e in rep.errors if "max_token_len" in e] == [
+        e for e in rep.errors if "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=100" in e], rep.errors
+    assert len([e for e in rep.errors if "max_token_len" in e]) == 1, rep.errors
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.use_dynamic_bsz=yes", "actor_rollout_ref.actor.use_dynamic_bsz must be true or false"),
+    ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096.5", "ppo_max_token_len_per_gpu must be a positive integer"),
+])
+def test_dynamic_batch_settings_of_the_wrong_type_are_named(override, message, model):
+    rep = RC.validate(RC.compose("deepseekv3_256die_random_init", DYNAMIC + [override]), model)
+    assert len([e for e in rep.errors if message in e]) == 1, rep.errors  # said once, by name
+
+
 def test_verl_strictness_new_keys_need_plus():
     from hydra.errors import ConfigCompositionException
 

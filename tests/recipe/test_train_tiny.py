@@ -64,9 +64,9 @@ def _compared(row: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_assets):
     base = tmp_path_factory.mktemp("tiny")
-    assets = base / "assets"
+    assets = tiny_assets
     a = _run(base / "a", assets, f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_AT}",
              "trainer.val_before_train=True", f"trainer.test_freq={STEPS}")
     assert a.returncode == 0, a.stdout[-6000:] + _log(base / "a", "trainer.log")[-6000:]

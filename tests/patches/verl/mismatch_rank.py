@@ -64,7 +64,14 @@ def _setup():
     mpu.initialize_model_parallel(1, 1)
 
 
-def _batch(rank: int, compare: bool):
+# Sequence lengths for the dynamic-batch scenarios: long and short rows alternate, so verl's split by
+# tokens (use_dynamic_bsz, DYNAMIC_TOKENS per micro-batch) groups rows out of order and into micro-batches
+# of different sizes: [0, 2] (9 + 9 tokens) and [1, 3, 4, 5] (3 + 3 + 9 + 3) on every rank.
+VARIED_LENGTHS = (P + R, 3, P + R, 3, P + R, 3)
+DYNAMIC_TOKENS = 18
+
+
+def _batch(rank: int, compare: bool, varied: bool = False):
     from verl.protocol import DataProto
 
     g = torch.Generator().manual_seed(10 + rank)
@@ -73,6 +80,12 @@ def _batch(rank: int, compare: bool):
     attention_mask[0, :2] = 0  # left-padded prompt
     attention_mask[1, -2:] = 0  # short responses: the mask must matter
     attention_mask[2, -4:] = 0
+    if varied:
+        attention_mask.fill_(1)
+        for row, length in enumerate(VARIED_LENGTHS):
+            if length < P + R:  # one prompt token (left-padded) and a response of length - 1
+                attention_mask[row, :P - 1] = 0
+                attention_mask[row, P + length - 1:] = 0
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                "responses": input_ids[:, -R:].clone(), "advantages": torch.randn(B, R, generator=g)}
@@ -85,7 +98,7 @@ def _batch(rank: int, compare: bool):
     return DataProto.from_dict(tensors=tensors, meta_info={"micro_batch_size": 2})
 
 
-def _actor(loss_agg_mode: str, entropy_coeff: float):
+def _actor(loss_agg_mode: str, entropy_coeff: float, dynamic: int | None = None, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from omegaconf import OmegaConf
     from verl.workers.actor.megatron_actor import MegatronPPOActor
@@ -101,8 +114,8 @@ def _actor(loss_agg_mode: str, entropy_coeff: float):
     actor = object.__new__(MegatronPPOActor)  # verl's methods; attributes its __init__ would set
     actor.config = OmegaConf.create({
         "ppo_mini_batch_size": B, "ppo_epochs": 1, "data_loader_seed": 0, "shuffle": False, "use_kl_loss": False,
-        "entropy_coeff": entropy_coeff, "ppo_micro_batch_size_per_gpu": 2, "use_dynamic_bsz": False,
-        "recompute_old_log_prob": False, "clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
+        "entropy_coeff": entropy_coeff, "ppo_micro_batch_size_per_gpu": 2, "use_dynamic_bsz": dynamic is not None,
+        "ppo_max_token_len_per_gpu": dynamic or 0, "recompute_old_log_prob": recompute, "clip_ratio": 0.2, "clip_ratio_low": None, "clip_ratio_high": None,
         "loss_agg_mode": loss_agg_mode, "policy_loss": {"loss_mode": "vanilla"}, "megatron": {"context_parallel_size": 1},
     })
     actor.actor_module = [model]
@@ -125,10 +138,13 @@ def _direct(model: Policy, data) -> dict:
 
 
 def update(ids: list, compare: bool = True, loss_agg_mode: str = "token-mean", entropy_coeff: float = 0.0,
-           strip_requires: bool = False) -> dict:
+           strip_requires: bool = False, dynamic: int | None = None, recompute: bool = False) -> dict:
     """One update through verl's real bodies with the patches ``ids`` (undone afterwards); the metrics
-    it reports and what a direct computation needs (this rank's chunk). ``strip_requires``: apply
-    them with their declared requirements dropped (to show what a missing patch would do)."""
+    it reports, what a direct computation needs (this rank's chunk) and the weights after the step.
+    ``strip_requires``: apply them with their declared requirements dropped (to show what a missing
+    patch would do). ``dynamic``: verl's use_dynamic_bsz with that many tokens per micro-batch, on
+    the batch of VARIED_LENGTHS. ``recompute``: verl's path without reuse, the old log-probs from its
+    own compute_log_prob forward (with the same dynamic split, rows put back in order by verl)."""
     import dataclasses
 
     from verl_patches.core.apply import apply_all, undo
@@ -138,19 +154,24 @@ def update(ids: list, compare: bool = True, loss_agg_mode: str = "token-mean", e
     patches = [dataclasses.replace(reg[i], requires=()) if strip_requires else reg[i] for i in ids]
     applied = apply_all(patches)
     try:
-        actor, model = _actor(loss_agg_mode, entropy_coeff)
-        data = _batch(torch.distributed.get_rank(), compare)
+        actor, model = _actor(loss_agg_mode, entropy_coeff, dynamic, recompute)
+        data = _batch(torch.distributed.get_rank(), compare, varied=dynamic is not None)
         direct = _direct(model, data)
         if compare:
             direct["rollout"] = data.batch["rollout_log_probs"].clone()
         before = [p.detach().clone() for p in model.parameters()]
+        if recompute:  # the old-log-prob forward reuse skips: verl's compute_log_prob, as the worker calls it
+            data.meta_info.update(micro_batch_size=2, max_token_len=dynamic, use_dynamic_bsz=dynamic is not None)
+            old, _ = actor.compute_log_prob(data, calculate_entropy=False)
+            data.batch["old_log_probs"] = old
+            direct["old_log_probs"] = old.clone()
         try:
             loader = actor.make_minibatch_iterator(data)
             metrics = actor.update_policy(loader)
         except Exception as e:  # noqa: BLE001 - a scenario that must fail reports how (every rank alike)
             moved = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
             return {"error": f"{type(e).__name__}: {e}", "stepped": moved}
-        return {"metrics": dict(metrics), "direct": direct}
+        return {"metrics": dict(metrics), "direct": direct, "after": [p.detach().clone() for p in model.parameters()]}
     finally:
         undo(applied)
 
@@ -163,6 +184,10 @@ SCENARIOS = {
     **{f"without {' and '.join(left_out)}": dict(ids=[i for i in REUSE_IDS if i not in left_out], strip_requires=True)
        for left_out in (("verl.old_log_prob.policy_loss",), ("verl.old_log_prob.entropy",),
                         ("verl.old_log_prob.policy_loss", "verl.old_log_prob.entropy"))},
+    # Dynamic batch sizes: reuse (comparing with the rollout's log-probs) and verl's own recompute path.
+    "dynamic": dict(ids=REUSE_IDS, dynamic=DYNAMIC_TOKENS),
+    "dynamic, recomputed": dict(ids=REUSE_IDS, dynamic=DYNAMIC_TOKENS, recompute=True),
+    "fixed, recomputed": dict(ids=REUSE_IDS, recompute=True),
 }
 
 

@@ -433,3 +433,29 @@ def test_each_actor_side_patch_is_needed(left_out):
     finally:
         ap.undo()
     assert torch.isnan(loss).all()  # the placeholder reached the loss: switch or substitution missing
+
+
+def test_the_update_reports_its_split(patched):
+    # The stand-in splits 6 rows into micro-batches of 2 (meta_info micro_batch_size, as verl's update reads it).
+    import verl.workers.actor.megatron_actor as ma
+
+    actor, _ = _actor(Policy(), recompute=False)
+    metrics = ma.MegatronPPOActor.update_policy(actor, ma.MegatronPPOActor.make_minibatch_iterator(actor, _batch()))
+    # 8 tokens per row, 6 in row 0 (its response is 2 short): micro-batches of 14, 16, 16 tokens.
+    assert {k: metrics[k] for k in ("actor/micro_batches", "actor/micro_batch_rows_min", "actor/micro_batch_rows_max",
+                                    "actor/micro_batch_tokens_max")} == {
+        "actor/micro_batches": [3.0], "actor/micro_batch_rows_min": [2.0], "actor/micro_batch_rows_max": [2.0],
+        "actor/micro_batch_tokens_max": [16.0]}
+
+
+@pytest.mark.parametrize("arguments, out, message", [
+    (dict(use_dynamic_bsz=True), {"output": []}, "returned no micro-batch indices"),
+    (dict(use_dynamic_bsz=True), {"output": [], "indices": [[0, 1], [1, 2, 3, 4]]}, "do not cover the 6 rows"),
+    (dict(use_dynamic_bsz=False, micro_batch_size=None), {"output": []}, "cannot tell how the update split"),
+])
+def test_a_split_the_probe_cannot_read_is_refused_by_name(arguments, out, message):
+    from verl_patches.mismatch import UpdateProbe
+
+    probe = UpdateProbe(False, "token-mean")
+    with pytest.raises(MismatchError, match=message):
+        actor_patch._note_split(probe, dict(arguments, data=_batch()), out)

@@ -41,14 +41,17 @@ def _entropy(g, mode):
     return float(agg_loss(loss_mat=g["entropy"], loss_mask=g["mask"].float(), loss_agg_mode=mode))
 
 
-def _reported(results, name):
-    ours = [{k: v for k, v in r[name]["metrics"].items() if k in M.MISMATCH_METRICS + (M.ENTROPY,)} for r in results]
+def _reported(results, name, keys=M.MISMATCH_METRICS + (M.ENTROPY,)):
+    ours = [{k: v for k, v in r[name]["metrics"].items() if k in keys} for r in results]
     assert ours[0] == ours[1], "the ranks report different figures"  # verl collects one rank's
     return {k: v[0] for k, v in ours[0].items()}
 
 
-def test_metrics_equal_a_direct_computation_over_the_global_batch(results):
-    g = _global(results, "token-mean")
+@pytest.mark.parametrize("name", ["token-mean", "dynamic"])
+def test_metrics_equal_a_direct_computation_over_the_global_batch(results, name):
+    # "dynamic": verl's use_dynamic_bsz split reorders the rows into micro-batches of 2 and 4; the
+    # rollout's log-probs are a field of the same rows, so the figures are those of the whole batch.
+    g = _global(results, name)
     m = g["mask"]
     a, r = g["log_prob"][m], g["rollout"][m]
     pd = (a.exp() - r.exp()).abs()  # verl's definition (ray_trainer.py, training/rollout_probs_diff_*)
@@ -58,7 +61,7 @@ def test_metrics_equal_a_direct_computation_over_the_global_batch(results):
         M.LOGPROB_DIFF + "mean": (a - r).abs().mean(), M.LOGPROB_DIFF + "max": (a - r).abs().max(),
         M.KL_K3: ((q - 1) - q.log()).mean(), M.ENTROPY: _entropy(g, "token-mean"),
     }
-    got = _reported(results, "token-mean")
+    got = _reported(results, name)
     assert set(got) == set(want)
     for k, v in want.items():
         # fp32 on both sides, sums in another order (per micro-batch, then per rank).
@@ -92,3 +95,35 @@ def test_a_missing_wrapper_stops_the_update_before_the_optimizer_step(results, l
         res = r[f"without {left_out}"]
         assert "MismatchError" in res.get("error", "") and needle in res["error"], res
         assert res["stepped"] is False  # the weights did not move
+
+
+def test_the_update_reports_how_it_split_the_batch(results):
+    # Fixed: 6 rows per rank in micro-batches of 2. Dynamic (18 tokens per micro-batch): verl's split
+    # by tokens of the rows 9, 3, 9, 3, 9, 3 tokens long, rows [0, 2] and [1, 3, 4, 5].
+    fixed = _reported(results, "token-mean", M.MICRO_METRICS)
+    assert fixed == {M.MICRO_BATCHES: 3.0, M.MICRO_ROWS + "min": 2.0, M.MICRO_ROWS + "max": 2.0,
+                     M.MICRO_TOKENS_MAX: 18.0}, fixed  # rows 4 and 5: 9 + 9 tokens
+    dynamic = _reported(results, "dynamic", M.MICRO_METRICS)
+    assert dynamic == {M.MICRO_BATCHES: 2.0, M.MICRO_ROWS + "min": 2.0, M.MICRO_ROWS + "max": 4.0,
+                       M.MICRO_TOKENS_MAX: 18.0}, dynamic
+    mask = _global(results, "dynamic")["mask"]
+    assert int(mask.sum()) == 2 * (3 * 5 + 3 * 2)  # both ranks: three full responses, three of 2 tokens
+
+
+@pytest.mark.parametrize("reuse, recompute", [("token-mean", "fixed, recomputed"), ("dynamic", "dynamic, recomputed")])
+def test_reuse_takes_the_step_the_recomputed_path_takes(results, reuse, recompute):
+    # verl's own path: compute_log_prob's forward (with the dynamic split, rows put back in order by verl)
+    # gives old_log_probs, then the update. Under reuse the update's log_prob.detach() stands in for them:
+    # the same forward on the same micro-batches, so the ratio is exactly 1 on both paths and the step
+    # is the same bit for bit (SGD, fp32, CPU).
+    for r in results:
+        a, b = r[reuse], r[recompute]
+        assert "error" not in a and "error" not in b, (a.get("error"), b.get("error"))
+        assert len(a["after"]) == len(b["after"])
+        for x, y in zip(a["after"], b["after"]):
+            assert torch.equal(x, y)
+        # verl's compute_log_prob returned the rows in the batch's order (the TensorCache keeps them
+        # by row): they are the policy's log-probs of each row's own response.
+        d = b["direct"]
+        torch.testing.assert_close(b["direct"]["old_log_probs"][d["mask"]], d["log_prob"][d["mask"]],
+                                   rtol=1e-5, atol=1e-6)

@@ -13,6 +13,11 @@ then the optimizer step.
 - forward_backward_batch: under reuse, checks after the micro-batches and before the optimizer
   step that every micro-batch's loss went through the substitution (and took its entropy): a
   path that missed it would train on the rollout's log-prob as the old one, so it is an error.
+  It also notes how the batch was split (actor/micro_batch*): fixed micro_batch_size chunks, or
+  with actor.use_dynamic_bsz verl's rearrange_micro_batches (balanced by token count up to
+  ppo_max_token_len_per_gpu, rows reordered; the indices it returns say which rows went where).
+  Reordering needs nothing of ours: the rollout's log-probs ride in old_log_probs, a field of the
+  same rows, so every micro-batch compares its own rows.
 - update_policy: runs inside reusing_old_log_prob(probe), where the policy loss substitutes
   log_prob.detach() (patch_trainer_ppo_core_algos.py); afterwards one all_gather over the
   data-parallel group turns the probe into the global metrics, added to the update's.
@@ -96,6 +101,7 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
 
         before = probe.calls
         out = original(self, *args, **kwargs)
+        _note_split(probe, _arguments(bound), out)
         # Megatron's schedule returns one loss output per micro-batch on the last pipeline stage (none
         # on the others): each of them must have gone through the substitution.
         losses, intercepted = len(out["output"]), probe.calls - before
@@ -109,6 +115,43 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
         return out
 
     return forward_backward_batch
+
+
+def _arguments(bound: inspect.BoundArguments) -> dict:
+    """The call's arguments by name, those taken by a ``**kwargs`` parameter included."""
+    out = dict(bound.arguments)
+    for name, param in bound.signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(out.pop(name, {}))
+    return out
+
+
+def _note_split(probe: Any, arguments: dict, out: dict) -> None:
+    """Tell the probe how forward_backward_batch split this rank's batch: verl's own partition with
+    use_dynamic_bsz (out["indices"], rows of the batch per micro-batch), else its split into
+    micro_batch_size chunks. The largest micro-batch's tokens stay a device scalar."""
+    import torch
+
+    from verl_patches.mismatch import MismatchError
+
+    data = arguments["data"]
+    rows = len(data)
+    if arguments.get("use_dynamic_bsz", False):
+        if "indices" not in out:
+            raise MismatchError("forward_backward_batch ran with use_dynamic_bsz=True but returned no micro-batch "
+                                "indices (verl 0.4.1 returns them as out['indices'])")
+        parts = [list(p) for p in out["indices"]]
+    else:
+        size = arguments.get("micro_batch_size")
+        if not isinstance(size, int) or size < 1:
+            raise MismatchError(f"forward_backward_batch ran without dynamic batch sizes and with micro_batch_size="
+                                f"{size!r}: cannot tell how the update split its batch")
+        parts = [list(range(s, min(s + size, rows))) for s in range(0, rows, size)]
+    if sorted(i for p in parts for i in p) != list(range(rows)):
+        raise MismatchError(f"the update's micro-batches {parts} do not cover the {rows} rows of the batch once each")
+    lengths = data.batch["attention_mask"].sum(-1)
+    tokens = torch.stack([lengths[torch.tensor(p, device=lengths.device)].sum() for p in parts])
+    probe.note_split([len(p) for p in parts], tokens.max())
 
 
 def _data_parallel_group():
