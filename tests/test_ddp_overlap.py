@@ -76,11 +76,44 @@ def test_the_schedules_hooks_are_set_as_megatrons_training_loop_sets_them():
     cfg = types.SimpleNamespace(no_sync_func=None, grad_sync_func=None, param_sync_func=None)
     c = _Chunk(overlap_grad_reduce=True, overlap_param_gather=True)
     assert D.wire_sync_funcs(cfg, [c]) == ["grad_sync_func", "no_sync_func"]
-    assert cfg.no_sync_func == c.no_sync and cfg.grad_sync_func == c.start_grad_sync and cfg.param_sync_func is None
+    assert cfg.no_sync_func.fn == c.no_sync and cfg.grad_sync_func.fn == c.start_grad_sync and cfg.param_sync_func is None
+    with cfg.no_sync_func():  # the hook calls through
+        pass
     two = [_Chunk(overlap_grad_reduce=True, overlap_param_gather=True, align_param_gather=True) for _ in range(2)]
     cfg2 = types.SimpleNamespace(no_sync_func=None, grad_sync_func=None, param_sync_func=None)
     assert D.wire_sync_funcs(cfg2, two) == ["grad_sync_func", "no_sync_func", "param_sync_func"]
-    assert cfg2.param_sync_func == [x.start_param_sync for x in two]
+    assert isinstance(cfg2.param_sync_func, list) and [h.fn for h in cfg2.param_sync_func] == [x.start_param_sync for x in two]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_wired_config_survives_verls_checkpoint_dict(chunks):
+    """verl's MegatronCheckpointManager.save_checkpoint: asdict(transformer_config) (a deep copy of every
+    value), then drops callables and writes JSON. A bound DDP method would deep-copy its module."""
+    import dataclasses
+    import json
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    cs = [_Chunk(overlap_grad_reduce=True, overlap_param_gather=True, align_param_gather=chunks > 1)
+          for _ in range(chunks)]
+    for c in cs:
+        c.buffer = torch.ones(2, requires_grad=True) * 2  # a non-leaf tensor: deepcopy refuses it
+    with pytest.raises(RuntimeError, match="deepcopy"):
+        import copy
+
+        copy.deepcopy(cs[0].no_sync)
+    D.wire_sync_funcs(tc, cs)
+    d = dataclasses.asdict(tc)
+    assert all(callable(d[k]) for k in ("no_sync_func", "grad_sync_func"))
+    from megatron.core.transformer.enums import AttnBackend
+
+    # verl's filter: dtypes and the attention backend as strings, callables dropped; the rest is JSON.
+    json.dumps({k: str(v) if isinstance(v, (torch.dtype, AttnBackend)) else v for k, v in d.items() if not callable(v)})
+    if chunks > 1:
+        with pytest.raises(TypeError, match="per-chunk sync hooks"):
+            tc.param_sync_func()
 
 
 def test_a_hook_someone_else_set_is_not_replaced():

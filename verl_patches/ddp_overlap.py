@@ -87,8 +87,40 @@ def ddp_config_values(overlap: DdpOverlap, *, use_distributed_optimizer: Any, nu
     }
 
 
+class SyncHook:
+    """One chunk's DDP method as the model config holds it. The config is a dataclass that verl's
+    checkpoint manager turns into a dict (``dataclasses.asdict``, which deep-copies every value)
+    before it drops the callables and writes the rest as JSON: a bound method would deep-copy its
+    DDP module and fail on its non-leaf tensors, so the hook copies as itself."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __copy__(self) -> "SyncHook":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "SyncHook":
+        return self
+
+    def __repr__(self) -> str:
+        return f"SyncHook({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+class SyncHooks(list):
+    """One hook per virtual pipeline chunk (megatron's schedules require a list). Callable only so that
+    verl's checkpoint manager, which drops callable config values before writing the config as JSON,
+    drops it too; calling it is an error."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a list of per-chunk sync hooks: call one element per model chunk")
+
+
 def _one_or_list(fns: list[Any]) -> Any:
-    return fns[0] if len(fns) == 1 else fns
+    hooks = [SyncHook(f) for f in fns]
+    return hooks[0] if len(hooks) == 1 else SyncHooks(hooks)
 
 
 def wire_sync_funcs(config: Any, chunks: list[Any]) -> list[str]:
@@ -177,5 +209,5 @@ def check_settled(chunks: Iterable[Any], what: str) -> None:
                               + "; ".join(problems))
 
 
-__all__ = ["DdpOverlap", "DdpOverlapError", "KEYS", "bucket_groups", "check_settled", "complete_param_gather",
+__all__ = ["DdpOverlap", "DdpOverlapError", "KEYS", "SyncHook", "SyncHooks", "bucket_groups", "check_settled", "complete_param_gather",
            "ddp_config_values", "mark_gathered", "pending_communication", "wire_sync_funcs"]
