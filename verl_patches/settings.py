@@ -41,6 +41,11 @@ KEYS: dict[str, Key] = {
     "offload": Key(bool, True, "the recipe's switch schedule instead of verl's offload and vLLM's sleep mode"),
     "rollout_torch_compile": Key(bool, True, "the real torch.compile for the rollout under MindSpeed"),
     "fixed_routing": Key(bool, False, "load-balanced expert routing (random-init benchmarks)"),
+    "overlap_grad_reduce": Key(bool, False, "megatron-core's DDP launches each gradient bucket's reduce from the "
+                                            "backward hooks (verl_patches/ddp_overlap.py); false: verl's DDP"),
+    "overlap_param_gather": Key(bool, False, "megatron-core's DDP gathers the distributed optimizer's updated "
+                                             "shards in the next forward's pre-hooks, finished when the update "
+                                             "returns (verl_patches/ddp_overlap.py); false: in the optimizer step"),
     "vllm_dp": Key("section", None, "vLLM data parallelism: dp_size, instances, master_port_base, port_stride"),
     "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/megatron_args.py)"),
     "device_memory_gib": Key(float, None, "the device's memory, to check the memory estimate against"),

@@ -10,6 +10,9 @@ both runs, "differs:" rows must give a reason. Places:
   overrides and the DeepSeek-V3 routing patch (real parallel state: one gloo rank, in this process);
 - ``optim:FIELD``: megatron-core's OptimizerConfig from verl's init_megatron_optim_config with the
   Adam-betas patch applied.
+- ``ddp:FIELD``: megatron-core's DistributedDataParallelConfig as patch verl.ddp_overlap.get_model builds it
+  for the actor (verl_patches/ddp_overlap.py: the recipe's overlap keys, actor.megatron.use_distributed_optimizer,
+  one model chunk per virtual pipeline stage);
 - ``calc:rollout_ep``: the rollout's expert parallel per engine instance, vLLM DP size x rollout TP;
 - ``lock:NAME``: whether configs/upstream.lock.toml lists component NAME (so the image installs it);
 - ``data:train_fraction`` / ``data:shuffled`` / ``data:instruction``: what verl_patches/data/prepare.py
@@ -131,6 +134,15 @@ def ours(row, run, configs, transformer_configs, optimizer_configs):
         return getattr(transformer_configs[run], name)
     if kind == "optim":
         return getattr(optimizer_configs[run], name)
+    if kind == "ddp":
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        from verl_patches.ddp_overlap import DdpOverlap, ddp_config_values
+
+        megatron = cfg.actor_rollout_ref.actor.megatron
+        values = ddp_config_values(DdpOverlap.from_trainer(cfg), use_distributed_optimizer=megatron.use_distributed_optimizer,
+                                   num_chunks=megatron.get("virtual_pipeline_model_parallel_size") or 1)
+        return getattr(DistributedDataParallelConfig(**values), name)
     if kind == "calc" and name == "rollout_ep":
         rollout = cfg.actor_rollout_ref.rollout
         return int(rollout.recipe.vllm_dp.dp_size) * int(rollout.tensor_model_parallel_size)

@@ -11,12 +11,12 @@ DDP's buckets, the optimizer and vLLM's reshard keep their references.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from verl_patches.offload import groups
-from verl_patches.offload.groups import Location, OffloadGroup, TensorGroup, _storage_key
+from verl_patches.offload.groups import HookedGroup, Location, OffloadGroup, TensorGroup, _storage_key
 from verl_patches.offload.pool import OffloadEngine
 
 
@@ -36,6 +36,11 @@ def megatron_buffers(chunk: torch.nn.Module) -> list[Any]:
         if isinstance(value, (list, tuple)):
             out += list(value)
     return out
+
+
+def _overlapped(chunk: torch.nn.Module) -> bool:
+    ddp = getattr(chunk, "ddp_config", None)
+    return bool(ddp is not None and (ddp.overlap_grad_reduce or ddp.overlap_param_gather))
 
 
 def param_tensors(modules: Any) -> list[torch.Tensor]:
@@ -142,9 +147,22 @@ class ActorMemory(_Memory):
             inner_optimizers(optimizer)  # a clear error now rather than at the first offload
         self.opt: TensorGroup | None = None
         self._opt_keys: frozenset[int] = frozenset()
+        # megatron-core's overlapped DDP (verl_patches/ddp_overlap.py): its buckets are views of the
+        # buffers moved here (resized in place, so they stay the same objects), but an asynchronous
+        # reduce or gather in flight would write into a freed buffer, and parameters not gathered since
+        # the last step are stale: moving them is refused, naming what is unsettled.
+        self._moved = {"train_params": self.params, "grads": self.grads}
+        if any(_overlapped(c) for c in self.modules):
+            from verl_patches.ddp_overlap import check_settled
+
+            def check(role: str) -> Callable[[], None]:
+                return lambda: check_settled(self.modules, f"{name}: moving {role}")
+
+            self._moved = {role: HookedGroup(g, before={"offload": check(role), "release": check(role)})
+                           for role, g in self._moved.items()}
 
     def groups(self) -> dict[str, OffloadGroup]:
-        out: dict[str, OffloadGroup] = {"train_params": self.params, "grads": self.grads}
+        out: dict[str, OffloadGroup] = dict(self._moved)
         opt = self._optimizer_group()
         if opt is not None:
             out["optimizer"] = opt

@@ -25,6 +25,10 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_trainer_ppo_core_algos",
     "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer",
     "verl_patches.patches.verl.patch_workers_actor_megatron_actor",
+    # megatron-core DDP overlap: the actor build hands the recipe keys to get_model; the update finishes the gather.
+    "verl_patches.patches.verl.patch_workers_megatron_workers_ddp_overlap",
+    "verl_patches.patches.verl.patch_utils_megatron_utils_ddp_overlap",
+    "verl_patches.patches.verl.patch_workers_actor_megatron_actor_ddp_overlap",
     # verl's Megatron worker, one module per feature (wrappers of one method in declared order).
     "verl_patches.patches.verl.patch_workers_megatron_workers_tensor_cache",
     "verl_patches.patches.verl.patch_workers_megatron_workers_model_layout",
