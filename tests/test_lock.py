@@ -173,8 +173,9 @@ def test_the_cuda_lock_differs_only_where_it_says_and_matches_vllms_cuda_build()
     for key in ("verl", "vllm", "megatron_core", "transformers", "ray", "hydra_core", "numpy"):
         assert (cuda[key].version, cuda[key].ref) == (base[key].version, base[key].ref), key
     assert not {"torch_npu", "cann", "vllm_ascend", "mindspeed"} & cuda.keys()
-    assert cuda["torch_memory_saver"].optional and not cuda["torch_memory_saver"].required_on("cuda")
-    assert all(c.required_on("cuda") for k, c in cuda.items() if k != "torch_memory_saver")
+    # Graph mode is the GPU configs' default: its address-keeping allocator is required like the rest.
+    assert not cuda["torch_memory_saver"].optional and cuda["torch_memory_saver"].required_on("cuda")
+    assert all(c.required_on("cuda") for c in cuda.values())
     # vLLM's own CUDA requirements, read from its sdist where the test environment cached it.
     cache = os.environ.get("VERL_PATCHES_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "verl_patches")

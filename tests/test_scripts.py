@@ -20,6 +20,7 @@ from tests.helpers import REPO
 
 SCRIPTS = {
     "scripts/bench_offload.py": "tests/offload/test_bench_offload_script.py::test_bench_offload_tiny",
+    "scripts/bench_optimizer_offload.py": "tests/test_scripts.py::test_bench_optimizer_offload_tiny",
     "scripts/bench_reshard.py": "tests/test_scripts.py::test_bench_reshard_tiny",
     "scripts/bench_self_check.py": "tests/test_scripts.py::test_bench_self_check_tiny",
     "scripts/measure_tensorcache_bytes.py": "tests/test_scripts.py::test_measure_tensorcache_bytes_tiny",
@@ -111,6 +112,26 @@ def test_bench_reshard_tiny(tmp_path):
     # Each method's result is checked against the same shards by the script itself.
     assert "transposing copy kernel equals torch copy_: True" in r.stdout
     assert all(" True" in line for line in r.stdout.splitlines() if line.startswith("tp1 pp2 ep1 -> tp2 dp1"))
+
+
+@pytest.mark.slow
+def test_bench_optimizer_offload_tiny(tmp_path):
+    """On the CPU the device optimizer runs through the switch loop twice (the hybrid one needs a GPU and
+    is listed as not run, with the reason); on a GPU the same command measures both (docs/benchmarks.md)."""
+    out = tmp_path / "opt.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_optimizer_offload.py"), "--device", "cpu",
+                        "--steps", "2", "--json-out", str(out)], capture_output=True, text=True, timeout=300,
+                       cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in res["rows"]}
+    assert rows["device"]["median_step_s"] > 0 and rows["device"]["optimizer_group_bytes"][0] > 0
+    assert rows["device, again"]["rel_diff_vs_device"] == 0.0  # the host run repeats itself exactly
+    assert "needs a GPU" in rows["host fraction 1"]["not_run"]
+    assert res["info"]["model_params"] > 0
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_optimizer_offload.py"), "--fractions", "0"],
+                         capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert bad.returncode == 2 and "--fractions must each be in (0, 1]" in bad.stderr
 
 
 def test_bench_self_check_tiny(tmp_path):

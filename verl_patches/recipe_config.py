@@ -321,7 +321,9 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
                   f"{RECIPE_SECTION}.devices_per_card={per_card}: the world size {world} (trainer.nnodes {nnodes} x "
                   f"trainer.n_gpus_per_node {per_node}) is not whole cards of {per_card} device(s)")
 
-    memory = _check_memory(rep, cfg, recipe, model, world=world, tp=tp, pp=pp, expert_group=expert_group,
+    megatron_section = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
+    hybrid = _optimizer_offload(rep, cfg, megatron_section.get("swap_optimizer", False) is True)
+    memory = _check_memory(rep, cfg, recipe, model, hybrid or None, world=world, tp=tp, pp=pp, expert_group=expert_group,
                            layer_list=layer_list, rollout_tp=rtp, rollout_ep=rep_ep)
 
     rep.layout = {
@@ -343,7 +345,7 @@ MEMORY_KEYS = ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rop
                "v_head_dim", "moe_intermediate_size", "intermediate_size", "vocab_size")
 
 
-def _check_memory(rep: Report, cfg, recipe, model: dict, **layout) -> dict | None:
+def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **layout) -> dict | None:
     """recipe.device_memory_gib set: the per-device training state and rollout weights must fit
     (verl_patches/recipe_memory.py). None when it is not set or the model config lacks the sizes."""
     device_gib = recipe.get("device_memory_gib", None)
@@ -358,15 +360,32 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, **layout) -> dict | Non
     from verl_patches.recipe_memory import estimate
 
     arr = cfg.actor_rollout_ref
-    # MindSpeed's swap optimizer keeps Adam's state on the host between its uses (Ascend only).
+    # MindSpeed's swap optimizer keeps Adam's state on the host between its uses (Ascend only);
+    # megatron-core's HybridDeviceOptimizer (actor.optim.optimizer_cpu_offload) keeps a share of it there.
     megatron = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
-    on_host = str(cfg.trainer.device) == "npu" and bool(megatron.get("swap_optimizer", False))
-    est = estimate(model, optimizer_on_host=on_host, **layout)
+    swap = str(cfg.trainer.device) == "npu" and bool(megatron.get("swap_optimizer", False))
+    fraction = hybrid["fraction"] if hybrid else (1.0 if swap else 0.0)
+    est = estimate(model, host_fraction=fraction, host_grad_copy=bool(hybrid), **layout)
     out = {**est.as_dict(), "device_memory_gib": device_gib}
+    where = ("" if fraction == 1.0 else f" + optimizer {est.device_optimizer:.1f}"
+             + (f" ({1 - fraction:g} of {est.optimizer:.1f} on the device)" if fraction else ""))
     rep.check(est.training_state <= device_gib,
               f"training state {est.training_state:.1f} GiB per device (params {est.params:.1f} + grads {est.grads:.1f}"
-              f"{'' if on_host else f' + optimizer {est.optimizer:.1f}'}) exceeds {RECIPE_SECTION}.device_memory_gib="
-              f"{device_gib}: use more devices (a larger expert group or pipeline), or devices with more memory")
+              f"{where}) exceeds {RECIPE_SECTION}.device_memory_gib="
+              f"{device_gib}: use more devices (a larger expert group or pipeline), devices with more memory, or "
+              "the optimizer on the host (actor_rollout_ref.actor.optim.optimizer_cpu_offload=True)")
+    host_gib = recipe.get("host_memory_gib", None)
+    per_node = _select(cfg, "trainer.n_gpus_per_node")
+    if host_gib is not None and isinstance(per_node, int) and not isinstance(per_node, bool):
+        if rep.check(isinstance(host_gib, (int, float)) and not isinstance(host_gib, bool) and host_gib > 0,
+                     f"{RECIPE_SECTION}.host_memory_gib must be a positive number, got {host_gib!r}"):
+            need = est.host_per_device * per_node
+            out.update(host_per_node_gib=round(need, 1), host_memory_gib=host_gib)
+            rep.check(need <= host_gib,
+                      f"host memory {need:.1f} GiB per node ({per_node} devices x (optimizer on host "
+                      f"{est.host_optimizer:.1f} + the switch's copies of the training and reference params "
+                      f"{2 * est.params:.1f})) exceeds {RECIPE_SECTION}.host_memory_gib={host_gib}: lower "
+                      "actor_rollout_ref.actor.optim.optimizer_offload_fraction, or use more nodes")
     share = float(arr.rollout.gpu_memory_utilization)
     rep.check(est.rollout_weights <= share * device_gib,
               f"rollout weights {est.rollout_weights:.1f} GiB per device exceed rollout.gpu_memory_utilization={share} "
@@ -375,6 +394,27 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, **layout) -> dict | Non
         rep.notes.append(f"training state {est.training_state:.1f} GiB is over 85% of {device_gib} GiB: activations "
                          "need the rest (keep full recompute)")
     return out
+
+
+def _optimizer_offload(rep: Report, cfg, swap_optimizer: bool):
+    """actor.optim's optimizer-offload settings (patch verl.optim.cpu_offload): the checked dict, None when
+    off, False when they are malformed or cannot combine (the error is recorded)."""
+    from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
+
+    optim = _select(cfg, "actor_rollout_ref.actor.optim")
+    if optim is None:
+        return None
+    try:
+        hybrid = offload_settings(optim)
+    except OptimizerOffloadError as e:
+        rep.errors.append(str(e))
+        return False
+    if hybrid and swap_optimizer:
+        rep.errors.append("actor.optim.optimizer_cpu_offload=True (megatron-core's HybridDeviceOptimizer) cannot "
+                          f"combine with {RECIPE_SECTION}.megatron.swap_optimizer=True (MindSpeed's swap optimizer "
+                          "moves the same state): turn one of them off")
+        return False
+    return hybrid
 
 
 def verl_validate(cfg) -> str | None:

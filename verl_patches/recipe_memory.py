@@ -61,27 +61,58 @@ def model_params(cfg: dict) -> ModelParams:
 class MemoryEstimate:
     params: float  # GiB per device, the heaviest pipeline stage
     grads: float
-    optimizer: float
+    optimizer: float  # the whole distributed optimizer state of the device's shard, wherever it lives
     rollout_weights: float
-    optimizer_on_host: bool
+    optimizer_on_host: bool  # all of it on the host
+    host_fraction: float = 0.0  # the share of ``optimizer`` on the host
+    host_optimizer: float = 0.0  # GiB on the host for that share (with the pinned grad copies if counted)
+
+    @property
+    def device_optimizer(self) -> float:
+        return self.optimizer * (1.0 - self.host_fraction)
 
     @property
     def training_state(self) -> float:
-        return self.params + self.grads + (0.0 if self.optimizer_on_host else self.optimizer)
+        return self.params + self.grads + self.device_optimizer
+
+    @property
+    def host_per_device(self) -> float:
+        """Host GiB one device's training process needs: the optimizer's host share, and the switch's pinned
+        copies of the training params and of the reference's params (docs/DESIGN.md section 3; the grads
+        are released, not copied)."""
+        return self.host_optimizer + 2 * self.params
 
     def as_dict(self) -> dict:
         return {"params_gib": round(self.params, 1), "grads_gib": round(self.grads, 1),
                 "optimizer_gib": round(self.optimizer, 1), "optimizer_on_host": self.optimizer_on_host,
+                "optimizer_host_fraction": self.host_fraction,
+                "device_optimizer_gib": round(self.device_optimizer, 1),
                 "training_state_gib": round(self.training_state, 1),
-                "rollout_weights_gib": round(self.rollout_weights, 1)}
+                "rollout_weights_gib": round(self.rollout_weights, 1),
+                "host_optimizer_gib": round(self.host_optimizer, 1),
+                "host_per_device_gib": round(self.host_per_device, 1)}
+
+
+# Host bytes per byte of device-side optimizer state (12 bytes per parameter: fp32 master + Adam's two
+# moments) when megatron-core's HybridDeviceOptimizer holds it: the same 12 plus its pinned fp32 copy of the
+# gradient (4 bytes), filled before every host step (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py).
+HYBRID_HOST_RATIO = 16 / 12
 
 
 def estimate(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int, layer_list: list[int] | None,
-             rollout_tp: int, rollout_ep: int, optimizer_on_host: bool = False) -> MemoryEstimate:
+             rollout_tp: int, rollout_ep: int, optimizer_on_host: bool = False,
+             host_fraction: float | None = None, host_grad_copy: bool = False) -> MemoryEstimate:
     """GiB per device: BF16 params, FP32 main grads (verl builds megatron's DDP with grads reduced in FP32),
     FP32 master weights plus Adam's two moments sharded over each parameter's data-parallel replicas
     (distributed optimizer), all on the heaviest stage; and the BF16 rollout weights of one rank (experts
-    over the rollout EP group, the rest split over its TP and replicated)."""
+    over the rollout EP group, the rest split over its TP and replicated).
+
+    ``host_fraction`` of the optimizer state lives on the host (``optimizer_on_host``: all of it, as
+    MindSpeed's swap optimizer keeps it); ``host_grad_copy``: the host also holds a pinned fp32 copy of
+    those parameters' gradients (megatron-core's HybridDeviceOptimizer)."""
+    fraction = host_fraction if host_fraction is not None else (1.0 if optimizer_on_host else 0.0)
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"host_fraction must be in [0, 1], got {fraction!r}")
     m = model_params(cfg)
     stages = list(layer_list) if layer_list else [m.layers // pp + (1 if s < m.layers % pp else 0) for s in range(pp)]
     dense_dp = world // (tp * pp)
@@ -102,5 +133,7 @@ def estimate(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int, laye
     _, params, opt = worst
     moe_total = m.routed_experts * (m.layers - m.dense_layers)
     rollout = moe_total / rollout_ep + (m.total - moe_total) / rollout_tp
+    host_opt = opt * fraction * (HYBRID_HOST_RATIO if host_grad_copy else 1.0)
     return MemoryEstimate(params=2 * params / GIB, grads=4 * params / GIB, optimizer=opt / GIB,
-                          rollout_weights=2 * rollout / GIB, optimizer_on_host=optimizer_on_host)
+                          rollout_weights=2 * rollout / GIB, optimizer_on_host=fraction == 1.0,
+                          host_fraction=fraction, host_optimizer=host_opt / GIB)

@@ -49,6 +49,8 @@ KEYS: dict[str, Key] = {
     "vllm_dp": Key("section", None, "vLLM data parallelism: dp_size, instances, master_port_base, port_stride"),
     "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/megatron_args.py)"),
     "device_memory_gib": Key(float, None, "the device's memory, to check the memory estimate against"),
+    "host_memory_gib": Key(float, None, "the host memory of one node, to check the host side of the memory estimate "
+                                        "against (the optimizer on the host and the switch's pinned copies)"),
     "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/report.py)"),
     "fingerprint_every": Key(int, 10, "check every N switches that each rollout parameter holds exactly what the "
                                      "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),

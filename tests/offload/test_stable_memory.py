@@ -137,6 +137,24 @@ def test_graph_mode_without_a_backend_is_refused_by_name(monkeypatch):
     assert armed() is None
 
 
+def test_graph_mode_on_cuda_without_the_allocator_is_refused_naming_torch_memory_saver(monkeypatch):
+    """The GPU configs run graph mode by default: where neither torch_memory_saver nor a CUDA build of
+    vLLM's cumem allocator is there (this machine has neither), the rollout must refuse to build."""
+    from verl_patches.offload import stable
+    from verl_patches.rollout import graph_safe
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(stable, "_CACHE", {})
+    monkeypatch.setattr(graph_safe.accelerator, "device_type", lambda: "cuda")
+    with pytest.raises(graph_safe.GraphModeError) as e:
+        graph_safe.arm_for_build(enforce_eager=False, offload=True)
+    msg = str(e.value)
+    assert "torch_memory_saver is not installed" in msg and "enforce_eager=True" in msg
+    assert "pip install torch_memory_saver==0.0.10" in msg.replace("-", "_")
+    assert graph_safe.armed() is None
+    assert graph_safe.arm_for_build(enforce_eager=True, offload=True) is None  # the explicit eager override
+
+
 class _ContiguousMLA:
     """An MLA impl deriving contiguous copies, as vLLM-Ascend's AscendMLAImpl does (stand-in for
     it: its module needs torch_npu); vLLM's own MLACommonImpl derives views instead."""

@@ -169,7 +169,7 @@ def test_verl_strictness_new_keys_need_plus():
 def test_recipe_section_keys(random_init):
     rec = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.recipe)
     assert set(rec) == {"reshard_method", "tensor_cache", "dp_sync_on_device", "offload", "rollout_torch_compile",
-                        "fixed_routing", "device_memory_gib", "vllm_dp", "megatron", "metrics_file",
+                        "fixed_routing", "device_memory_gib", "host_memory_gib", "vllm_dp", "megatron", "metrics_file",
                         "tensorboard_dir", "devices_per_card", "fingerprint_every", "rebalance",
                         "rebalance_min_bucket_drop", "rebalance_max_imbalance",
                         "overlap_grad_reduce", "overlap_param_gather"}
@@ -275,6 +275,67 @@ def test_the_nvidia_layout_fails_by_name_on_one_node_and_on_h100(override, messa
     assert any(message in e for e in rep.errors), rep.errors
 
 
+H100_RUNS = ("deepseekv3_128gpu_h100_random_init", "deepseekv3_128gpu_h100_true_weight")
+
+
+@pytest.mark.parametrize("name", H100_RUNS)
+def test_the_h100_run_fits_80_gb_with_the_optimizer_on_the_host(name, model):
+    """The H200 run config with deepseekv3_128gpu_h100_common.yaml on top: the same layout, the optimizer
+    state on the host (megatron-core's HybridDeviceOptimizer), and the estimate within 79 GiB with headroom."""
+    h100, h200 = RC.compose(name, CKPT), RC.compose(name.replace("_h100", ""), CKPT)
+    rep = RC.validate(h100, model)
+    assert rep.errors == [], rep.errors
+    assert RC.verl_validate(h100) is None
+    optim = h100.actor_rollout_ref.actor.optim
+    assert optim.optimizer_cpu_offload is True and optim.optimizer_offload_fraction == 1.0
+    assert optim.overlap_cpu_optimizer_d2h_h2d is False
+    # Everything but the optimizer's place, the memory sizes and the run's name is the H200 run's.
+    from omegaconf import OmegaConf
+
+    # Unresolved: paths that interpolate the experiment name compare as the same interpolation.
+    a, b = OmegaConf.to_container(h100, resolve=False), OmegaConf.to_container(h200, resolve=False)
+    for c in (a, b):
+        for key in ("optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d"):
+            c["actor_rollout_ref"]["actor"]["optim"].pop(key, None)
+        for key in ("device_memory_gib", "host_memory_gib"):
+            c["actor_rollout_ref"]["rollout"]["recipe"].pop(key)
+        c["trainer"].pop("experiment_name")
+    assert a == b
+    assert RC.validate(h200, model).layout["train"] == rep.layout["train"]
+    if "memory" not in rep.layout:
+        return
+    mem = rep.layout["memory"]
+    assert mem["device_memory_gib"] == 79 and mem["optimizer_host_fraction"] == 1.0
+    # BF16 params + FP32 grads only: about 33 GiB, 46 GiB of headroom for activations (docs/NVIDIA.md).
+    assert 30 < mem["training_state_gib"] < 35 and 79 - mem["training_state_gib"] > 40
+    # Host: 16 bytes a parameter shard (fp32 master, two moments, pinned fp32 grad copy) plus the switch's
+    # copies of the training and reference params, 8 GPUs a node, within the node's 1700 GiB.
+    assert abs(mem["host_optimizer_gib"] - mem["optimizer_gib"] * 16 / 12) < 0.1
+    assert 800 < mem["host_per_node_gib"] < 1700 and mem["host_memory_gib"] == 1700
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor_rollout_ref.actor.optim.optimizer_offload_fraction=0.1",
+     "exceeds actor_rollout_ref.rollout.recipe.device_memory_gib=79"),
+    ("actor_rollout_ref.rollout.recipe.host_memory_gib=512", "exceeds actor_rollout_ref.rollout.recipe.host_memory_gib=512"),
+    ("actor_rollout_ref.actor.optim.optimizer_offload_fraction=0", "must be a number in (0, 1]"),
+    ("actor_rollout_ref.actor.optim.optimizer_cpu_offload=false", "optimizer_cpu_offload is not true"),
+    ("actor_rollout_ref.rollout.recipe.megatron.swap_optimizer=true", "cannot combine with"),
+])
+def test_the_h100_run_fails_by_name(override, message, model):
+    if ("memory" in message or "exceeds" in message) and not RC.DEFAULT_MODEL_CONFIG.is_file():
+        pytest.skip("needs the full model config for the memory estimate")
+    rep = RC.validate(RC.compose("deepseekv3_128gpu_h100_random_init", [override]), model)
+    assert any(message in e for e in rep.errors), rep.errors
+
+
+def test_graph_mode_is_the_nvidia_default_and_eager_an_explicit_override(model):
+    for name in GPU_RUNS + H100_RUNS:
+        assert RC.compose(name, CKPT).actor_rollout_ref.rollout.enforce_eager is False, name
+    eager = RC.compose("deepseekv3_128gpu_random_init", ["actor_rollout_ref.rollout.enforce_eager=True"])
+    assert eager.actor_rollout_ref.rollout.enforce_eager is True and RC.validate(eager, model).errors == []
+
+
 def test_the_memory_estimate_counts_deepseek_v3():
     from verl_patches.recipe_memory import estimate, model_params
 
@@ -286,3 +347,14 @@ def test_the_memory_estimate_counts_deepseek_v3():
     assert 20 < npu.rollout_weights < 22 and 49 < npu.training_state < 52
     assert estimate(cfg, world=256, tp=4, pp=8, expert_group=32, layer_list=None, rollout_tp=2, rollout_ep=256,
                     optimizer_on_host=True).training_state < npu.training_state
+    gpu = dict(world=128, tp=8, pp=8, expert_group=16, layer_list=[7, 7, 8, 8, 8, 8, 8, 7], rollout_tp=8,
+               rollout_ep=128)
+    dev, host, half = (estimate(cfg, **gpu, host_fraction=f, host_grad_copy=True) for f in (0.0, 1.0, 0.5))
+    # docs/NVIDIA.md's table: 10.9 + 21.9 + 64.3 = 97.1 GiB on the device; the host share moves out whole.
+    assert (round(dev.params, 1), round(dev.grads, 1), round(dev.optimizer, 1)) == (10.9, 21.9, 64.3)
+    assert round(dev.training_state, 1) == 97.1 and dev.host_optimizer == 0
+    assert abs(host.training_state - (dev.params + dev.grads)) < 1e-9 and host.optimizer_on_host
+    assert abs(half.device_optimizer - dev.optimizer / 2) < 1e-9
+    assert abs(host.host_optimizer - dev.optimizer * 16 / 12) < 1e-9  # + the pinned fp32 grad copies
+    with pytest.raises(ValueError, match="host_fraction must be in"):
+        estimate(cfg, **gpu, host_fraction=1.5)

@@ -31,7 +31,8 @@ def _env(**extra):
 
 
 # The CUDA lock's components that this CPU host does not install (configs/upstream.cuda.lock.toml).
-CUDA_ONLY = {"lock:torchvision", "lock:torchaudio", "lock:xformers", "lock:flash_attn", "lock:transformer_engine"}
+CUDA_ONLY = {"lock:torchvision", "lock:torchaudio", "lock:xformers", "lock:flash_attn", "lock:transformer_engine",
+             "lock:torch_memory_saver"}
 
 
 def _fails_only_for_cuda_components(r):
@@ -373,6 +374,20 @@ def test_the_nvidia_launcher_dry_run_composes_and_validates_with_the_cuda_lock(h
     assert "doctor (cuda" in out and '"world": 128' in out and '"device_memory_gib": 139' in out
     assert "HCCL_" not in out
     assert "fixed_routing: true" in out and "fixed_routing: false" not in out
+
+
+@pytest.mark.slow
+def test_the_h100_run_configs_dry_run_through_the_nvidia_launchers(ckpt_dir, hooked):
+    """docs/NVIDIA.md's override: the same launchers with RECIPE_CONFIG=deepseekv3_128gpu_h100_*."""
+    for script, name, extra in ((GPU_RANDOM_INIT, "deepseekv3_128gpu_h100_random_init", {}),
+                                (SCRIPTS / "train_deepseekv3_128gpu_true_weight.sh", "deepseekv3_128gpu_h100_true_weight",
+                                 {"DIST_CKPT_PATH": str(ckpt_dir)})):
+        r = _run(script, "--dry-run", NODE_RANK="0", PYTHONPATH=hooked, RECIPE_CONFIG=name, **extra)
+        _fails_only_for_cuda_components(r)
+        out = r.stdout
+        assert f"== {name}: role head" in out and "--num-gpus 8" in out and '"world": 128' in out
+        assert '"device_memory_gib": 79' in out and '"optimizer_host_fraction": 1.0' in out
+        assert '"host_memory_gib": 1700' in out and f"{name}: composed and validated" in out
 
 
 @pytest.mark.slow

@@ -79,10 +79,32 @@ def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
                     "(expected a torch.optim.Optimizer, a Megatron optimizer with .optimizer, or a ChainedOptimizer)")
 
 
+def hybrid_optimizers(optimizer: Any) -> list[Any]:
+    """megatron-core's HybridDeviceOptimizer instances inside ``optimizer`` (optimizer_cpu_offload: the
+    fp32 masters, Adam's moments and pinned fp32 grad copies of ``offload_fraction`` of the parameters
+    live on the host, its ``gpu_optimizer`` holds the rest on the device)."""
+    return [o for o in inner_optimizers(optimizer) if hasattr(o, "cpu_optimizers") and hasattr(o, "sub_optimizers")]
+
+
+def host_optimizer_bytes(optimizer: Any) -> int:
+    """Host bytes a HybridDeviceOptimizer holds: its CPU sub-optimizers' params (fp32 masters) and state,
+    and the pinned grad copies it fills before each CPU step (0 without one)."""
+    seen: dict[int, int] = {}
+    for hdo in hybrid_optimizers(optimizer):
+        tensors = [p for o in hdo.cpu_optimizers for g in o.param_groups for p in g["params"]]
+        tensors += [v for o in hdo.cpu_optimizers for st in o.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+        tensors += list(getattr(hdo, "cpu_copy_map_grad", {}).values())
+        for t in tensors:
+            if t.device.type == "cpu" and t.untyped_storage().nbytes():
+                seen[_storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def optimizer_tensors(optimizer: Any, exclude: set[int]) -> list[torch.Tensor]:
     """A Megatron optimizer's state and fp32 master copies, not sharing storage with ``exclude``
     (fp32 training params are their own masters). Tensors elsewhere (a swap optimizer's host
-    copies) are not ours to move."""
+    copies, a HybridDeviceOptimizer's host masters and moments) are not ours to move."""
     return groups.optimizer_tensors(inner_optimizers(optimizer), include_params=True, exclude=exclude)
 
 
@@ -129,6 +151,10 @@ class ActorMemory(_Memory):
     copies them both ways. ``optimizer=None`` leaves the optimizer alone (MindSpeed's swap
     optimizer moves its own state). The optimizer group exists once Adam's state does (Adam
     creates its moments at the first step); it is regrouped while on device if the state grew.
+    With megatron-core's optimizer offload (a HybridDeviceOptimizer inside) the group holds only the
+    device part (its ``gpu_optimizer``'s fp32 masters and moments; none at offload fraction 1.0): the
+    host masters, moments and grad copies are already where the switch would put them and are never
+    moved (``host_optimizer_bytes`` counts them).
     """
 
     def __init__(self, modules: Any, optimizer: Any = None, *, engine: OffloadEngine, name: str = "actor",
@@ -206,6 +232,6 @@ class ReferenceMemory(_Memory):
         return {"ref_params": self.params}
 
 
-__all__ = ["ActorMemory", "ReferenceMemory", "grad_tensors", "inner_optimizers", "megatron_buffers",
-           "optimizer_tensors", "param_tensors"]
+__all__ = ["ActorMemory", "ReferenceMemory", "grad_tensors", "host_optimizer_bytes", "hybrid_optimizers",
+           "inner_optimizers", "megatron_buffers", "optimizer_tensors", "param_tensors"]
 

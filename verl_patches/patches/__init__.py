@@ -52,6 +52,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_models_mcore_registry",
     "verl_patches.patches.verl.patch_single_controller_base_megatron_worker",
     "verl_patches.patches.verl.patch_utils_megatron_utils",
+    "verl_patches.patches.verl.patch_utils_megatron_utils_switch",
     "verl_patches.patches.megatron.patch_core_transformer_transformer_block",
     "verl_patches.patches.megatron.patch_core_transformer_transformer_layer",
     "verl_patches.patches.megatron.patch_core_transformer_moe_router",

@@ -100,11 +100,14 @@ def megatron_cpu_stand_ins() -> None:
 
 
 def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bool,
-                            layers: tuple[int, ...] = ()) -> Any:
+                            layers: tuple[int, ...] = (), *, core_attention: type | None = None,
+                            config_overrides: dict[str, Any] | None = None) -> Any:
     """megatron-core 0.12.1 GPTModel with MLA and MoE, local spec: GroupedMLP (grouped=True) or
     SequentialMLP experts, this rank's pipeline stage. Parallel state must be initialised (its
     TP / PP / expert sizes are used); ``layers``: per-stage layer counts, uneven first / last
-    stages only (what megatron-core 0.12.1 supports natively)."""
+    stages only (what megatron-core 0.12.1 supports natively). ``core_attention``: the attention
+    kernel module (default a parameter-free stand-in without a forward, for weight work only);
+    ``config_overrides``: more MLATransformerConfig fields (dropout off for a training comparison)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -134,7 +137,8 @@ def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bo
         moe_router_score_function="sigmoid", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         normalization="RMSNorm", add_bias_linear=False, use_cpu_initialization=True, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, rope_type="rope", qk_layernorm=True, moe_grouped_gemm=grouped,
-        moe_token_dispatcher_type="allgather")  # the alltoall dispatcher makes a CUDA stream; no weights either way
+        moe_token_dispatcher_type="allgather",  # the alltoall dispatcher makes a CUDA stream; no weights either way
+        **(config_overrides or {}))
     # Megatron demands sequence parallel with TP x EP, which its torch norms (local spec) refuse;
     # it splits activations only, so it is switched off after the config check (no weights change).
     tc.sequence_parallel = False
@@ -145,7 +149,7 @@ def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bo
             super().__init__()
 
     for layer_spec in spec.layer_specs:
-        layer_spec.submodules.self_attention.submodules.core_attention = CoreAttentionStub
+        layer_spec.submodules.self_attention.submodules.core_attention = core_attention or CoreAttentionStub
     return GPTModel(tc, spec, vocab_size=cfg["vocab_size"], max_sequence_length=128, position_embedding_type="rope",
                     share_embeddings_and_output_weights=False,
                     pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())

@@ -12,6 +12,10 @@ which step verl's call reaches (the table is in live.py's docstring):
 - update_actor: reaches update_onload (params, zeroed grads, optimizer state), runs as the update step,
   reaches update_end (grads released, optimizer state offloaded; not with MindSpeed's swap optimizer,
   recipe.megatron.swap_optimizer with MindSpeed loaded, which moves its own; the params stay for the reshard).
+- init_model, always: megatron-core's optimizer offload (actor.optim.optimizer_cpu_offload, patch
+  verl.optim.cpu_offload) together with recipe.megatron.swap_optimizer is refused (OptimizerOffloadError).
+  With the optimizer on the host the actor's optimizer group holds only what stays on the device (none at
+  fraction 1.0), so the loop never moves the host copies.
 - generate_sequences: begins the rollout segment; the sharding manager reaches the reshard and
   offload_train_params (patch_workers_sharding_manager_megatron_vllm.py), the engine's wake_up / sleep
   the rollout steps; leaving, it reaches release_rollout_weights, so a sharding manager that did not
@@ -78,9 +82,30 @@ def _switch():
     return live_switch()
 
 
+def check_optimizer_offload(config: Any) -> None:
+    """megatron-core's optimizer offload (actor.optim.optimizer_cpu_offload, patch verl.optim.cpu_offload)
+    and MindSpeed's swap optimizer (recipe.megatron.swap_optimizer) would both keep Adam's state on the
+    host and move it each step, each behind the other's back: asking for both is refused by name, whether
+    or not MindSpeed is loaded in this process."""
+    from verl_patches import settings
+    from verl_patches.megatron_args import parse
+    from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
+
+    optim = config.get("actor", {}).get("optim", None) if hasattr(config, "get") else None
+    if optim is None or offload_settings(optim) is None:
+        return
+    if parse(settings.plain(settings.from_worker(config, "megatron"))).swap_optimizer:
+        raise OptimizerOffloadError(
+            "actor.optim.optimizer_cpu_offload=True (megatron-core's HybridDeviceOptimizer keeps the optimizer "
+            f"state on the host) cannot combine with {SWAP_OPTIMIZER_FLAG}=True (MindSpeed's swap optimizer moves "
+            "the same state itself): turn one of them off")
+
+
 def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_model(self):
+        if getattr(self, "_is_actor", False):
+            check_optimizer_offload(self.config)
         if not offload_on(self.config):
             return original(self)
         # Ours moves these tensors now: verl's own offload would move them a second time.
@@ -192,7 +217,7 @@ PATCHES = [
         target=_W + "init_model",
         fingerprint=Fingerprint(signature="def init_model(self)", source_sha="b43dfa697a54895c"),
         replacement=f"{__name__}:wrap_init_model_offload",
-        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG,
+        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG + ", actor_rollout_ref.actor.optim.optimizer_cpu_offload",
         why="Builds the actor's params / grads / optimizer groups and the reference's group on the process's "
             "offload engine and attaches them to the switch loop where an update ends; hands the actor's to the "
             "sharding manager (which then reshards under the loop); turns verl's own offload off so nothing "
