@@ -244,3 +244,14 @@ def test_the_memory_estimate_counts_deepseek_v3():
     assert 20 < npu.rollout_weights < 22 and 49 < npu.training_state < 52
     assert estimate(cfg, world=256, tp=4, pp=8, expert_group=32, layer_list=None, rollout_tp=2, rollout_ep=256,
                     optimizer_on_host=True).training_state < npu.training_state
+
+
+def test_a_fingerprint_switched_off_is_said(model):
+    """Issue 29: a setting that weakens a check is reported by the dry run (recipe_config's warning), not silent."""
+    rep = RC.validate(RC.compose("deepseekv3_256die_random_init", ["actor_rollout_ref.rollout.recipe.fingerprint_every=0"]),
+                      model)
+    assert not rep.errors, rep.errors
+    assert rep.warnings == ["actor_rollout_ref.rollout.recipe.fingerprint_every=0 switches the weight fingerprint check "
+                            "off: rollout weights that differ from what training sent would go unnoticed (the recipe "
+                            "checks every 10 switches)"]
+    assert RC.validate(RC.compose("deepseekv3_256die_random_init"), model).warnings == []
