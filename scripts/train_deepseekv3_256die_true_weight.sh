@@ -31,7 +31,7 @@ launch_run_hook() {
   fi
   # shellcheck disable=SC2034  # appended to the trainer command by launch_build_trainer_cmd
   LAUNCH_RUN_OVERRIDES=("actor_rollout_ref.actor.megatron.dist_checkpointing_path=${DIST_CKPT_PATH}")
-  # shellcheck disable=SC2034  # checked for completeness by launch_validate_run
+  # shellcheck disable=SC2034  # checked (complete, and of the model of MODEL_PATH) by launch_check_head
   LAUNCH_CKPT_DIR="$DIST_CKPT_PATH"
 }
 

@@ -69,6 +69,10 @@ source "$HERE/cluster/launch.sh"
 
 # shellcheck disable=SC2034  # read by launch_main in cluster/launch.sh
 LAUNCH_EXTRA_VARS=(UPSTREAM_ROOT)
+# The tiny run is where the fingerprint check is tested: VERL_PATCHES_INJECT_FAULT is allowed here only
+# (bringup_check_env refuses it in the cluster launchers).
+# shellcheck disable=SC2034
+LAUNCH_ALLOW_FAULT_INJECTION=1
 launch_run_hook() {
   # shellcheck disable=SC2034  # appended to the trainer command by launch_build_trainer_cmd
   LAUNCH_RUN_OVERRIDES=(

@@ -26,3 +26,45 @@ def run_py(code_or_args: str | list[str], env: dict[str, str] | None = None, cwd
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return run_py(["-m", "verl_patches", *args], env=env, cwd=cwd)
+
+
+def declared_ckpt(d: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    """A complete torch_dist checkpoint whose index declares ``shapes`` (global shapes, as Megatron's loader
+    and the launchers' checker read them) and stores one element of each tensor: a 671B model's index in
+    kilobytes. Its data covers only that element, so it is for the checks, not for loading."""
+    import torch
+
+    from verl_patches.tools.mcore_layout import UnitWriter, write_metadata
+
+    d.mkdir(parents=True)
+    w = UnitWriter(d / "model.distcp")
+    for name, shape in shapes.items():
+        ones = (1,) * len(shape)
+        w.tensor(name, torch.zeros(ones), [((0,) * len(shape), ones)])
+        C = w.C
+        w.state_meta[name] = C["TensorMeta"](properties=C["Props"](dtype=torch.bfloat16), size=torch.Size(shape),
+                                             chunks=w.state_meta[name].chunks)
+    write_metadata(d, [w.close()])
+    return d
+
+
+def model_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """What the launchers' checker compares with a config.json: the embedding and one tensor per decoder layer."""
+    h = cfg["hidden_size"]
+    return {"embedding.word_embeddings.weight": (cfg["vocab_size"], h),
+            **{f"decoder.layers.{i}.input_layernorm.weight": (h,) for i in range(cfg["num_hidden_layers"])}}
+
+
+def head_inputs(root: Path) -> dict[str, str]:
+    """MODEL_PATH (DeepSeek-V3's config.json) and one valid deepscaler data file, as the head needs them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = root / "DeepSeek-V3"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text((REPO / "configs" / "model" / "deepseek_v3.json").read_text())
+    data = root / "train.parquet"
+    pq.write_table(pa.Table.from_pylist([{
+        "data_source": "deepscaler", "prompt": [{"role": "user", "content": "What is 1+1?"}], "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0}}]), str(data))
+    return {"MODEL_PATH": str(model), "TRAIN_FILES": str(data), "VAL_FILES": str(data)}

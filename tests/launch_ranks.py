@@ -40,3 +40,26 @@ def report_pid_and_wait(rank: int, world: int, directory: str) -> int:
     path.with_suffix(".tmp").replace(path)
     time.sleep(3600)
     return rank
+
+
+def spin(rank: int, world: int, ready: str, seconds: float, hold_gil_rank: int = -1) -> int:
+    """Collectives for ``seconds``; says it is running by writing its pid into ``ready``. Rank
+    ``hold_gil_rank`` instead calls libc's sleep holding the GIL (ctypes.PyDLL keeps it), as native code
+    stuck without releasing it would: its heartbeat thread cannot run."""
+    import os
+    from pathlib import Path
+
+    import torch
+
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    Path(ready, f"rank{rank}").write_text(str(os.getpid()))
+    if rank == hold_gil_rank:
+        import ctypes
+
+        ctypes.PyDLL(None).sleep(int(seconds))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        dist.all_reduce(t)
+        time.sleep(0.02)
+    return rank

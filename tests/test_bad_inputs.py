@@ -238,7 +238,8 @@ LAUNCHER = str(REPO / "scripts" / "train_deepseekv3_256die_random_init.sh")
 TRUE_WEIGHT = str(REPO / "scripts" / "train_deepseekv3_256die_true_weight.sh")
 SHELL_CASES = [
     ("devices-zero", [LAUNCHER, "--dry-run"], {"DEVICES_PER_NODE": "0"}, "DEVICES_PER_NODE must be a positive integer"),
-    ("ray-port-text", [LAUNCHER, "--dry-run"], {"RAY_PORT": "http"}, "RAY_PORT must be a positive integer, got 'http'"),
+    ("ray-port-text", [LAUNCHER, "--dry-run"], {"RAY_PORT": "http"},
+     "RAY_PORT must be a TCP port, a whole number from 1 to 65535, got 'http'"),
     ("nnodes-float", [LAUNCHER, "--dry-run"], {"NNODES": "16.0"}, "NNODES must be a positive integer, got '16.0'"),
     ("wait-timeout", [LAUNCHER, "--dry-run"], {"WAIT_TIMEOUT_S": "-5"}, "WAIT_TIMEOUT_S must be a positive integer"),
     ("device", [LAUNCHER], {"DEVICE": "gpu"}, "DEVICE must be npu, cuda or cpu, got 'gpu'"),

@@ -143,3 +143,32 @@ def test_the_readme_lists_every_variable():
     text = (REPO / "README.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `(VERL_PATCHES_[A-Z0-9_]+)` \|", text, flags=re.M)
     assert rows == [v.name for v in env.VARIABLES]
+
+
+@pytest.mark.parametrize("name, raw, read", [
+    ("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB", "lots", "from verl_patches.offload.pool import _default_reserve as f; f()"),
+    ("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB", "-2", "from verl_patches.offload.pool import _default_reserve as f; f()"),
+    ("VERL_PATCHES_STABLE_MEMORY", "cumem", "from verl_patches.offload.stable import select; select('cpu')"),
+    ("VERL_PATCHES_RESHARD_TRITON", "nope", "from verl_patches.reshard.copyops import _kernel; _kernel.cache_clear(); _kernel()"),
+])
+def test_engine_readers_use_the_table(monkeypatch, name, raw, read):
+    """The offload pool, the stable-memory choice and the reshard kernel switch read through env.get: a bad
+    value is an EnvError naming the variable, not a float() ValueError or a silent default."""
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(env.EnvError, match=re.escape(f"{name}={raw!r}: expected")):
+        exec(read, {})
+
+
+def test_host_reserve_value_is_used(monkeypatch):
+    from verl_patches.offload.pool import GiB, _default_reserve
+
+    monkeypatch.setenv("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB", "1.5")
+    assert _default_reserve() == int(1.5 * GiB)
+
+
+def test_the_doctor_says_when_a_setting_weakens_a_check():
+    r = cli("doctor", env={"VERL_PATCHES_DISABLE": "some.patch"})
+    line = next(ln for ln in r.stdout.splitlines() if "env:VERL_PATCHES_DISABLE" in ln)
+    assert "WEAKENS: the named patches, and the checks they carry, are off" in r.stdout, r.stdout
+    assert line.split()[0] == "ok", line
+    assert [s.weakens for s in env.settings({"VERL_PATCHES_DISABLE": ""})] == [None]

@@ -41,6 +41,13 @@ class Var:
     choices: tuple[str, ...] = ()
     weakens_below: float | None = None  # values <= this would switch a check off: refused with this reason
     weakens_why: str = ""
+    # An allowed value (not the default) that still switches a check or a fix off: the doctor's line and the
+    # launchers' dry run and bring-up say so (WEAKENS: ...); the run goes on, as the user asked.
+    weakens_when_set: str = ""
+
+    def weakens(self, value: Any) -> str | None:
+        """The sentence for a value that switches a check or a fix off; None for any other value."""
+        return self.weakens_when_set if self.weakens_when_set and value and value != self.default else None
 
     def allowed(self) -> str:
         if self.kind in ("float", "int"):
@@ -65,6 +72,10 @@ VARIABLES: tuple[Var, ...] = (
         "seconds one answer-equivalence check of the rule reward may take; an overrun scores 0",
         "verl_patches/reward/deepscaler.py", low=0.01, high=3600.0, weakens_below=0.0,
         weakens_why="a timeout of 0 or less would score every answer that needs math-verify 0.0"),
+    Var("VERL_PATCHES_HEARTBEAT_TIMEOUT_S", "float", 120.0,
+        "seconds a local rank of the preflight (run_distributed) may go without a heartbeat before it is named "
+        "as stopped and the run ends", "verl_patches/launch.py", low=1.0, high=86400.0, weakens_below=0.0,
+        weakens_why="a heartbeat timeout of 0 or less would switch the liveness check of the ranks off"),
     Var("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB", "float", None,
         "host memory (GB) the offload pool leaves free (default: min(4 GiB, 5% of the host))",
         "verl_patches/offload/pool.py", low=0.0, high=1 << 20),
@@ -75,9 +86,10 @@ VARIABLES: tuple[Var, ...] = (
         "forces the process phase the prelude applies patches for (default: detected)",
         "verl_patches/core/phase.py", choices=("driver", "worker", "engine_core")),
     Var("VERL_PATCHES_OFF", "bool", False, "true: the prelude applies no patch at all",
-        "verl_patches/prelude.py"),
+        "verl_patches/prelude.py",
+        weakens_when_set="no patch is applied: every fix and check of the overlay is off (upstream's behaviour)"),
     Var("VERL_PATCHES_DISABLE", "list", (), "patch ids the prelude leaves out (bisecting)",
-        "verl_patches/prelude.py"),
+        "verl_patches/prelude.py", weakens_when_set="the named patches, and the checks they carry, are off"),
     Var("VERL_PATCHES_EXTRA_MODULES", "list", (), "extra patch catalogue modules (a site's own patches)",
         "verl_patches/core/registry.py"),
     Var("VERL_PATCHES_LOCK", "path", None, "the upstream lock file (default: configs/upstream.lock.toml)",
@@ -103,7 +115,9 @@ VARIABLES: tuple[Var, ...] = (
         "scripts/install_mindspeed.sh, scripts/setup_test_env.sh"),
     Var("VERL_PATCHES_INJECT_FAULT", "text", "",
         "TESTS ONLY: corrupt rollout weights after a named step's reshard, so the weight fingerprint must stop "
-        "the run there (e.g. flip,step=3,rank=1); never set in production", "verl_patches/reshard/faults.py"),
+        "the run there (e.g. flip,step=3,rank=1); never set in production", "verl_patches/reshard/faults.py",
+        weakens_when_set="rollout weights are corrupted on purpose (a test of the fingerprint check); never in "
+                         "production: the cluster launchers refuse it"),
 )
 BY_NAME = {v.name: v for v in VARIABLES}
 PREFIX = "VERL_PATCHES_"
@@ -169,6 +183,7 @@ class Setting:
     raw: str
     ok: bool
     detail: str
+    weakens: str | None = None  # an allowed value that switches a check or a fix off: what it switches off
 
 
 def settings(environ: Mapping[str, str] | None = None) -> list[Setting]:
@@ -186,6 +201,8 @@ def settings(environ: Mapping[str, str] | None = None) -> list[Setting]:
         except EnvError as e:
             out.append(Setting(var.name, raw, False, f"{e} (read by {var.read_by})"))
             continue
-        out.append(Setting(var.name, raw, True, f"{var.name}={value!r}: {var.doc} (read by {var.read_by})"))
+        weak = var.weakens(value)
+        out.append(Setting(var.name, raw, True, f"{var.name}={value!r}: {var.doc} (read by {var.read_by})"
+                           + (f"; WEAKENS: {weak}" if weak else ""), weak))
     return out
 

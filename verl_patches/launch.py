@@ -9,6 +9,7 @@ import faulthandler
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -16,7 +17,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_patches import procs
+from verl_patches import env as overlay_env
+from verl_patches import procs, rank_boot
 from verl_patches.ports import free_port_block
 
 
@@ -26,7 +28,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any],
-            args: tuple, env: dict[str, str], queue: Any, parent_pid: int) -> None:
+            args: tuple, env: dict[str, str], queue: Any, parent_pid: int, ready: Any = None) -> None:
     # A rank outliving its parent would hold its memory (device memory too) for ever, and
     # would block writing its result into a pipe nobody reads.
     procs.die_with_parent(parent_pid)
@@ -44,6 +46,8 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., An
 
             accelerator.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
+        if ready is not None:
+            ready[rank] = 1  # imported and joined: from now on the heartbeat limit applies (rank_boot.py)
         # Plain pickle (a byte copy): torch's queue pickling would pass tensors as shared
         # memory handles, which die with this process before the parent reads them.
         payload = pickle.dumps(fn(rank, world, *args))
@@ -71,7 +75,8 @@ def _dump_stacks(ranks: list[Any], which: list[int]) -> None:
 
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
                     env: dict[str, str] | None = None, timeout: float = 300.0,
-                    grace: float = 30.0) -> list[Any]:
+                    grace: float = 30.0, heartbeat: float | None = None,
+                    startup: float = 120.0) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` spawned processes; return results by rank.
 
     ``fn`` must be importable (module level) because processes are spawned, not forked:
@@ -81,6 +86,14 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     stderr and are killed. Raises DistributedFailure naming every rank that failed and every
     rank that hung after a failure, or TimeoutError naming the ranks that did not finish.
 
+    Liveness: every rank beats (verl_patches/rank_boot.py: a thread started before anything heavy is
+    imported writes the clock into shared memory each second). A rank still running that has been
+    stopped (process state T: SIGSTOP) for ``heartbeat`` seconds, or whose last beat is older than
+    ``heartbeat`` seconds (default ``VERL_PATCHES_HEARTBEAT_TIMEOUT_S``, 120; ``startup`` seconds, if
+    longer, until it has imported and joined its process group: loading torch holds the GIL), has
+    stopped answering: it is named as failed, and the others get ``grace`` as after any failure. So
+    a stopped or stuck rank ends the call within about ``heartbeat + grace`` seconds, not at ``timeout``.
+
     Stopping the caller stops the ranks: on KeyboardInterrupt and, in the main thread, SIGTERM
     or SIGHUP (raised as ``procs.Terminated``) every rank and whatever it started is killed
     before the exception propagates; a rank whose parent dies, even by SIGKILL, is killed by
@@ -88,14 +101,23 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     """
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"run_distributed: world must be a positive integer, got {world!r}")
+    if heartbeat is None:
+        heartbeat = overlay_env.get("VERL_PATCHES_HEARTBEAT_TIMEOUT_S")
+    if not (isinstance(heartbeat, (int, float)) and heartbeat > 0 and startup > 0):
+        raise ValueError(f"run_distributed: heartbeat and startup must be positive seconds, got {heartbeat!r}, "
+                         f"{startup!r} (0 would switch the liveness check off)")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    ranks = [
-        ctx.Process(target=_worker, args=(r, world, port, backend, fn, args, dict(env or {}), queue, os.getpid()),
-                    daemon=False)
-        for r in range(world)
-    ]
+    beats = ctx.Array("d", world, lock=False)  # 0.0: no beat yet
+    ready = ctx.Array("b", world, lock=False)  # 1: imported and in the process group
+    beat_every = min(1.0, heartbeat / 4)
+    # rank_boot starts each rank's heartbeat first, then unpickles this (which imports torch and fn's module).
+    # Plain pickle: ``fn`` and ``args`` travel by value (tensors as bytes), as the results come back.
+    payloads = [pickle.dumps((_worker, (r, world, port, backend, fn, args, dict(env or {})), (os.getpid(),)))
+                for r in range(world)]
+    ranks = [ctx.Process(target=rank_boot.main, args=(beats, ready, r, beat_every, queue, payloads[r]), daemon=False)
+             for r in range(world)]
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     hung: list[int] = []
@@ -104,7 +126,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
         try:
             for p in ranks:
                 p.start()
-            hung = _collect(ranks, queue, results, failures, timeout, grace)
+            hung = _collect(ranks, queue, results, failures, timeout, grace, (beats, ready), heartbeat, startup)
             finished = True
         finally:
             if finished:
@@ -127,14 +149,65 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     return [results[r] for r in range(len(ranks))]
 
 
+def _stopped_since(pid: int, seen: dict[int, float], now: float) -> float | None:
+    """Since when ``pid`` has been in the stopped state (SIGSTOP: T, or t under a tracer), by this
+    caller's observations; None while it is not stopped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = ""
+    if state in ("T", "t"):
+        return seen.setdefault(pid, now)
+    seen.pop(pid, None)
+    return None
+
+
+def _silent_ranks(ranks: list[Any], done: set[int], liveness: tuple[Any, Any], heartbeat: float, startup: float,
+                  start: float, now: float, stopped_seen: dict[int, float]) -> dict[int, str]:
+    """The running ranks that stopped answering, each with why: stopped (process state T) for
+    ``heartbeat`` seconds, or no heartbeat for ``heartbeat`` seconds (``startup``, if longer, until the
+    rank is ready: importing torch holds the GIL, and so the heartbeat thread, for seconds)."""
+    beats, ready = liveness
+    out = {}
+    for r, p in enumerate(ranks):
+        if r in done or not p.is_alive():
+            continue
+        since = _stopped_since(p.pid, stopped_seen, now)
+        last = beats[r]
+        silent = now - (last if last else start)
+        limit = heartbeat if ready[r] else max(startup, heartbeat)
+        if not (silent > limit or (since is not None and now - since > heartbeat)):
+            continue
+        if since is not None:
+            why = (f"it is stopped (process state T: SIGSTOP), seen so for {now - since:.0f} s, no heartbeat for "
+                   f"{silent:.0f} s (limit {heartbeat:g} s)")
+        else:
+            why = (f"no heartbeat for {silent:.0f} s (limit {limit:g} s{'' if ready[r] else ', starting up'}): "
+                   "swapped out, or stuck in native code holding the GIL")
+        out[r] = f"rank {r} (pid {p.pid}) stopped answering: {why}"
+    return out
+
+
 def _collect(ranks: list[Any], queue: Any, results: dict[int, Any], failures: dict[int, str],
-             timeout: float, grace: float) -> list[int]:
+             timeout: float, grace: float, liveness: tuple[Any, Any] | None = None, heartbeat: float = float("inf"),
+             startup: float = float("inf")) -> list[int]:
     """Read every rank's report into ``results`` / ``failures``; return the ranks that hung."""
     world = len(ranks)
     start = time.monotonic()
     failed_at: float | None = None
+    stopped_seen: dict[int, float] = {}
+    next_look = start
     while len(results) + len(failures) < world:
         now = time.monotonic()
+        if liveness is not None and now >= next_look:
+            next_look = now + min(0.25, heartbeat / 8)
+            silent = _silent_ranks(ranks, set(results) | set(failures), liveness, heartbeat, startup, start, now,
+                                   stopped_seen)
+            for r, why in sorted(silent.items()):
+                failures[r] = why + "\n"
+                print(f"run_distributed: {why}; stopping the run", file=sys.stderr, flush=True)
+                failed_at = failed_at if failed_at is not None else now
         if now > start + timeout or (failed_at is not None and now > failed_at + grace):
             hung = [r for r in range(world) if r not in results and r not in failures]
             _dump_stacks(ranks, hung)

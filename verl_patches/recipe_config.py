@@ -39,6 +39,7 @@ def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), confi
 class Report:
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # allowed settings that weaken a check
     layout: dict[str, Any] = field(default_factory=dict)
     # A value of the wrong type was found: checks written for well-typed configs (verl's) are skipped.
     bad_values: bool = False
@@ -173,6 +174,12 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
 
     def pos(key: str) -> int | None:
         return _positive_int(rep, key, _select(cfg, key))
+
+    # An allowed value that switches a check off: said (a warning), so a weakened run is not taken for a checked one.
+    if recipe.get("fingerprint_every") == 0:
+        rep.warnings.append(f"{RECIPE_SECTION}.fingerprint_every=0 switches the weight fingerprint check off: rollout "
+                            "weights that differ from what training sent would go unnoticed (the recipe checks every "
+                            f"{settings.KEYS['fingerprint_every'].default} switches)")
 
     nnodes = pos("trainer.nnodes")
     per_node = pos("trainer.n_gpus_per_node")
@@ -509,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     print("layout: " + json.dumps(rep.layout))
     for note in rep.notes:
         print(f"note: {note}")
+    for warning in rep.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     for err in rep.errors:
         print(f"error: {err}", file=sys.stderr)
     if rep.errors:

@@ -42,6 +42,7 @@ bringup_defaults() {
   NNAL_ENV_SCRIPT="${NNAL_ENV_SCRIPT:-/usr/local/Ascend/nnal/atb/set_env.sh}"
   LOG_DIR="${LOG_DIR:-${RECIPE_ROOT}/out/logs}"
   BRINGUP_PIDS=()
+  BRINGUP_HEAD_PID=""
 }
 
 bringup_local_ips() {
@@ -81,18 +82,16 @@ bringup_role() {
   fi
 }
 
-bringup_check_ints() {
-  local name
-  for name in NNODES DEVICES_PER_NODE RAY_PORT WAIT_TIMEOUT_S STOP_GRACE_S; do
-    if ! [[ "${!name}" =~ ^[1-9][0-9]*$ ]]; then
-      echo "error: $name must be a positive integer, got '${!name}'" >&2
-      return 2
-    fi
-  done
-  case "$DEVICE" in
-    npu|cuda|cpu) ;;
-    *) echo "error: DEVICE must be npu, cuda or cpu, got '$DEVICE'" >&2; return 2 ;;
-  esac
+# The values every node reads (counts, timeouts, RAY_PORT, NODE_RANK, ROLE, DEVICE, LAUNCH_CONSOLE and
+# the overlay's VERL_PATCHES_* variables): one checker, verl_patches/launch_checks.py, for the dry
+# run and the real run alike, so both refuse the same values with the same message. Standard library
+# only: it runs before the Python environment is checked.
+bringup_check_env() {
+  NNODES="$NNODES" DEVICES_PER_NODE="$DEVICES_PER_NODE" RAY_PORT="$RAY_PORT" WAIT_TIMEOUT_S="$WAIT_TIMEOUT_S" \
+    STOP_GRACE_S="$STOP_GRACE_S" DEVICE="$DEVICE" ROLE="${ROLE:-}" NODE_RANK="${NODE_RANK:-}" \
+    LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-full}" LAUNCH_ALLOW_FAULT_INJECTION="${LAUNCH_ALLOW_FAULT_INJECTION:-}" \
+    PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}" \
+    "$PYTHON" -m verl_patches.launch_checks env
 }
 
 # Ray's name for the accelerator: verl asks Ray for "NPU" on Ascend and "GPU" otherwise. On the
@@ -197,6 +196,16 @@ bringup_start_head() {
   bringup_ray_head_cmd
   echo "starting Ray head: ${RAY_CMD[*]}"
   bringup_spawn "${LOG_DIR}/ray_head.log" "${RAY_CMD[@]}"
+  BRINGUP_HEAD_PID="${BRINGUP_PIDS[-1]}"
+}
+
+# Head only: whether the Ray head this script started still runs; if not, say so with its log's tail.
+bringup_head_alive() {
+  local what="$1"
+  bringup_alive "${BRINGUP_HEAD_PID:?bringup_start_head first}" && return 0
+  echo "error: the Ray head (pid ${BRINGUP_HEAD_PID}) exited ${what}; ${LOG_DIR}/ray_head.log ends with:" >&2
+  tail -n "${LAUNCH_TAIL_LINES:-20}" "${LOG_DIR}/ray_head.log" 2>/dev/null | sed 's/^/  | /' >&2 || true
+  return 3
 }
 
 bringup_wait_port() {
@@ -220,13 +229,9 @@ bringup_start_worker() {
 # Head only: the head's port accepts connections, or the head's process is gone (its log's tail is
 # shown) or the wait times out; Ray's own client would retry a dead head for minutes.
 bringup_wait_head() {
-  local pid="${BRINGUP_PIDS[-1]}" deadline=$((SECONDS + WAIT_TIMEOUT_S))
+  local deadline=$((SECONDS + WAIT_TIMEOUT_S))
   until (exec 3<>"/dev/tcp/${MASTER_ADDR}/${RAY_PORT}") 2>/dev/null; do
-    if ! bringup_alive "$pid"; then
-      echo "error: the Ray head exited before it listened on ${MASTER_ADDR}:${RAY_PORT}; ${LOG_DIR}/ray_head.log ends with:" >&2
-      tail -n 5 "${LOG_DIR}/ray_head.log" >&2 || true
-      return 3
-    fi
+    bringup_head_alive "before it listened on ${MASTER_ADDR}:${RAY_PORT}" || return 3
     if ((SECONDS > deadline)); then
       echo "error: the Ray head did not listen on ${MASTER_ADDR}:${RAY_PORT} within ${WAIT_TIMEOUT_S} s (${LOG_DIR}/ray_head.log)" >&2
       return 3
@@ -235,7 +240,8 @@ bringup_wait_head() {
   done
 }
 
-# Head only: all NNODES x DEVICES_PER_NODE devices registered, or a clear timeout.
+# Head only: all NNODES x DEVICES_PER_NODE devices registered, or a clear timeout, or at once the
+# head's exit with its log (a busy RAY_PORT: the port answers, but not our Ray).
 bringup_wait_devices() {
   bringup_wait_head || return $?
   local expected=$((NNODES * DEVICES_PER_NODE))
@@ -243,7 +249,8 @@ bringup_wait_devices() {
   # In the background and waited for, so that a signal to this shell is handled at once (a
   # foreground child would defer the traps until it exits) and teardown can stop it.
   "$PYTHON" "${RECIPE_ROOT}/scripts/cluster/wait_for_devices.py" --address "${MASTER_ADDR}:${RAY_PORT}" \
-    --resource "$(bringup_resource_name)" --expected "$expected" --nodes "$NNODES" --timeout "$WAIT_TIMEOUT_S" &
+    --resource "$(bringup_resource_name)" --expected "$expected" --nodes "$NNODES" --timeout "$WAIT_TIMEOUT_S" \
+    --head-pid "$BRINGUP_HEAD_PID" --head-log "${LOG_DIR}/ray_head.log" &
   BRINGUP_PIDS+=("$!")
   wait "$!"
 }

@@ -24,7 +24,8 @@ launch_usage() {
 usage: $(basename "$0") [--dry-run] [HYDRA_OVERRIDE ...]
 
   --dry-run   print the environment, the Ray commands and the composed trainer command,
-              validate them (doctor, config composition, layout arithmetic); start nothing.
+              validate them with the real run's own checks (environment values, on the head its
+              port, model, data and checkpoint, doctor, config composition, layout); start nothing.
   HYDRA_OVERRIDE  passed to verl.trainer.main_ppo, e.g. trainer.total_training_steps=5
 
 Run the same command on every node. Environment (defaults in parentheses):
@@ -69,9 +70,10 @@ launch_print_cmd() {
   printf '\n'
 }
 
-# Doctor, then Hydra composition and layout checks; returns non-zero on any failure.
+# The Python environment, the head's inputs (on the head), the doctor, then Hydra composition and
+# layout checks; returns non-zero on any failure. The dry run and the real run both call exactly this.
 launch_validate() {
-  local rc=0
+  local role="$1" rc=0
   # The overlay from this checkout, whether or not it is pip-installed.
   local -x PYTHONPATH="${RECIPE_ROOT}${UPSTREAM_ROOT:+:${UPSTREAM_ROOT}}${PYTHONPATH:+:${PYTHONPATH}}"
   echo "== python environment ($PYTHON)"
@@ -87,6 +89,11 @@ PY
     return 1
   fi
   echo "  torch, hydra-core, verl, ray importable"
+  if [[ "$role" == head ]]; then
+    launch_check_head || rc=1
+  else
+    echo "== head inputs (RAY_PORT free, model, data, checkpoint): checked by the head, not on a worker"
+  fi
   echo "== doctor"
   if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
     # UPSTREAM_ROOT is first on PYTHONPATH, so the doctor finds the copied packages there.
@@ -95,7 +102,9 @@ PY
     echo "error: doctor unavailable: 'import verl_patches.cli' fails with $PYTHON (is the overlay on PYTHONPATH?)" >&2
     rc=1
   fi
-  launch_validate_run || rc=1
+  echo "== prelude hook in verl's worker module"
+  "$PYTHON" -m verl_patches hook check \
+    || { echo "error: the overlay is not hooked into this verl: run '$PYTHON -m verl_patches hook install' on every node" >&2; rc=1; }
   echo "== config composition, layout and data ($CONFIG_NAME)"
   "$PYTHON" -m verl_patches.recipe_config --config-name "$CONFIG_NAME" --print-config --check-data \
     -- "${CONFIG_OVERRIDES[@]}" \
@@ -103,35 +112,15 @@ PY
   return "$rc"
 }
 
-# What else the real run needs and this node can see: the prelude line in the installed
-# verl (without it no patch is applied) and, for a real-weight run, a complete checkpoint.
-launch_validate_run() {
-  local rc=0
-  echo "== prelude hook in verl's worker module"
-  "$PYTHON" -m verl_patches hook check \
-    || { echo "error: the overlay is not hooked into this verl: run '$PYTHON -m verl_patches hook install' on every node" >&2; rc=1; }
-  if [[ -n "${LAUNCH_CKPT_DIR:-}" ]]; then
-    echo "== checkpoint ${LAUNCH_CKPT_DIR}"
-    "$PYTHON" -m verl_patches.tools.check_ckpt "$LAUNCH_CKPT_DIR" || rc=1
-  fi
-  return "$rc"
-}
-
-# Inputs the head needs; in --dry-run a missing one is reported but does not fail.
-launch_check_inputs() {
-  local dry="$1" missing=0
-  if [[ ! -f "${MODEL_PATH}/config.json" ]]; then
-    echo "$([[ $dry == 1 ]] && echo note || echo error): MODEL_PATH=${MODEL_PATH} has no config.json (HF model directory with config and tokenizer)" >&2
-    missing=1
-  fi
-  local f
-  for f in "$TRAIN_FILES" "$VAL_FILES"; do
-    if [[ ! -f "$f" ]]; then
-      echo "$([[ $dry == 1 ]] && echo note || echo error): data file not found: $f (python -m verl_patches.data.prepare deepscaler --input ... --out-dir ...)" >&2
-      missing=1
-    fi
-  done
-  [[ $dry == 1 ]] || return "$missing"
+# What the head reads before anything starts (verl_patches/launch_checks.py, one checker for the dry
+# run and the real run): RAY_PORT free on MASTER_ADDR, MODEL_PATH's config.json, the data files and,
+# for a real-weight run (LAUNCH_CKPT_DIR), a complete checkpoint of that config's model.
+launch_check_head() {
+  echo "== head inputs: RAY_PORT, model, data${LAUNCH_CKPT_DIR:+, checkpoint ${LAUNCH_CKPT_DIR}}"
+  local ckpt=()
+  if [[ -n "${LAUNCH_CKPT_DIR:-}" ]]; then ckpt=(--ckpt "$LAUNCH_CKPT_DIR"); fi
+  MODEL_PATH="$MODEL_PATH" TRAIN_FILES="$TRAIN_FILES" VAL_FILES="$VAL_FILES" MASTER_ADDR="$MASTER_ADDR" \
+    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch_checks head "${ckpt[@]}"
 }
 
 launch_main() {
@@ -148,7 +137,7 @@ launch_main() {
     shift
   done
   bringup_defaults
-  bringup_check_ints || return $?
+  bringup_check_env || return $?
   recipe_env_apply "$DEVICE" || return $?
   launch_defaults
   # Run-specific required inputs and overrides (set by the train_*.sh script).
@@ -161,11 +150,7 @@ launch_main() {
   local role
   role="$(bringup_role)" || return $?
   launch_build_trainer_cmd
-  LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-full}"
-  case "$LAUNCH_CONSOLE" in
-    full|steps) ;;
-    *) echo "error: LAUNCH_CONSOLE must be full or steps, got '$LAUNCH_CONSOLE'" >&2; return 2 ;;
-  esac
+  LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-full}"  # full | steps (checked by bringup_check_env)
   if [[ $dry == 1 || "$LAUNCH_CONSOLE" == full ]]; then
     launch_run "$role" "$dry" 3>&1 4>&2
     return $?
@@ -213,8 +198,7 @@ launch_run() {
   launch_print_cmd "${TRAINER_CMD[@]}"
 
   if [[ $dry == 1 ]]; then
-    launch_check_inputs 1
-    if launch_validate; then
+    if launch_validate "$role"; then
       echo "== dry run OK: configuration composed and validated"
       return 0
     fi
@@ -224,10 +208,10 @@ launch_run() {
 
   # CANN first: the doctor imports torch_npu on Ascend.
   bringup_source_cann || return $?
+  # The dry run's checks, the same function (a worker's Ray needs none of them).
   if [[ "$role" == head ]]; then
-    launch_check_inputs 0 || return 2
-    launch_validate || return 1
-    launch_say "checks passed: python environment, doctor, prelude hook, config composition, layout and data"
+    launch_validate head || return 1
+    launch_say "checks passed: python environment, head inputs, doctor, prelude hook, config composition, layout and data"
   fi
   launch_start "$role"
 }
@@ -264,6 +248,17 @@ launch_start() {
   exec {out}>&-
   BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")
   local rc=0
+  # The Ray head is watched while the trainer runs: if it exits, the run stops at once, saying so
+  # (the trainer's Ray calls would otherwise retry a dead head for minutes). The short sleep runs in
+  # the background and is waited for, so the traps still run at once on a signal.
+  while bringup_alive "$trainer_pid"; do
+    if ! bringup_head_alive "while the trainer ran"; then rc=3; break; fi
+    sleep 1 & wait "$!" || true
+  done
+  if ((rc)); then
+    launch_say "the Ray head exited while the trainer ran: stopping the run (${LOG_DIR}/ray_head.log)"
+    return "$rc"
+  fi
   wait "$trainer_pid" || rc=$?
   if [[ -n "$filter_pid" ]]; then
     # The console filter ends at the end of the trainer's output; teardown stops it if a leftover

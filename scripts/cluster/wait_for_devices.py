@@ -21,6 +21,37 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
         return False
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def head_gone(args: argparse.Namespace) -> str | None:
+    """The error to report when the watched Ray head process (--head-pid) has exited, with its log's tail."""
+    if args.head_pid is None or _alive(args.head_pid):
+        return None
+    tail = ""
+    if args.head_log:
+        try:
+            with open(args.head_log, errors="replace") as f:
+                lines = f.read().splitlines()[-args.tail_lines:]
+            tail = f"; {args.head_log} ends with:\n" + "\n".join(f"  | {ln}" for ln in lines)
+        except OSError as e:
+            tail = f"; its log {args.head_log} is not readable ({e})"
+    return (f"error: the Ray head process (pid {args.head_pid}) exited while waiting for the cluster at {args.address}"
+            f" (a port in use, a bad flag, a crash: see its log){tail}")
+
+
 def _wait(args: argparse.Namespace, deadline: float, result: list[int]) -> None:
     """The Ray part; runs in a daemon thread because ray.init and Ray's queries can block
     in native code for far longer than any timeout of ours (e.g. a port that accepts but
@@ -68,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, required=True, help="expected number of alive nodes")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--interval", type=float, default=2.0)
+    p.add_argument("--head-pid", type=int, default=None,
+                   help="the Ray head's process on this node: if it exits, stop waiting at once and say so")
+    p.add_argument("--head-log", default=None, help="the Ray head's log, whose end is shown when it exits")
+    p.add_argument("--tail-lines", type=int, default=20)
     args = p.parse_args(argv)
     host, _, port = args.address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -76,8 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--timeout and --interval must be positive")
 
     deadline = time.monotonic() + args.timeout
+
+    def stop_if_head_gone() -> None:
+        gone = head_gone(args)
+        if gone:
+            print(gone, file=sys.stderr)
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(3)  # the Ray thread may be blocked in native code
+
     # The head may still be coming up: wait for its port first, within the deadline.
     while not _reachable(host, int(port), min(args.interval, deadline - time.monotonic())):
+        stop_if_head_gone()
         if time.monotonic() >= deadline:
             print(f"error: the Ray head at {args.address} was not reachable within {args.timeout:.0f} s "
                   "(is MASTER_ADDR/RAY_PORT right, and the head started?)", file=sys.stderr)
@@ -87,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     worker = threading.Thread(target=_wait, args=(args, deadline, result), daemon=True)
     worker.start()
     # Ray's own calls get their share of the deadline plus a grace to report; then we stop waiting.
-    worker.join(max(deadline - time.monotonic(), 0) + args.interval + 2)
+    # Meanwhile the head's process is watched: one that exited (a busy port: another program answers
+    # there) is reported at once with its log, not after the whole timeout as a silent port.
+    end = deadline + args.interval + 2
+    while worker.is_alive() and time.monotonic() < end:
+        worker.join(min(0.5, max(end - time.monotonic(), 0)))
+        if not result:
+            stop_if_head_gone()
     if result:
         return result[0]
     print(f"error: no answer from the Ray head at {args.address} within {args.timeout:.0f} s: its port accepts "

@@ -358,3 +358,14 @@ def test_the_memory_estimate_counts_deepseek_v3():
     assert abs(host.host_optimizer - dev.optimizer * 16 / 12) < 1e-9  # + the pinned fp32 grad copies
     with pytest.raises(ValueError, match="host_fraction must be in"):
         estimate(cfg, **gpu, host_fraction=1.5)
+
+
+def test_a_fingerprint_switched_off_is_said(model):
+    """Issue 29: a setting that weakens a check is reported by the dry run (recipe_config's warning), not silent."""
+    rep = RC.validate(RC.compose("deepseekv3_256die_random_init", ["actor_rollout_ref.rollout.recipe.fingerprint_every=0"]),
+                      model)
+    assert not rep.errors, rep.errors
+    assert rep.warnings == ["actor_rollout_ref.rollout.recipe.fingerprint_every=0 switches the weight fingerprint check "
+                            "off: rollout weights that differ from what training sent would go unnoticed (the recipe "
+                            "checks every 10 switches)"]
+    assert RC.validate(RC.compose("deepseekv3_256die_random_init"), model).warnings == []

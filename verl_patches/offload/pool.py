@@ -6,13 +6,13 @@ stream in buckets; on CPU the same code degrades to plain, synchronous copies.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from verl_patches import accelerator
+from verl_patches import env as overlay_env
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -99,9 +99,10 @@ class HostBuffer:
 
 def _default_reserve() -> int:
     # Leave headroom for the rest of the process (Ray, dataloaders, the next step's batch).
-    env = os.environ.get("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB")
-    if env is not None:
-        return int(float(env) * GiB)
+    # The typed table's reader: a value that is not a finite number >= 0 is an EnvError naming the variable.
+    gb = overlay_env.get("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB")
+    if gb is not None:
+        return int(gb * GiB)
     _, total = accelerator.host_mem_info()
     return min(4 * GiB, total // 20)
 

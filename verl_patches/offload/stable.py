@@ -24,6 +24,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 import torch
 
 from verl_patches import accelerator
+from verl_patches import env as overlay_env
 
 ENV = "VERL_PATCHES_STABLE_MEMORY"
 CHOICES = ("auto", "torch_memory_saver", "vllm_cumem", "vllm_ascend_camem", "none")
@@ -245,9 +246,8 @@ def stable_memory() -> tuple[StableBackend | None, str]:
 def select(device_type: str) -> tuple[StableBackend | None, str]:
     """The process's backend for ``device_type`` and a sentence saying which one, or why none.
     ``VERL_PATCHES_STABLE_MEMORY`` (one of CHOICES) forces a choice; "none" turns it off."""
-    choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"{ENV}={choice!r}: expected one of {CHOICES}")
+    # The typed table's reader: a value not in the table's choices is an EnvError naming the variable.
+    choice = overlay_env.get(ENV)
     key = (device_type, choice)
     if key not in _CACHE:
         _CACHE[key] = _select(device_type, choice)

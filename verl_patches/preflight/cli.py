@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -63,10 +64,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="CUDA (nccl): keep the rollout weights and KV cache in address-stable regions, capture a "
                         "CUDA graph of a forward over them at the first switch, and require every later replay to "
                         "equal the eager forward bit for bit at unchanged addresses")
+    p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+                   help="a local rank silent this many seconds (stopped, stuck) is named and the run ends "
+                        "(default: VERL_PATCHES_HEARTBEAT_TIMEOUT_S, else 120)")
     p.add_argument("--corrupt", default=None, help=argparse.SUPPRESS)  # RANK:PARAM:METHOD fault injection
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
+    if a.heartbeat_timeout is not None and not (a.heartbeat_timeout > 0 and math.isfinite(a.heartbeat_timeout)):
+        p.error(f"--heartbeat-timeout must be a positive number of seconds, got {a.heartbeat_timeout:g} "
+                "(0 would switch the liveness check off)")
     if a.graph_check and a.backend != "nccl":
         p.error("--graph-check captures CUDA graphs: it needs --backend nccl")
     if a.nproc is not None and a.nproc < 1:
@@ -347,6 +354,14 @@ def main(argv: list[str]) -> int:
     except PreflightInputError as e:
         print(f"preflight: error: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError) as e:
+        # A rank failed, hung or stopped answering (run_distributed names it); the module is imported by
+        # then (not before: --help imports no torch).
+        launch = sys.modules.get("verl_patches.launch")
+        if isinstance(e, TimeoutError) or (launch is not None and isinstance(e, launch.DistributedFailure)):
+            print(f"preflight FAILED: {e}", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         print("preflight: interrupted; every rank was stopped", file=sys.stderr)
         return 130
@@ -376,8 +391,13 @@ def _main(argv: list[str]) -> int:
           flush=True)
     from verl_patches.launch import run_distributed
 
+    from verl_patches import env as overlay_env
+
+    heartbeat = a.heartbeat_timeout or overlay_env.get("VERL_PATCHES_HEARTBEAT_TIMEOUT_S")
+    # The ranks left waiting in a collective for a stopped one get as long as the heartbeat (at most 30 s).
     results = run_distributed(_rank_entry, world, opts, backend=a.backend,
-                              env={"VERL_PATCHES_DEVICE": os.environ["VERL_PATCHES_DEVICE"]}, timeout=3600)
+                              env={"VERL_PATCHES_DEVICE": os.environ["VERL_PATCHES_DEVICE"]}, timeout=3600,
+                              heartbeat=heartbeat, grace=min(30.0, heartbeat))
     return _finish(a, opts, results, time.perf_counter() - t0)
 
 

@@ -9,9 +9,10 @@ most bytes of a MoE model take this path. Without Triton (CPU, Ascend) it is pla
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from verl_patches import env as overlay_env
 
 # Below this many elements the launch overhead dominates: plain copy_.
 _MIN_ELEMS = 1 << 16
@@ -19,7 +20,7 @@ _MIN_ELEMS = 1 << 16
 
 @functools.lru_cache(maxsize=1)
 def _kernel():
-    if os.environ.get("VERL_PATCHES_RESHARD_TRITON", "1") == "0":
+    if not overlay_env.get("VERL_PATCHES_RESHARD_TRITON"):  # the typed table's reader (a bad value names it)
         return None
     try:
         import triton
