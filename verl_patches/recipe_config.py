@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import functools
 import json
 import os
 import sys
@@ -141,6 +143,69 @@ def _select(cfg, key: str) -> Any:
         return None
 
 
+def _tree_paths(node: Any, prefix: str, known: set[str], free: set[str]) -> None:
+    """Dotted paths of a config tree into ``known``; a mapping that is empty or null in it, or that verl
+    hands on as it is (``override_*``, ``*kwargs``), is free-form: anything below it is accepted."""
+    if isinstance(node, dict):
+        leaf = prefix.rsplit(".", 1)[-1]
+        # verl passes these on as they are (HF / transformer config overrides, engine arguments).
+        if prefix and (not node or leaf.startswith("override_") or leaf.endswith("kwargs")):
+            free.add(prefix)
+        for key, value in node.items():
+            if prefix == "" and key in ("defaults", "hydra"):
+                continue
+            path = f"{prefix}.{key}" if prefix else str(key)
+            known.add(path)
+            _tree_paths(value, path, known, free)
+    elif node is None and prefix:
+        free.add(prefix)
+
+
+@functools.lru_cache(maxsize=None)
+def known_keys(config_dir: Path = CONFIG_DIR) -> tuple[frozenset[str], frozenset[str]]:
+    """The schema of a run config's keys: verl's own trainer tree (its installed
+    ``ppo_megatron_trainer.yaml``) and every key the recipe's committed configs set."""
+    from omegaconf import OmegaConf
+
+    import verl.trainer.config as verl_config
+
+    known: set[str] = set()
+    free: set[str] = set()
+    files = [Path(verl_config.__file__).with_name("ppo_megatron_trainer.yaml"), *sorted(config_dir.glob("*.yaml"))]
+    for f in files:
+        _tree_paths(OmegaConf.to_container(OmegaConf.load(f), resolve=False), "", known, free)
+    return frozenset(known), frozenset(free)
+
+
+def check_unknown_keys(rep: Report, cfg, config_dir: Path = CONFIG_DIR) -> None:
+    """Every key of the composed config must be one verl's trainer or the recipe knows: a key added with
+    ``+`` (Hydra's own hint for a key it does not know) is accepted by Hydra and then ignored by verl, so
+    a misspelt ``+trainer.totl_training_steps=2`` would change nothing, silently. The recipe section has
+    its own typed table (settings.py), checked by recipe_problems."""
+    from omegaconf import OmegaConf
+
+    known, free = known_keys(config_dir)
+    tree = OmegaConf.to_container(cfg, resolve=False)
+
+    def walk(node: Any, prefix: str) -> None:
+        if not isinstance(node, dict) or prefix in free or prefix == RECIPE_SECTION:
+            return
+        for key, value in node.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if prefix == "" and key == "hydra":
+                continue
+            if path not in known:
+                siblings = sorted(k.rsplit(".", 1)[-1] for k in known if k.rpartition(".")[0] == prefix)
+                close = difflib.get_close_matches(str(key), siblings, n=1)
+                hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
+                rep.errors.append(f"{path}: unknown key (neither verl 0.4.1's trainer config nor the recipe's "
+                                  f"configs have it; a key added with '+' is ignored by verl){hint}")
+                continue
+            walk(value, path)
+
+    walk(tree, "")
+
+
 def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Report:
     """Every arithmetic and consistency rule the 256-die layout depends on; errors name the keys.
 
@@ -154,6 +219,7 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     from verl_patches.rollout.settings import plain, recipe_problems
 
     rep = Report()
+    check_unknown_keys(rep, cfg)
     recipe_node = _select(cfg, RECIPE_SECTION)
     if not rep.check(recipe_node is not None, f"{RECIPE_SECTION} is missing"):
         return rep

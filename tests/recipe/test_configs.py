@@ -369,3 +369,23 @@ def test_a_fingerprint_switched_off_is_said(model):
                             "off: rollout weights that differ from what training sent would go unnoticed (the recipe "
                             "checks every 10 switches)"]
     assert RC.validate(RC.compose("deepseekv3_256die_random_init"), model).warnings == []
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("+trainer.totl_training_steps=2", "trainer.totl_training_steps: unknown key"),
+    ("+data.max_promt_length=8", "data.max_promt_length: unknown key"),
+    ("+actor_rollout_ref.actor.optim.lr_warmup_step=3", "actor_rollout_ref.actor.optim.lr_warmup_step: unknown key"),
+])
+def test_a_key_added_with_plus_that_nobody_reads_is_named(model, override, needle):
+    """Issue 29: Hydra accepts any '+'-added key and verl ignores it, so a misspelt key changed nothing,
+    silently. The check names it (and the key it most likely meant)."""
+    rep = RC.validate(RC.compose("deepseekv3_256die_random_init", [override]), model)
+    assert any(needle in e and "did you mean" in e for e in rep.errors), rep.errors
+
+
+def test_free_form_sections_take_any_key(model):
+    """verl hands override_* and *kwargs mappings on as they are: any key there is the user's."""
+    for override in ("+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=False",
+                     "+actor_rollout_ref.model.override_config.foo=1"):
+        rep = RC.validate(RC.compose("deepseekv3_256die_random_init", [override]), model)
+        assert not [e for e in rep.errors if "unknown key" in e], (override, rep.errors)
