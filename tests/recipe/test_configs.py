@@ -207,7 +207,7 @@ def test_engine_kwargs_reach_vllm_and_vllm_ascend(random_init):
     ac = AscendConfig(SimpleNamespace(additional_config=kw["additional_config"]))
     tg = ac.torchair_graph_config
     assert tg.enabled and tg.enable_multistream_mla and tg.enable_multistream_moe and not tg.enable_kv_nz
-    assert tg.graph_batch_sizes == [64] and not tg.use_cached_graph
+    assert tg.graph_batch_sizes == [2, 8, 16, 32, 64] and not tg.use_cached_graph
     assert tg.enable_view_optimize is False
     assert ac.ascend_scheduler_config.enabled is True
 

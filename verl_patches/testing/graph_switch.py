@@ -8,9 +8,15 @@ late free and exits non-zero at interpreter shutdown. tests/offload/test_graph_s
 it; docs/benchmarks.md records the runs.
 
 Every cycle: release -> training-phase allocations of varied sizes -> allocate -> reshard of new
-values -> MLA redo -> replay the graph and run the forward eagerly. A cycle passes when replay ==
-eager bit for bit, every address a graph reads is the captured one, and the rollout weights are
-the expected shards. ``--mode resize`` is the storage-resize path (eager mode's): it fails.
+values -> MLA redo -> replay every graph and run its forward eagerly. A cycle passes when each
+replay == its eager forward bit for bit, every address a graph reads is the one it captured, and the
+rollout weights are the expected shards. ``--mode resize`` is the storage-resize path (eager
+mode's): it fails.
+
+Several graphs (``--buckets 1,2,4,8``): one decode graph per captured batch size, as vLLM captures
+one CUDA graph per capture size and vLLM-Ascend one TorchAir graph per ``graph_batch_sizes`` entry,
+all over the same weights, MLA tensors and KV cache (the same regions); each graph keeps its own
+captured addresses, and each is replayed and compared every cycle.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.nn.functional as F
 from verl_patches.core.lock import REPO_ROOT
 
 MODEL = REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json"
-BATCH = 4
+BATCH = 4  # the decode batch of a single-graph run
 
 
 class MLAImpl:
@@ -54,16 +60,17 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class TinyDecoder:
-    """One decode step of B tokens, weights looked up by vLLM name at call time (no copies)."""
+    """One decode step of ``batch`` tokens, weights looked up by vLLM name at call time (no copies)."""
 
-    def __init__(self, cfg: dict, roll: dict[str, torch.Tensor], impls: list[MLAImpl], kv: torch.Tensor) -> None:
-        self.cfg, self.roll, self.impls, self.kv = cfg, roll, impls, kv
+    def __init__(self, cfg: dict, roll: dict[str, torch.Tensor], impls: list[MLAImpl], kv: torch.Tensor,
+                 batch: int = BATCH) -> None:
+        self.cfg, self.roll, self.impls, self.kv, self.batch = cfg, roll, impls, kv, batch
         dev = kv.device
-        self.tokens = torch.arange(7, 7 + 13 * BATCH, 13, device=dev) % cfg["vocab_size"]
-        self.slots = torch.arange(BATCH, device=dev) * 97 + 5
+        self.tokens = torch.arange(7, 7 + 13 * batch, 13, device=dev) % cfg["vocab_size"]
+        self.slots = torch.arange(batch, device=dev) * 97 + 5
 
     def __call__(self) -> torch.Tensor:
-        c, r = self.cfg, self.roll
+        c, r, b = self.cfg, self.roll, self.batch
         nh = c["num_attention_heads"]
         nope, rope, vd, lora = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
         x = r["model.embed_tokens.weight"][self.tokens]
@@ -71,7 +78,7 @@ class TinyDecoder:
             p = f"model.layers.{i}."
             h = _rms(x, r[p + "input_layernorm.weight"])
             q = _rms(h @ r[p + "self_attn.q_a_proj.weight"].t(), r[p + "self_attn.q_a_layernorm.weight"])
-            q = (q @ r[p + "self_attn.q_b_proj.weight"].t()).view(BATCH, nh, nope + rope)
+            q = (q @ r[p + "self_attn.q_b_proj.weight"].t()).view(b, nh, nope + rope)
             ckv = h @ r[p + "self_attn.kv_a_proj_with_mqa.weight"].t()
             lat = _rms(ckv[:, :lora], r[p + "self_attn.kv_a_layernorm.weight"])
             self.kv[i, self.slots] = torch.cat([lat, ckv[:, lora:]], dim=-1)  # the decode step's cache write
@@ -81,7 +88,7 @@ class TinyDecoder:
             scores = ql @ cache[:, :lora].t() + q[..., nope:].transpose(0, 1) @ cache[:, lora:].t()
             attn = torch.softmax(scores.float() * (nope + rope) ** -0.5, dim=-1).to(x.dtype)
             o = torch.bmm(attn @ cache[:, :lora], impl.W_UV)  # (nh, B, v)
-            x = x + o.transpose(0, 1).reshape(BATCH, nh * vd) @ r[p + "self_attn.o_proj.weight"].t()
+            x = x + o.transpose(0, 1).reshape(b, nh * vd) @ r[p + "self_attn.o_proj.weight"].t()
             h = _rms(x, r[p + "post_attention_layernorm.weight"])
             if p + "mlp.gate_up_proj.weight" in r:
                 g, u = (h @ r[p + "mlp.gate_up_proj.weight"].t()).chunk(2, dim=-1)
@@ -115,7 +122,7 @@ def _train_phase(rng: random.Random, keep: list, device: torch.device) -> int:
     return total
 
 
-def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, Any]:
+def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[int, ...] = (BATCH,)) -> dict[str, Any]:
     import torch.distributed as dist
 
     from verl_patches import accelerator
@@ -156,7 +163,9 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
 
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-    slots = max(BATCH * 97 + 8, (kv_mib << 20) // (layers * width * dtype.itemsize))
+    if not buckets or any(b < 1 for b in buckets) or len(set(buckets)) != len(buckets):
+        raise ValueError(f"buckets must be distinct positive batch sizes, got {list(buckets)}")
+    slots = max(max(buckets) * 97 + 8, (kv_mib << 20) // (layers * width * dtype.itemsize))
     # The engine's build: weights, then MLA's post-load step, then the KV cache, all in regions.
     roll = in_region(weights_region, lambda: {n: torch.zeros(s, dtype=dtype, device=device)
                                               for n, s in P.rollout_storage[0].items()})
@@ -185,8 +194,9 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
         "kv_cache": kv_cache_group(engine, [kv], region=kv_region, zero_on_allocate=True,
                                    watch=(lambda: {"kv": kv}) if kv_region else None),
     }
-    decoder = TinyDecoder(cfg, roll, impls, kv)
-    check = GraphCheck(decoder, lambda: {**weights_watch(), "kv": kv})
+    # One graph per bucket, all over the same weights and KV cache (the same regions).
+    checks = {b: GraphCheck(TinyDecoder(cfg, roll, impls, kv, b), lambda: {**weights_watch(), "kv": kv})
+              for b in buckets}
     sched = ours(groups)
     rng, keep = random.Random(seed), []
     state: dict[str, Any] = {"step": 0, "last": None}
@@ -203,11 +213,17 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
 
     def generate() -> None:
         s = state["step"]
-        if check.graph is not None:  # counted before the replay, which may not survive a moved address
-            state["moved_before_replay"] = sum(int(t.data_ptr()) != check.addresses.get(n)
-                                               for n, t in {**weights_watch(), "kv": kv}.items())
-        res = check.check()
-        eager = res.pop("eager")
+        now = {n: int(t.data_ptr()) for n, t in {**weights_watch(), "kv": kv}.items()}
+        if any(c.graph is not None for c in checks.values()):  # counted before the replays, which may not survive
+            state["moved_before_replay"] = sum(now[n] != c.addresses.get(n) for c in checks.values()
+                                               if c.graph is not None for n in now)
+        per = {b: c.check() for b, c in checks.items()}
+        eager = torch.cat([r.pop("eager").flatten() for r in per.values()])
+        res = {"equal": all(r["equal"] for r in per.values()),
+               "moved": sorted({f"{n}@{b}" for b, r in per.items() for n in r["moved"]}),
+               "elements_wrong": sum(max(r["elements_wrong"], 0) for r in per.values()),
+               "unequal_buckets": [b for b, r in per.items() if not r["equal"]],
+               "captured": any(r["captured"] for r in per.values())}
         wrong = sum(int((roll[n] != w).sum()) for n, w in
                     expected_rollout_by_param(P, 0, seed=seed, step=s, dtype=dtype, device=device))
         changed = state["last"] is None or not torch.equal(eager, state["last"])
@@ -251,6 +267,8 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64) -> dict[str, An
     region_bytes = (backend.region_bytes(weights_region.tag) + backend.region_bytes(kv_region.tag)) if backend else None
     return {
         "mode": mode, "backend": backend.name if backend else None, "cycles": len(records), "seconds": seconds,
+        "buckets": list(buckets), "graphs": sum(c.graph is not None for c in checks.values()),
+        "replays": sum(c.checks for c in checks.values()),
         "ok_cycles": sum(r["ok"] for r in records), "failed_cycles": [r for r in records if not r["ok"]][:5],
         "failed_count": sum(not r["ok"] for r in records), "moved_cycles": sum(bool(r["moved_count"]) for r in records),
         "unequal_cycles": sum(not r["equal"] for r in records), "error": error,
@@ -271,10 +289,13 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--mode", choices=("stable", "resize"), required=True)
     ap.add_argument("--cycles", type=int, default=100)
     ap.add_argument("--kv-mib", type=int, default=64)
+    ap.add_argument("--buckets", default=str(BATCH),
+                    help="captured decode batch sizes, comma-separated: one graph each (default: %(default)s)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
     try:
-        out = run(a.mode, a.cycles, kv_mib=a.kv_mib)
+        buckets = tuple(int(x) for x in a.buckets.split(","))
+        out = run(a.mode, a.cycles, kv_mib=a.kv_mib, buckets=buckets)
     except BaseException as e:  # noqa: BLE001 - the parent reads the reason from the file
         out = {"mode": a.mode, "error": f"{type(e).__name__}: {e}", "crashed": True}
     with open(a.json, "w") as f:

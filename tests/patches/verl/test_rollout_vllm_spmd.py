@@ -154,10 +154,10 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
 
     assert kw["additional_config"] == OmegaConf.to_container(cfg.engine_kwargs.vllm.additional_config, resolve=True)
     assert kw["additional_config"]["torchair_graph_config"]["enable_view_optimize"] is False
-    # The reference's engine: prefix caching off (upstream hard-codes it on), 64 sequences per rank, one
-    # TorchAir graph of that batch size, and the memory share it ran with.
+    # The reference's engine: prefix caching off (upstream hard-codes it on), 64 sequences per rank, and
+    # the memory share it ran with; TorchAir graphs of five batch sizes up to 64 (the reference: one).
     assert kw["enable_prefix_caching"] is False and kw["max_num_seqs"] == cfg.max_num_seqs == 64
-    assert kw["additional_config"]["torchair_graph_config"]["graph_batch_sizes"] == [64]
+    assert kw["additional_config"]["torchair_graph_config"]["graph_batch_sizes"] == [2, 8, 16, 32, 64]
     assert kw["gpu_memory_utilization"] == 0.8
     # The DP domain reached the environment vLLM reads, with the YAML's port base.
     assert os.environ["VLLM_DP_SIZE"] == "1" and os.environ["VLLM_DP_RANK"] == "0"
