@@ -39,9 +39,10 @@ BANNER = "== train_tiny: "
 PNGS = ("reward", "phases", "switch", "throughput")
 
 
-def _run(out: Path, assets: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run(out: Path, assets: Path, *overrides: str, timeout: int = 600,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The script as a person runs it: stdout and stderr in one stream, as a terminal shows them."""
-    env = dict(os.environ, TINY_OUT=str(out), TINY_ASSETS=str(assets))
+    env = dict(os.environ, **(env or {}), TINY_OUT=str(out), TINY_ASSETS=str(assets))
     return subprocess.run(["bash", str(REPO / "scripts" / "train_tiny.sh"), *overrides], env=env, cwd=str(REPO),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
 

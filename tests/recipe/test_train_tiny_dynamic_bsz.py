@@ -20,12 +20,22 @@ another order. The run is not bit-equal to the fixed one, so it is held to what 
 
 Measured (6 steps): 5 micro-batches of 6 or 7 sequences every step (about 1,900 tokens a step, up to
 418 in one micro-batch), the KL at step 1 0, the toy reward 0.09 -> 0.37.
-CI cost: one run of 6 steps without validation, the tiny assets shared with test_train_tiny.py.
+
+The same run then carries the weight-fingerprint faults (test-only VERL_PATCHES_INJECT_FAULT,
+verl_patches/reshard/faults.py), applied right after step 7's reshard: one bit of one parameter
+flipped on rollout rank 1, and a routed-expert w13 stack written transposed on rank 2 (the shape of
+vLLM-Ascend's extra transpose in wake_up). The fingerprint must stop verl's trainer at step 7, naming
+the step, both ranks and both parameters, after 6 clean steps each checked. Each fault alone is caught
+on 8 ranks over several layouts in tests/reshard/test_fingerprint.py.
+CI cost: one run of 7 steps without validation (a trainer start is most of a tiny run's cost, so the
+faults ride on this run instead of a run of their own), the tiny assets shared with test_train_tiny.py.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 
@@ -40,17 +50,30 @@ FIXED_MICRO = 8  # actor.ppo_micro_batch_size_per_gpu: the fixed-size run's micr
 # The KL loss (low_var_kl) at step 1, where actor and reference hold the same weights: in the fixed run
 # 0 to the printed digits; misaligned rows would give the KL between different tokens' log-probs (order 1).
 KL_AT_STEP_1 = 1e-3
+FAULT_STEP = STEPS + 1
+FAULTS = f"flip,step={FAULT_STEP},rank=1;transpose,step={FAULT_STEP},rank=2"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_assets):
+def faulted(tmp_path_factory, tiny_assets):
+    """The run: its metrics by step, and the console with the trainer's whole log (it ends in the fault)."""
     base = tmp_path_factory.mktemp("tiny_dynamic")
-    r = _run(base / "run", tiny_assets, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1",
+    r = _run(base / "run", tiny_assets, f"trainer.total_training_steps={FAULT_STEP}", "trainer.save_freq=-1",
              "trainer.val_before_train=False", "trainer.test_freq=-1",
              "actor_rollout_ref.actor.use_dynamic_bsz=True",
-             f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={MAX_TOKENS}")
-    assert r.returncode == 0, r.stdout[-6000:] + _log(base / "run", "trainer.log")[-6000:]
-    return _metrics(base / "run")
+             f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={MAX_TOKENS}",
+             env={"VERL_PATCHES_INJECT_FAULT": FAULTS})
+    text = r.stdout + _log(base / "run", "trainer.log")
+    rows = base / "run" / "metrics.jsonl"
+    assert rows.exists(), text[-6000:]
+    return r.returncode, text, _metrics(base / "run"), [json.loads(x)["step"] for x in rows.read_text().splitlines()
+                                                          if x.strip()]
+
+
+@pytest.fixture(scope="module")
+def run(faulted):
+    """The steps before the fault: the dynamic-batch run proper."""
+    return {step: row for step, row in faulted[2].items() if step <= STEPS}
 
 
 def test_every_step_logged_without_nan(run):
@@ -86,3 +109,24 @@ def test_it_learns_as_the_fixed_size_run_does(run):
     rewards = [run[s]["critic/score/mean"] for s in range(1, STEPS + 1)]
     first, last = sum(rewards[:2]) / 2, sum(rewards[-2:]) / 2
     assert last > first + REWARD_RISE, rewards
+
+
+def test_a_corrupted_rollout_stops_the_run_at_that_step_naming_rank_and_parameter(faulted):
+    rc, text, _, steps = faulted
+    assert rc != 0, "the run went on with corrupted rollout weights:\n" + text[-6000:]
+    injected = dict(re.findall(rf"FAULT INJECTED \(VERL_PATCHES_INJECT_FAULT\): \w+ of (\S+) on rank (\d+) "
+                               rf"at step {FAULT_STEP}\b", text))
+    injected = {int(rank): name for name, rank in injected.items()}
+    assert sorted(injected) == [1, 2], text[-6000:]
+    assert injected[2].endswith("mlp.experts.w13_weight"), injected
+    assert (f"weight fingerprint at step {FAULT_STEP}: 2 rollout parameter(s) do not hold what the training side "
+            "sent") in text, text[-6000:]
+    for rank, name in injected.items():
+        assert f"rollout rank {rank}, {name}: expected 0x" in text, (rank, name, text[-6000:])
+    # Every step before it ran and was checked; nothing of the faulted step reached the log.
+    assert steps == list(range(1, FAULT_STEP)), steps
+
+
+def test_every_step_before_the_fault_passed_the_fingerprint(run):
+    assert all(row["switch/fingerprint_passed"] == 1.0 and row["switch/fingerprint_params"] > 0
+               for row in run.values()), {s: row.get("switch/fingerprint_passed") for s, row in run.items()}
