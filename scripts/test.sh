@@ -13,7 +13,7 @@ set -euo pipefail
 
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
   cat <<'USAGE'
-usage: bash scripts/test.sh [PYTEST_ARG ...]
+usage: bash scripts/test.sh [PYTEST_ARG ...]      (TEST_WORKERS=N: pytest-xdist workers, default 2; 0: one process)
 
 Build or reuse the CPU test environment (VENV, default ./.venv) from the lock, then run pytest with
 the arguments, e.g. `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/core -x`.
@@ -29,4 +29,6 @@ bash "$ROOT/scripts/setup_test_env.sh"
 cd "$ROOT"
 export PATH="$VENV/bin:$PATH" REQUIRE_LINTERS=1
 export VLLM_PLUGINS=${VLLM_PLUGINS:-verl_patches} RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
-exec "$VENV/bin/python" -m pytest -q --timeout=900 "$@"
+# Two pytest-xdist workers, one test file each at a time (module fixtures such as the tiny runs' are
+# built once); tests/conftest.py hands out the longest files first. TEST_WORKERS=0 runs in one process.
+exec "$VENV/bin/python" -m pytest -q --timeout=900 -n "${TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -34,3 +34,19 @@ def _fresh_switch_loop():
     live = _sys.modules.get("verl_patches.offload.live")
     if live is not None:
         live.reset_live_switch()
+
+
+# The longest files first: under pytest-xdist (scripts/test.sh: two workers, a file at a time) a long
+# file handed out last would run alone at the end. The tiny runs (verl's trainer end to end, minutes
+# each) lead, then the rest of the slow tier, then the fast tier; collection order otherwise.
+_FIRST = ("tests/recipe/test_train_tiny.py", "tests/recipe/test_train_tiny_dynamic_bsz.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    def rank(item):
+        path = item.nodeid.split("::", 1)[0]
+        if path in _FIRST:
+            return _FIRST.index(path)
+        return len(_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+
+    items.sort(key=rank)  # stable: the order within each group is pytest's

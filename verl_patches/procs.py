@@ -87,7 +87,8 @@ def _children_by_scan(pid: int) -> list[int]:
     return kids
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The live children of ``pid``, read from /proc; [] elsewhere."""
     kids: list[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -109,7 +110,7 @@ def descendants(pid: int) -> list[int]:
     out: list[int] = []
     todo = [pid]
     while todo:
-        kids = [k for k in _children(todo.pop()) if k not in out]
+        kids = [k for k in children(todo.pop()) if k not in out]
         out += kids
         todo += kids
     return out
@@ -161,13 +162,18 @@ def kill_tree(roots: Iterable[int], grace: float = 3.0) -> list[int]:
 def stop_on_signals() -> Iterator[None]:
     """Turn SIGTERM and SIGHUP into ``Terminated`` in the main thread (SIGINT already raises
     KeyboardInterrupt), so ``finally`` blocks that stop children run however the process is
-    asked to stop. Elsewhere than the main thread this does nothing."""
+    asked to stop. Elsewhere than the main thread this does nothing. Only the first signal is
+    raised: a second one (a process group's signal and a forwarded one, say) must not cut short the
+    ``finally`` that is stopping the children."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    raised: list[int] = []
 
     def _raise(signum, _frame):
-        raise Terminated(signum)
+        if not raised:
+            raised.append(signum)
+            raise Terminated(signum)
 
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
