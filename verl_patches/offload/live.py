@@ -1,19 +1,12 @@
 """The switch as one loop: ``our_steps()`` (offload/schedule.py) run on the live memory objects as
 verl's calls reach them. The whole order is that one tuple; the preflight rehearses it on stand-in
-groups and the tests compare the live ledger with it.
+groups and the tests compare the live ledger with it. The loop owns the process's offload engine
+(``offload_engine()``), which every memory object under it shares, and runs each step through
+schedule.py's StepRunner, as the preflight's SwitchSchedule does.
 
-Each wrapper only says which step verl's call reaches (docs/DESIGN.md section 3):
-
-    verl 0.4.1's call (ActorRolloutRefWorker, its sharding manager, vllm.LLM)   step
-    generate_sequences, entering                       begin_rollout() (the rollout segment starts)
-    LLM.wake_up(tags=["weights"])                      alloc_rollout_weights
-    the sharding manager's weight sync                 reshard (its call)
-    after the weight sync                              offload_train_params
-    LLM.wake_up(tags=["kv_cache"])                     init_kv_cache
-    generation                                         generate (verl runs it; passed)
-    LLM.sleep, and generate_sequences leaving          release_rollout_weights
-    compute_ref_log_prob                               ref_onload, ref_forward (its call), ref_offload
-    update_actor                                       update_onload, update (its call), update_end
+Each wrapper only says which step verl's call reaches: ``CALLS`` below, one row per wrapped call,
+read by the wrappers (``LiveSwitch.run_call``), checked against them by
+tests/offload/test_switch_calls.py, and rendered in docs/DESIGN.md section 3 (``calls_markdown``).
 
 The switch runs every step from where it is up to the one reached, so a step that no wrapper
 reaches (a sharding manager that does not offload the training params itself) still runs, in
@@ -41,12 +34,12 @@ order. Rules:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
-from verl_patches import accelerator
 from verl_patches.offload.groups import Location, OffloadGroup
 from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
-from verl_patches.offload.schedule import (OUR_INITIAL, ROLES, Action, ScheduleError, StepSpec, SwitchSchedule,
+from verl_patches.offload.schedule import (OUR_INITIAL, ROLES, Action, ScheduleError, StepRunner, StepSpec,
                                            locations_after, our_steps, step_roles)
 
 # Call steps whose work runs inside verl's own bodies, between two reached steps.
@@ -57,25 +50,134 @@ REENTRY = (Action("onload", "train_params"),)
 _TO = {Location.HOST: ("onload", "offload"), Location.RELEASED: ("allocate", "release")}
 _PLACE = {Location.HOST: "offload", Location.RELEASED: "release"}
 
+# -- the call -> step table -------------------------------------------------------------------
+
+WORKER = "ActorRolloutRefWorker"
+SHARDING_ENTER = "MegatronVLLMShardingManager.__enter__"
+WEIGHT_SYNC = "the sharding manager's weight sync"
+WAKE_TAGS = ("weights", "kv_cache")  # vllm.LLM.wake_up's tags: one row each
+
+
+def wake_call(tag: str) -> str:
+    """The row of ``LLM.wake_up(tags=[tag])``."""
+    return f"LLM.wake_up(tags=[{tag!r}])"
+
+
+@dataclass(frozen=True)
+class SwitchCall:
+    """One wrapped call of verl 0.4.1 (its worker, its sharding manager, ``vllm.LLM``) and the loop's steps.
+
+    ``name``: the call as errors and the docs name it. ``patch``: the patch whose wrapper makes the
+    call. ``reaches``: the steps the wrapper reaches, in order (reaching a step runs every step before
+    it that has not run); ``runs``: the one of them that verl's own body runs as (its call), if any.
+    ``begins_rollout``: the call first (re)starts the rollout segment (``begin_rollout``).
+    ``excursion``: the roles the call brings to the device and puts back (no step moves).
+    ``inside``: the call that makes this one (its wrapper orders them by the loop, ``calls_inside``).
+    ``steps``: the ledger entries the call adds when verl makes its calls in the trainer's order (the
+    rows' order, a checkpoint after the update, the resume before the first step): what the test
+    checks the wrappers against."""
+
+    name: str
+    patch: str
+    steps: tuple[str, ...]
+    reaches: tuple[str, ...] = ()
+    runs: str = ""
+    begins_rollout: bool = False
+    excursion: tuple[str, ...] = ()
+    inside: str = ""
+
+    def __post_init__(self) -> None:
+        if self.runs and self.runs not in self.reaches:
+            raise ScheduleError(f"switch call {self.name!r}: runs {self.runs!r}, which it does not reach")
+        if self.excursion and (self.reaches or self.begins_rollout):
+            raise ScheduleError(f"switch call {self.name!r}: an excursion reaches no step")
+
+
+CALLS: tuple[SwitchCall, ...] = (
+    SwitchCall(f"{WORKER}.generate_sequences, entering", "verl.megatron_worker.generate_offload", steps=(),
+               begins_rollout=True),
+    SwitchCall(wake_call("weights"), "vllm.llm.wake_up_to_onload", steps=("alloc_rollout_weights",),
+               reaches=("alloc_rollout_weights",), inside=SHARDING_ENTER),
+    SwitchCall(WEIGHT_SYNC, "verl.sharding_manager.reshard",
+               steps=("reshard", "offload_train_params"), reaches=("reshard", "offload_train_params"),
+               runs="reshard", inside=SHARDING_ENTER),
+    SwitchCall(wake_call("kv_cache"), "vllm.llm.wake_up_to_onload", steps=("init_kv_cache",),
+               reaches=("init_kv_cache",), inside=SHARDING_ENTER),
+    SwitchCall("LLM.sleep", "vllm.llm.sleep_to_offload", steps=("generate", "free_kv_cache", "release_rollout_weights"),
+               reaches=("release_rollout_weights",)),
+    SwitchCall(f"{WORKER}.generate_sequences, leaving", "verl.megatron_worker.generate_offload", steps=(),
+               reaches=("release_rollout_weights",)),
+    SwitchCall(f"{WORKER}.compute_log_prob", "verl.megatron_worker.log_prob_onload",
+               steps=("compute_log_prob:in", "compute_log_prob:out"), excursion=("train_params",)),
+    SwitchCall(f"{WORKER}.compute_ref_log_prob", "verl.megatron_worker.ref_offload",
+               steps=("ref_onload", "ref_forward", "ref_offload"), reaches=("ref_onload", "ref_forward", "ref_offload"),
+               runs="ref_forward"),
+    SwitchCall(f"{WORKER}.update_actor", "verl.megatron_worker.update_offload",
+               steps=("update_onload", "update", "update_end"), reaches=("update_onload", "update", "update_end"),
+               runs="update"),
+    SwitchCall(f"{WORKER}.save_checkpoint", "verl.megatron_worker.save_checkpoint_onload",
+               steps=("save_checkpoint:in", "save_checkpoint:out"), excursion=("train_params", "optimizer")),
+    SwitchCall(f"{WORKER}.load_checkpoint", "verl.megatron_worker.load_checkpoint_onload",
+               steps=("load_checkpoint:in", "load_checkpoint:out"), excursion=("train_params", "optimizer")),
+)
+
+
+def switch_call(name: str) -> SwitchCall:
+    """The row of ``CALLS`` named ``name``."""
+    for row in CALLS:
+        if row.name == name:
+            return row
+    raise ScheduleError(f"no switch call {name!r}; the calls are {[c.name for c in CALLS]}")
+
+
+def excursion_name(row: SwitchCall) -> str:
+    """The prefix of an excursion's ledger entries: the method's name (``compute_log_prob:in``)."""
+    return row.name.rsplit(".", 1)[-1]
+
+
+def calls_inside(outer: str, steps: Sequence[StepSpec] | None = None) -> list[SwitchCall]:
+    """The rows ``outer`` makes, in the loop's order (by the first step each reaches)."""
+    names = [s.name for s in (steps if steps is not None else our_steps())]
+    rows = [c for c in CALLS if c.inside == outer]
+    return sorted(rows, key=lambda c: names.index(c.reaches[0]))
+
+
+def calls_markdown() -> str:
+    """``CALLS`` as the table docs/DESIGN.md shows (tests/offload/test_switch_calls.py checks it)."""
+    out = ["| verl 0.4.1's call | patch | reaches (its call in bold) | steps run in the trainer's order |",
+           "|---|---|---|---|"]
+    for c in CALLS:
+        if c.excursion:
+            reach = "excursion: " + ", ".join(f"`{r}`" for r in c.excursion) + " to the device and back"
+        else:
+            reach = ", ".join(f"**`{s}`**" if s == c.runs else f"`{s}`" for s in c.reaches)
+            if c.begins_rollout:
+                reach = "begins the rollout segment" + (", then " + reach if reach else "")
+        name = f"`{c.name}`" + (f" (in `{c.inside}`)" if c.inside else "")
+        ran = ", ".join(f"`{s}`" for s in c.steps) or "nothing"
+        out.append(f"| {name} | `{c.patch}` | {reach or 'nothing'} | {ran} |")
+    return "\n".join(out) + "\n"
+
 
 def _passed(*_args: Any) -> None:
     """The hook of a call step that verl's own body ran."""
 
 
-class LiveSwitch(SwitchSchedule):
+class LiveSwitch:
     """``our_steps()`` over the groups of the attached memory objects (each has ``groups()``:
-    role -> OffloadGroup, and ``engine``); see the module docstring for the rules."""
+    role -> OffloadGroup, and ``engine``), run through a StepRunner; see the module docstring for the
+    rules. The loop owns the process's offload engine: given here, else the first attached memory's,
+    else made by the first ``offload_engine()``."""
 
     def __init__(self, *, keep_grads: bool = False, empty_cache: bool = True,
-                 steps: Sequence[StepSpec] | None = None) -> None:
-        # SwitchSchedule's fields, set here: the groups are the members' (a property), not a mapping given once.
+                 steps: Sequence[StepSpec] | None = None, engine: Any = None) -> None:
         self.steps = tuple(steps if steps is not None else our_steps(keep_grads=keep_grads, empty_cache=empty_cache))
-        self.name, self.hooks, self.ledger = "live", {}, MemoryLedger()
-        self.initial, self.prepared = dict(OUR_INITIAL), True
-        self.measure_device = accelerator.device_type() != "cpu"
+        self.initial = dict(OUR_INITIAL)
         self.keep_grads = keep_grads
         self.members: list[Any] = []
-        self.engine: Any = None
+        self.engine: Any = engine
+        # Peaks since the previous entry's end: verl's work between two reached steps counts in the next.
+        self.runner = StepRunner(lambda: self.groups, name="live", peaks="since_previous")
         self._names = [s.name for s in self.steps]
         self._restart()
 
@@ -83,28 +185,65 @@ class LiveSwitch(SwitchSchedule):
         # Where an update ends: update_end has run.
         self.index, self.iteration, self.started = self._at("update_end") + 1, 0, False
 
-    def _measure_begin(self) -> None:
-        """Nothing: the peaks run from the previous entry's end (verl's work between steps counts)."""
-
-    def _measure_end(self) -> tuple[int | None, int | None, int | None]:
-        out = super()._measure_end()
-        if self.measure_device:
-            accelerator.reset_peak_memory_stats()
-        return out
+    # -- the runner's ------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.runner.name
 
     @property
-    def groups(self) -> dict[str, OffloadGroup]:  # type: ignore[override]
+    def ledger(self) -> MemoryLedger:
+        return self.runner.ledger
+
+    @property
+    def measure_device(self) -> bool:
+        return self.runner.measure_device
+
+    @measure_device.setter
+    def measure_device(self, on: bool) -> None:
+        self.runner.measure_device = on
+
+    # -- introspection -----------------------------------------------------------------------
+    @property
+    def groups(self) -> dict[str, OffloadGroup]:
+        """Role -> group over every attached memory object."""
         out: dict[str, OffloadGroup] = {}
         for m in self.members:
             out.update(m.groups())
         return out
+
+    @property
+    def state(self) -> str:
+        """Name of the step that runs next."""
+        return self.steps[self.index].name
+
+    @property
+    def step_names(self) -> list[str]:
+        return list(self._names)
+
+    def locations(self) -> dict[str, Location]:
+        return self.runner.locations()
+
+    def resident(self) -> dict[str, int]:
+        return self.runner.resident()
 
     def _at(self, step: str) -> int:
         if step not in self._names:
             raise ScheduleError(f"the switch loop has no step {step!r}; its steps: {self._names}")
         return self._names.index(step)
 
+    def _run(self, spec: StepSpec, hooks: dict[str, Callable]) -> LedgerEntry:
+        return self.runner.run(spec, hooks, self.iteration)
+
     # -- memory objects ------------------------------------------------------------------
+    def offload_engine(self) -> Any:
+        """The process's one OffloadEngine: the training groups and the rollout engine's share its host
+        pool and its storage registry (one storage, one owner, one host copy). Made on first use."""
+        if self.engine is None:
+            from verl_patches.offload.pool import OffloadEngine
+
+            self.engine = OffloadEngine()
+        return self.engine
+
     def attach(self, memory: Any) -> None:
         """Put ``memory``'s groups under the loop, where the steps so far leave them. The host
         buffers the steps copy into are reserved first, in one check (HostMemoryError before
@@ -123,7 +262,7 @@ class LiveSwitch(SwitchSchedule):
         if self.engine is not None and engine is not None and engine is not self.engine:
             # One pool: its host-memory check must see every buffer at once.
             raise ScheduleError(f"{type(memory).__name__} uses another offload engine than the switch's; use "
-                                "verl_patches.rollout.engine_memory.shared_offload_engine()")
+                                "the switch loop's own, verl_patches.offload.live.live_switch().offload_engine()")
         copied = {a.target for s in self.steps for a in s.actions if a.kind in ("offload", "onload")}
         copied = sorted(r for r in mine if r in copied)
         if engine is not None and copied:
@@ -139,13 +278,35 @@ class LiveSwitch(SwitchSchedule):
             self._run(StepSpec(f"attach:{type(memory).__name__}", place), {})
 
     def detach(self, memory: Any) -> None:
-        """Take ``memory`` out (it is being closed); with nothing left the loop starts over."""
+        """Take ``memory`` out (it is being closed); with nothing left the loop starts over (on the
+        same engine: it is the process's)."""
         self.members = [m for m in self.members if m is not memory]
         if not self.members:
-            self.engine = None
             self._restart()
 
     # -- verl's calls ----------------------------------------------------------------------
+    def run_call(self, name: str, body: Callable[[], Any] | None = None) -> Any:
+        """What the wrapper of ``CALLS`` row ``name`` does around verl's ``body`` (if given): an
+        excursion around it, or (re)start the rollout segment, reach the row's steps in order and run
+        ``body`` as its ``runs`` step. Returns what ``body`` returns (None without one)."""
+        row = switch_call(name)
+        if row.excursion:
+            with self.excursion(excursion_name(row), row.excursion):
+                return None if body is None else body()
+        if row.begins_rollout:
+            self.begin_rollout(row.name)
+        out = None
+        for step in row.reaches:
+            if step == row.runs:
+                if body is None:
+                    raise ScheduleError(f"switch call {row.name!r} runs verl's body as step {step!r}: pass it")
+                out = self.call(step, body, row.name)
+            else:
+                self.reach(step, row.name)
+        if body is not None and not row.runs:
+            out = body()
+        return out
+
     def _effective(self, spec: StepSpec, hooks: dict[str, Callable]) -> bool:
         calls = {a.target for a in spec.actions if a.kind == "call"}
         return bool(calls & set(hooks)) or bool(step_roles(spec) & set(self.groups))
@@ -169,7 +330,7 @@ class LiveSwitch(SwitchSchedule):
         if self._effective(spec, hooks):
             passed = {a.target: _passed for a in spec.actions if a.kind == "call" and a.target not in hooks}
             hooks = {**hooks, **passed}
-            self._check(spec, hooks)
+            self.runner.check(spec, hooks)
             entry = self._run(spec, hooks)
         self.index += 1
         if self.index == len(self.steps):
@@ -258,4 +419,6 @@ def reset_live_switch() -> LiveSwitch:
     return _LIVE
 
 
-__all__ = ["LiveSwitch", "REENTRY", "ROLLOUT_SEGMENT", "VERL_RUNS", "live_switch", "reset_live_switch"]
+__all__ = ["CALLS", "LiveSwitch", "REENTRY", "ROLLOUT_SEGMENT", "SHARDING_ENTER", "SwitchCall", "VERL_RUNS",
+           "WAKE_TAGS", "WEIGHT_SYNC", "WORKER", "calls_inside", "calls_markdown", "live_switch",
+           "reset_live_switch", "switch_call", "wake_call"]

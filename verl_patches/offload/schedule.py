@@ -5,7 +5,7 @@ upstream verl 0.4.1's order as a baseline run by the same machine and the same l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from verl_patches import accelerator
@@ -156,9 +156,134 @@ def locations_after(steps: Sequence[StepSpec], initial: Mapping[str, Location], 
     return where
 
 
-@dataclass
+class StepRunner:
+    """Runs one step's actions on the groups and records the step in the ledger: the one place a switch
+    step moves memory. Shared, by composition, by SwitchSchedule (a fixed set of groups, one
+    ``advance()`` per step: the preflight, the benchmarks) and verl_patches.offload.live.LiveSwitch (the
+    process's loop over the memory objects attached to it, driven by verl's calls).
+
+    ``groups`` is called for the role -> group mapping at each use (a fixed mapping, or the attached
+    members'). ``peaks``: ``"step"`` resets the device's peak statistics when a step starts, so an
+    entry's peaks are its own actions'; ``"since_previous"`` resets them when an entry ends, so an
+    entry's peaks also cover the work that ran between the previous entry and it (verl's own, between
+    two reached steps). ``measure_device``: allocator statistics per entry (default: off on CPU).
+    """
+
+    PEAKS = ("step", "since_previous")
+
+    def __init__(self, groups: Callable[[], Mapping[str, OffloadGroup]], *, name: str,
+                 ledger: MemoryLedger | None = None, measure_device: bool | None = None,
+                 peaks: str = "step") -> None:
+        if peaks not in self.PEAKS:
+            raise ScheduleError(f"step runner {name!r}: peaks={peaks!r}; expected one of {self.PEAKS}")
+        self._groups = groups
+        self.name = name
+        self.ledger = ledger if ledger is not None else MemoryLedger()
+        self.measure_device = accelerator.device_type() != "cpu" if measure_device is None else measure_device
+        self.peaks = peaks
+
+    @property
+    def groups(self) -> Mapping[str, OffloadGroup]:
+        return self._groups()
+
+    def locations(self) -> dict[str, Location]:
+        return {r: g.location for r, g in self.groups.items()}
+
+    def resident(self) -> dict[str, int]:
+        return {r: g.device_bytes() for r, g in self.groups.items()}
+
+    def check(self, spec: StepSpec, hooks: Mapping[str, Callable]) -> None:
+        """Every call of ``spec`` has its hook, every required group is where ``spec`` needs it."""
+        groups = self.groups
+        for a in spec.actions:
+            if a.kind == "call" and a.target not in hooks:
+                raise ScheduleError(f"schedule {self.name!r}, step {spec.name!r}: hook {a.target!r} not given "
+                                    f"(pass it to advance()/run_iteration() or to hooks=)")
+        for role, loc in spec.requires:
+            g = groups.get(role)
+            if g is not None and g.location is not loc:
+                raise ScheduleError(f"schedule {self.name!r}, step {spec.name!r}: group {role!r} must be "
+                                    f"{loc.value}, is {g.location.value}")
+
+    def _do(self, a: Action, hooks: Mapping[str, Callable]) -> tuple[int, int]:
+        groups = self.groups
+        if a.kind == "call":
+            fn = hooks[a.target]
+            if a.target == "reshard":
+                fn(groups.get("train_params"), groups.get("rollout_weights"))
+            else:
+                fn()
+            return 0, 0
+        if a.kind == "empty_cache":
+            accelerator.empty_cache()
+            return 0, 0
+        g = groups.get(a.target)
+        if g is None:
+            return 0, 0
+        if a.kind == "offload":
+            return 0, (g.offload(force_copy=True) if a.force_copy else g.offload())
+        if a.kind == "onload":
+            return g.onload(), 0
+        if a.kind == "release":
+            return 0, g.release()
+        if a.kind == "allocate":
+            return g.allocate(a.zero), 0
+        raise ScheduleError(f"unknown action {a}")
+
+    def _measure_begin(self) -> None:
+        """A step's allocator statistics start here (``peaks="step"``: the peak of the step's own actions)."""
+        if self.measure_device and self.peaks == "step":
+            accelerator.synchronize()
+            accelerator.reset_peak_memory_stats()
+
+    def _measure_end(self) -> tuple[int | None, int | None, int | None]:
+        """(allocated now, allocated peak, reserved peak) of the device; Nones when not measured. With
+        ``peaks="since_previous"`` the next entry's peaks start here."""
+        if not self.measure_device:
+            return None, None, None
+        accelerator.synchronize()
+        out = accelerator.memory_allocated(), accelerator.max_memory_allocated(), accelerator.max_memory_reserved()
+        if self.peaks == "since_previous":
+            accelerator.reset_peak_memory_stats()
+        return out
+
+    def run(self, spec: StepSpec, hooks: Mapping[str, Callable], iteration: int) -> LedgerEntry:
+        """Run one step's actions and record them; on failure record the true residency and re-raise."""
+        self._measure_begin()
+        t0 = time.perf_counter()
+        res = self.resident()
+        peak, peak_res = sum(res.values()), res
+        h2d = d2h = 0
+        error: BaseException | None = None
+        try:
+            for a in spec.actions:
+                up, down = self._do(a, hooks)
+                h2d, d2h = h2d + up, d2h + down
+                res = self.resident()
+                if sum(res.values()) > peak:
+                    peak, peak_res = sum(res.values()), res
+        except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
+            error = exc
+        measured, measured_peak, reserved_peak = self._measure_end()
+        res = self.resident()
+        entry = LedgerEntry(schedule=self.name, iteration=iteration, step=spec.name, resident=res,
+                            total=sum(res.values()), step_peak=max(peak, sum(res.values())),
+                            step_peak_resident=peak_res, h2d_bytes=h2d, d2h_bytes=d2h,
+                            seconds=time.perf_counter() - t0, measured_allocated=measured,
+                            measured_peak=measured_peak, measured_reserved_peak=reserved_peak,
+                            error=None if error is None else f"{type(error).__name__}: {error}")
+        self.ledger.record(entry)
+        if error is not None:
+            error.add_note(f"switch schedule {self.name!r}: step {spec.name!r} failed and was not "
+                           f"completed; groups: {({r: l.value for r, l in self.locations().items()})}; "
+                           "advance() retries it")
+            raise error
+        return entry
+
+
 class SwitchSchedule:
-    """Runs ``steps`` in order, one ``advance()`` per step, wrapping around per iteration.
+    """Runs ``steps`` in order over a fixed set of groups, one ``advance()`` per step, wrapping around
+    per iteration; each step through a StepRunner (shared with the live loop).
 
     Before the first step ``prepare()`` reserves every host buffer the steps can need
     (HostMemoryError, naming needed and available bytes, before anything moves) and puts the
@@ -168,31 +293,43 @@ class SwitchSchedule:
     actions are all-or-nothing and idempotent), and ``advance()`` retries the step.
     """
 
-    groups: Mapping[str, OffloadGroup]
-    steps: Sequence[StepSpec] = field(default_factory=our_steps)
-    name: str = "ours"
-    hooks: dict[str, Callable] = field(default_factory=dict)
-    ledger: MemoryLedger = field(default_factory=MemoryLedger)
-    initial: Mapping[str, Location] = field(default_factory=lambda: dict(OUR_INITIAL))
-    measure_device: bool | None = None  # allocator statistics per step (default: off on CPU)
-    index: int = 0
-    iteration: int = 0
-    prepared: bool = False
-
-    def __post_init__(self) -> None:
+    def __init__(self, groups: Mapping[str, OffloadGroup], steps: Sequence[StepSpec] | None = None,
+                 name: str = "ours", hooks: dict[str, Callable] | None = None, ledger: MemoryLedger | None = None,
+                 initial: Mapping[str, Location] | None = None, measure_device: bool | None = None,
+                 index: int = 0, iteration: int = 0, prepared: bool = False) -> None:
+        self.groups = groups
+        self.steps = tuple(our_steps() if steps is None else steps)
+        self.hooks = dict(hooks or {})
+        self.initial = dict(OUR_INITIAL) if initial is None else initial
+        self.index, self.iteration, self.prepared = index, iteration, prepared
         unknown = set(self.groups) - set(ROLES)
         if unknown:
-            raise ScheduleError(f"schedule {self.name!r}: unknown group roles {sorted(unknown)}; roles are {ROLES}")
+            raise ScheduleError(f"schedule {name!r}: unknown group roles {sorted(unknown)}; roles are {ROLES}")
         missing = [r for r in REQUIRED_ROLES if r not in self.groups]
         if missing:
-            raise ScheduleError(f"schedule {self.name!r}: missing required groups {missing}")
+            raise ScheduleError(f"schedule {name!r}: missing required groups {missing}")
         engines = {id(g.engine) for g in self.groups.values() if getattr(g, "engine", None) is not None}
         if len(engines) > 1:
             # One pool per schedule: the host-memory check must see every buffer at once.
-            raise ScheduleError(f"schedule {self.name!r}: groups use {len(engines)} offload engines; use one")
-        if self.measure_device is None:
-            self.measure_device = accelerator.device_type() != "cpu"
-        self.steps = tuple(self.steps)
+            raise ScheduleError(f"schedule {name!r}: groups use {len(engines)} offload engines; use one")
+        self.runner = StepRunner(lambda: self.groups, name=name, ledger=ledger, measure_device=measure_device)
+
+    def __repr__(self) -> str:
+        return (f"SwitchSchedule(name={self.name!r}, roles={sorted(self.groups)}, at={self.state!r}, "
+                f"iteration={self.iteration})")
+
+    # -- the runner's ------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.runner.name
+
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self.runner.ledger
+
+    @property
+    def measure_device(self) -> bool:
+        return self.runner.measure_device
 
     # -- introspection -----------------------------------------------------------------
     @property
@@ -205,10 +342,10 @@ class SwitchSchedule:
         return [s.name for s in self.steps]
 
     def locations(self) -> dict[str, Location]:
-        return {r: g.location for r, g in self.groups.items()}
+        return self.runner.locations()
 
     def resident(self) -> dict[str, int]:
-        return {r: g.device_bytes() for r, g in self.groups.items()}
+        return self.runner.resident()
 
     # -- running -----------------------------------------------------------------------
     def prepare(self) -> None:
@@ -244,99 +381,18 @@ class SwitchSchedule:
                 return eng.pool
         return None
 
-    def _check(self, spec: StepSpec, hooks: Mapping[str, Callable]) -> None:
-        for a in spec.actions:
-            if a.kind == "call" and a.target not in hooks:
-                raise ScheduleError(f"schedule {self.name!r}, step {spec.name!r}: hook {a.target!r} not given "
-                                    f"(pass it to advance()/run_iteration() or to hooks=)")
-        for role, loc in spec.requires:
-            g = self.groups.get(role)
-            if g is not None and g.location is not loc:
-                raise ScheduleError(f"schedule {self.name!r}, step {spec.name!r}: group {role!r} must be "
-                                    f"{loc.value}, is {g.location.value}")
-
-    def _do(self, a: Action, hooks: Mapping[str, Callable]) -> tuple[int, int]:
-        if a.kind == "call":
-            fn = hooks[a.target]
-            if a.target == "reshard":
-                fn(self.groups.get("train_params"), self.groups.get("rollout_weights"))
-            else:
-                fn()
-            return 0, 0
-        if a.kind == "empty_cache":
-            accelerator.empty_cache()
-            return 0, 0
-        g = self.groups.get(a.target)
-        if g is None:
-            return 0, 0
-        if a.kind == "offload":
-            return 0, (g.offload(force_copy=True) if a.force_copy else g.offload())
-        if a.kind == "onload":
-            return g.onload(), 0
-        if a.kind == "release":
-            return 0, g.release()
-        if a.kind == "allocate":
-            return g.allocate(a.zero), 0
-        raise ScheduleError(f"unknown action {a}")
-
     def advance(self, **hooks: Callable) -> LedgerEntry:
         """Run the next step; return its ledger entry. On failure: record, stay, re-raise."""
         if not self.prepared:
             self.prepare()
         spec = self.steps[self.index]
         all_hooks = {**self.hooks, **hooks}
-        self._check(spec, all_hooks)
-        entry = self._run(spec, all_hooks)
+        self.runner.check(spec, all_hooks)
+        entry = self.runner.run(spec, all_hooks, self.iteration)
         self.index += 1
         if self.index == len(self.steps):
             self.index = 0
             self.iteration += 1
-        return entry
-
-    def _measure_begin(self) -> None:
-        """A step's allocator statistics start from here (the peak of the step's own actions)."""
-        if self.measure_device:
-            accelerator.synchronize()
-            accelerator.reset_peak_memory_stats()
-
-    def _measure_end(self) -> tuple[int | None, int | None, int | None]:
-        """(allocated now, allocated peak, reserved peak) of the device; Nones when not measured."""
-        if not self.measure_device:
-            return None, None, None
-        accelerator.synchronize()
-        return accelerator.memory_allocated(), accelerator.max_memory_allocated(), accelerator.max_memory_reserved()
-
-    def _run(self, spec: StepSpec, hooks: Mapping[str, Callable]) -> LedgerEntry:
-        """Run one step's actions and record them; on failure record the true residency and re-raise."""
-        self._measure_begin()
-        t0 = time.perf_counter()
-        res = self.resident()
-        peak, peak_res = sum(res.values()), res
-        h2d = d2h = 0
-        error: BaseException | None = None
-        try:
-            for a in spec.actions:
-                up, down = self._do(a, hooks)
-                h2d, d2h = h2d + up, d2h + down
-                res = self.resident()
-                if sum(res.values()) > peak:
-                    peak, peak_res = sum(res.values()), res
-        except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
-            error = exc
-        measured, measured_peak, reserved_peak = self._measure_end()
-        res = self.resident()
-        entry = LedgerEntry(schedule=self.name, iteration=self.iteration, step=spec.name, resident=res,
-                            total=sum(res.values()), step_peak=max(peak, sum(res.values())),
-                            step_peak_resident=peak_res, h2d_bytes=h2d, d2h_bytes=d2h,
-                            seconds=time.perf_counter() - t0, measured_allocated=measured,
-                            measured_peak=measured_peak, measured_reserved_peak=reserved_peak,
-                            error=None if error is None else f"{type(error).__name__}: {error}")
-        self.ledger.record(entry)
-        if error is not None:
-            error.add_note(f"switch schedule {self.name!r}: step {spec.name!r} failed and was not "
-                           f"completed; groups: {({r: l.value for r, l in self.locations().items()})}; "
-                           "advance() retries it")
-            raise error
         return entry
 
     def run_until(self, step: str, **hooks: Callable) -> list[LedgerEntry]:

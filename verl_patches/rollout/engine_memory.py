@@ -1,43 +1,21 @@
-"""The rollout engine's memory actions: onload / offload weights, init / free KV cache, on the offload engine.
+"""The rollout engine's memory: its weights and KV cache as groups on the process's offload engine.
 
 One in-process vLLM engine per rollout worker. Eager mode: weights are a TensorGroup (storages
 resized to zero and back, so vLLM's parameters keep their identity); the KV cache is a
 CallbackGroup whose owner is vLLM (verl_patches.rollout.kv_cache frees and re-creates it from the
 kept configs). Graph mode: the engine was built inside address-stable regions
 (verl_patches.rollout.graph_safe); weights (with MLA's derived tensors) and KV cache are
-TensorGroups over those regions, released and mapped again at the same addresses.
+TensorGroups over those regions, released and mapped again at the same addresses. The groups move
+only under the process's switch loop (verl_patches/offload/live.py), which owns the offload engine.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
 from verl_patches.offload import (CallbackGroup, HookedGroup, OffloadEngine, OffloadGroup, kv_cache_group,
                                   rollout_weights_group)
 from verl_patches.rollout import kv_cache
-
-_SHARED: Optional[OffloadEngine] = None
-
-
-def shared_offload_engine() -> OffloadEngine:
-    """The process's one OffloadEngine: the rollout's groups and the training groups share its
-    host pool and its storage registry (one storage, one owner, one host copy)."""
-    global _SHARED
-    if _SHARED is None:
-        _SHARED = OffloadEngine()
-    return _SHARED
-
-
-class RolloutMemoryActions(Protocol):
-    """What the switch schedule calls on a rollout (docs/RECIPE.md item 2): each is idempotent."""
-
-    def onload_model_weights(self) -> int: ...
-
-    def offload_model_weights(self) -> int: ...
-
-    def init_cache_engine(self) -> int: ...
-
-    def free_cache_engine(self) -> int: ...
 
 
 def _model_of(worker: Any) -> Any:
@@ -59,17 +37,21 @@ def _worker_of(worker: Any) -> Any:
 
 
 class VllmEngineMemory:
-    """RolloutMemoryActions for a ``vllm.LLM`` built in-process, backed by the offload engine.
+    """The memory of a ``vllm.LLM`` built in-process, on the switch loop's offload engine.
 
     The weights are never copied: after each update the reshard writes every rollout weight, so
     releasing them frees memory and allocating gives empty storage for the reshard to fill. The
     groups carry the engine's side effects (HookedGroup), so the switch loop
-    (verl_patches.offload.live), which moves them by role, and these methods do the same thing.
+    (verl_patches.offload.live), which moves them by role, runs them.
     """
 
     def __init__(self, llm: Any, engine: Optional[OffloadEngine] = None, *, name: str = "rollout") -> None:
         self.core = kv_cache.engine_core_of(llm)
-        self.engine = engine or shared_offload_engine()
+        if engine is None:
+            from verl_patches.offload.live import live_switch
+
+            engine = live_switch().offload_engine()
+        self.engine = engine
         executor = self.core.model_executor
         (model,) = executor.collective_rpc(_model_of)  # one worker per engine in verl's SPMD layout
         (self.stable,) = executor.collective_rpc(_stable_build_of)
@@ -100,7 +82,7 @@ class VllmEngineMemory:
                 before={"release": lambda: release_mla_derived(self._model)})
             self.kv = CallbackGroup(f"{name}_kv_cache", allocate_fn=self._allocate_kv, release_fn=self._release_kv)
             # vLLM allocated the cache while building the engine; a CallbackGroup starts released,
-            # so free it now: the first init_cache_engine re-creates it (before the first generation).
+            # so free it now: the loop's init_kv_cache re-creates it (before the first generation).
             kv_cache.free_kv_cache(self.core)
         else:
             self._build_stable_groups(name)
@@ -151,16 +133,3 @@ class VllmEngineMemory:
         self.kv = HookedGroup(kv, before={"allocate": self.weights.check_addresses,
                                           "release": lambda: kv_cache.reset_prefix_cache(self.core)})
         self.kv.release()
-
-    # In graph mode the groups check every watched address after mapping (AddressMovedError).
-    def onload_model_weights(self) -> int:
-        return self.weights.allocate()
-
-    def offload_model_weights(self) -> int:
-        return self.weights.release()
-
-    def init_cache_engine(self) -> int:
-        return self.kv.allocate()
-
-    def free_cache_engine(self) -> int:
-        return self.kv.release()

@@ -346,15 +346,14 @@ def actor_cycle(ids: list[str]) -> dict:
 def ddp_round_trip() -> dict:
     """ActorMemory on a real DDP chunk under a switch loop that keeps (copies) the grads too: bytes
     and the views DDP holds."""
-    from verl_patches.offload.live import LiveSwitch
+    from verl_patches.offload.live import LiveSwitch, live_switch
     from verl_patches.offload.megatron_memory import ActorMemory, megatron_buffers
-    from verl_patches.rollout.engine_memory import shared_offload_engine
 
     _, modules, optimizer = _actor(3)
     _train_step(modules, optimizer, 1)
     for b in megatron_buffers(modules[0]):
         b.grad_data.copy_(torch.randn(b.grad_data.shape, generator=torch.Generator().manual_seed(5)))
-    memory = ActorMemory(modules, optimizer, engine=shared_offload_engine(), keep_grads=True)
+    memory = ActorMemory(modules, optimizer, engine=live_switch().offload_engine(), keep_grads=True)
     buffers = megatron_buffers(modules[0])
     state = [v for st in optimizer.optimizer.state.values() for v in st.values() if v.dim() > 0]
     want = (_snap(b.param_data for b in buffers), _snap(b.grad_data for b in buffers), _snap(state),
@@ -543,12 +542,10 @@ def run_all(rank: int, world: int) -> dict:
     _setup()
     from verl_patches.core import apply as ap
     from verl_patches.offload.live import reset_live_switch
-    from verl_patches.rollout import engine_memory
 
     results = {}
     for name, fn in SCENARIOS.items():
-        engine_memory._SHARED = None  # a fresh process engine per scenario (each builds its own models)
-        reset_live_switch()  # and a fresh switch loop
+        reset_live_switch()  # a fresh switch loop, with a fresh process engine (each builds its own models)
         try:
             results[name] = fn()
         except Exception:  # noqa: BLE001 - reported to the test, which names the scenario

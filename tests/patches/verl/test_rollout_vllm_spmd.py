@@ -19,7 +19,6 @@ from verl_patches.core import stash
 import torch.distributed as dist
 
 from verl_patches.core.apply import apply_all, undo
-from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import MEMORY_METHODS
 from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import PATCHES as ROLLOUT
 from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
@@ -168,29 +167,31 @@ def test_recipe_engine_from_yaml(model_dir, world, env, recorder):
     assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens) == (16, 0.9, 0.9, 50, 3072)
     assert rollout.inference_engine.slept is None  # no sleep mode: the offload engine freed memory
 
-    # The switch, as the schedule drives it: weights and KV cache come and go for real.
+    # The switch, as the loop drives it (the rows of the engine's wake_up and sleep, which verl's
+    # sharding manager calls): weights and KV cache come and go for real.
+    from verl_patches.offload.live import live_switch, wake_call
+
+    switch = live_switch()
     worker = stash.get(rollout, "engine_memory").core.model_executor.worker
     full = sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
     buffer = worker.model_runner.model.cos_sin_cache
     assert buffer.tolist() == list(range(32))  # built once, rewritten by nobody: must never be freed
     assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
     for _ in range(2):
-        rollout.onload_model_weights()
+        switch.run_call(wake_call("weights"))
         assert _weights_bytes(rollout) == full
-        rollout.init_cache_engine()
+        switch.run_call(wake_call("kv_cache"))
         assert len(worker.model_runner.kv_caches) == len(standins.LAYERS)
         assert all(t.numel() > 0 for t in worker.model_runner.kv_caches)
-        rollout.free_cache_engine()
-        rollout.offload_model_weights()
+        switch.run_call("LLM.sleep")
         assert _weights_bytes(rollout) == 0 and worker.model_runner.kv_caches == []
         assert buffer.tolist() == list(range(32))
-    assert all(callable(getattr(rollout, m)) for m in MEMORY_METHODS)
     from verl_patches.offload.schedule import ROLES
-    from verl_patches.rollout.engine_memory import shared_offload_engine
 
-    # The switch schedule can drive the same groups, on the process's shared offload engine.
+    # The groups are the loop's, on the loop's own offload engine.
     assert set(stash.get(rollout, "engine_memory").groups()) <= set(ROLES)
-    assert stash.get(rollout, "engine_memory").engine is shared_offload_engine()
+    assert any(m is stash.get(rollout, "engine_memory") for m in switch.members)
+    assert stash.get(rollout, "engine_memory").engine is switch.offload_engine()
     # verl's sharding manager reaches the same methods through the engine's sleep / wake_up.
     assert getattr(rollout.inference_engine, MEMORY_ATTR) is stash.get(rollout, "engine_memory")
     stash.get(rollout, "engine_memory").close()  # one rollout per process on the cluster; tests build several
@@ -207,7 +208,7 @@ def test_recipe_flags_off_keep_upstream_memory_behaviour(model_dir, world, env, 
         undo()
     (kw,) = recorder.built
     assert kw["enable_sleep_mode"] is True and rollout.inference_engine.slept == 1
-    assert not any(hasattr(rollout, m) for m in MEMORY_METHODS)
+    assert stash.get(rollout, "engine_memory") is None
     assert not hasattr(rollout.inference_engine, MEMORY_ATTR)
     assert os.environ[FLAG_ENV] == "0"
 

@@ -56,7 +56,7 @@ def _llm(model_dir, attach: bool):
     if attach:
         attach_engine_memory(llm, memory)  # the weights are released where the switch loop starts
     else:
-        memory.offload_model_weights()
+        memory.weights.release()  # what the loop's start does to an attached engine
     return llm, memory
 
 

@@ -2,25 +2,22 @@
 verl 0.4.1 offloads params *and* grads at the end of update_actor and its sharding manager loads both back
 for the reshard (load_megatron_model_to_gpu(load_grad=True)), then offloads them again: the params cross
 the link twice per step and the grads are allocated for nothing. Ours is one loop, offload/schedule.py's
-``our_steps()``, run on the live groups by verl_patches/offload/live.py; each wrapper here only says
-which step verl's call reaches (the table is in live.py's docstring):
+``our_steps()``, run on the live groups by verl_patches/offload/live.py; each wrapper here runs its row of
+live.py's ``CALLS`` (the call -> step table, rendered in docs/DESIGN.md section 3):
 - init_model: verl's own param/grad/optimizer/ref offload flags are turned off (both would move the same
   tensors; verl's ref offload also replaces param.data under our groups); ActorMemory and ReferenceMemory
-  (offload/megatron_memory.py, on the process's one offload engine) are attached to the loop, which puts
+  (offload/megatron_memory.py, on the switch loop's offload engine) are attached to the loop, which puts
   them where an update ends (grads released, optimizer state and reference on host); the actor's memory
   is stashed on the sharding manager (verl_patches/core/stash.py), which tells it to run under the loop.
-- update_actor: reaches update_onload (params, zeroed grads, optimizer state), runs as the update step,
-  reaches update_end (grads released, optimizer state offloaded; not with MindSpeed's swap optimizer,
-  recipe.megatron.swap_optimizer with MindSpeed loaded, which moves its own; the params stay for the reshard).
+- update_actor: the optimizer state is the loop's to move unless MindSpeed's swap optimizer
+  (recipe.megatron.swap_optimizer with MindSpeed loaded) moves its own; the params stay on the device
+  after the update, for the reshard.
 - init_model, always: megatron-core's optimizer offload (actor.optim.optimizer_cpu_offload, patch
   verl.optim.cpu_offload) together with recipe.megatron.swap_optimizer is refused (OptimizerOffloadError).
   With the optimizer on the host the actor's optimizer group holds only what stays on the device (none at
   fraction 1.0), so the loop never moves the host copies.
-- generate_sequences: begins the rollout segment; the sharding manager reaches the reshard and
-  offload_train_params (patch_workers_sharding_manager_megatron_vllm.py), the engine's wake_up / sleep
-  the rollout steps; leaving, it reaches release_rollout_weights, so a sharding manager that did not
-  reach a step still has it run, in order.
-- compute_ref_log_prob: ref_onload, ref_forward (the call), ref_offload (a free: the host copy is exact).
+- generate_sequences: the sharding manager and the engine's wake_up / sleep reach the rollout steps
+  inside it; leaving, it reaches the segment's end, so a step nobody reached still runs, in order.
 - compute_log_prob / save_checkpoint / load_checkpoint: excursions; what they read comes to the device
   and goes back where the loop had it.
 """
@@ -67,19 +64,19 @@ def swap_optimizer_active(config: Any) -> bool:
 
 
 # -- the switch loop ----------------------------------------------------------------------------
-# Each wrapper says which step of the loop verl's call reaches (verl_patches/offload/live.py);
-# the order itself is offload/schedule.py:our_steps.
-
-def _engine():
-    from verl_patches.rollout.engine_memory import shared_offload_engine
-
-    return shared_offload_engine()
-
+# Each wrapper runs its row of the call -> step table (verl_patches/offload/live.py:CALLS); the order
+# itself is offload/schedule.py:our_steps.
 
 def _switch():
     from verl_patches.offload.live import live_switch
 
     return live_switch()
+
+
+def _row(method: str) -> str:
+    from verl_patches.offload.live import WORKER
+
+    return f"{WORKER}.{method}"
 
 
 def check_optimizer_offload(config: Any) -> None:
@@ -118,14 +115,15 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
         # the reference copied to host once.
         if self._is_actor:
             swap = swap_optimizer_active(self.config)
-            actor = ActorMemory(self.actor_module, None if swap else self.actor_optimizer, engine=_engine())
+            actor = ActorMemory(self.actor_module, None if swap else self.actor_optimizer,
+                                engine=_switch().offload_engine())
             stash.put(self, "actor_memory", actor)
             sharding_manager = getattr(self, "sharding_manager", None)
             if sharding_manager is not None:
                 stash.put(sharding_manager, "actor_memory", actor)
             _switch().attach(actor)
         if self._is_ref:
-            ref = ReferenceMemory(self.ref_module, engine=_engine())
+            ref = ReferenceMemory(self.ref_module, engine=_switch().offload_engine())
             stash.put(self, "ref_memory", ref)
             _switch().attach(ref)
         _empty_cache()
@@ -145,10 +143,7 @@ def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any
     def update_actor(self, data):
         if stash.get(self, "actor_memory") is None:
             return original(self, data)
-        switch = _switch()
-        switch.reach("update_onload", "update_actor")
-        out = switch.call("update", lambda: original(self, data), "update_actor")
-        switch.reach("update_end", "update_actor")
+        out = _switch().run_call(_row("update_actor"), lambda: original(self, data))
         _empty_cache()
         return out
 
@@ -161,10 +156,10 @@ def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..
         if stash.get(self, "actor_memory") is None:
             return original(self, prompts)
         switch = _switch()
-        switch.begin_rollout()
+        switch.run_call(_row("generate_sequences, entering"))
         out = original(self, prompts)
         # Nothing left to do when the sharding manager and the engine's sleep reached every step.
-        switch.reach("release_rollout_weights", "generate_sequences")
+        switch.run_call(_row("generate_sequences, leaving"))
         return out
 
     return generate_sequences
@@ -175,8 +170,7 @@ def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[...,
     def compute_log_prob(self, data):
         if stash.get(self, "actor_memory") is None:
             return original(self, data)
-        with _switch().excursion("compute_log_prob", ("train_params",)):
-            return original(self, data)
+        return _switch().run_call(_row("compute_log_prob"), lambda: original(self, data))
 
     return compute_log_prob
 
@@ -186,11 +180,8 @@ def wrap_compute_ref_log_prob_offload(original: Callable[..., Any]) -> Callable[
     def compute_ref_log_prob(self, data):
         if stash.get(self, "ref_memory") is None:
             return original(self, data)
-        switch = _switch()
-        switch.reach("ref_onload", "compute_ref_log_prob")
-        out = switch.call("ref_forward", lambda: original(self, data), "compute_ref_log_prob")
-        switch.reach("ref_offload", "compute_ref_log_prob")  # read-only: frees, the host copy is still exact
-        return out
+        # ref_offload only frees: the reference is read-only, its host copy still exact.
+        return _switch().run_call(_row("compute_ref_log_prob"), lambda: original(self, data))
 
     return compute_ref_log_prob
 
@@ -200,8 +191,7 @@ def _wrap_checkpoint(original: Callable[..., Any]) -> Callable[..., Any]:
     def checkpoint(self, *args, **kwargs):
         if stash.get(self, "actor_memory") is None:
             return original(self, *args, **kwargs)
-        with _switch().excursion(original.__name__, ("train_params", "optimizer")):
-            return original(self, *args, **kwargs)
+        return _switch().run_call(_row(original.__name__), lambda: original(self, *args, **kwargs))
 
     return checkpoint
 

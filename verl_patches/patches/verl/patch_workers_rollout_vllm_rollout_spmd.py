@@ -1,4 +1,4 @@
-"""verl's vLLM SPMD rollout built the recipe's way: DP domain, expert parallel, no sleep mode, offload methods.
+"""verl's vLLM SPMD rollout built the recipe's way: DP domain, expert parallel, no sleep mode, memory under the switch loop.
 
 Upstream: verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py:vLLMRollout.__init__ builds the
 engine with sleep mode on and puts it to sleep (which frees nothing on multi-node NPU), has no
@@ -13,13 +13,12 @@ scheduler, comes from YAML; same sampling parameters) and adds, in this order:
    flag for the vLLM-side patches;
 2. expert parallel on unless the YAML says otherwise;
 3. max_num_batched_tokens and chunked prefill from YAML, checked only where vLLM needs it;
-4. with recipe.offload (default on): sleep mode off, and onload_model_weights /
-   offload_model_weights / init_cache_engine / free_cache_engine on the rollout, backed by the
-   offload engine (verl_patches.rollout.engine_memory); the KV cache comes back through the
-   configs the engine core keeps (patch vllm.engine_core.keep_kv_cache_configs); the groups are
-   attached to the process's switch loop (verl_patches/offload/live.py), and the engine's
-   sleep / wake_up, which verl's sharding manager calls, reach its steps (patches
-   vllm.llm.sleep_to_offload / wake_up_to_onload).
+4. with recipe.offload (default on): sleep mode off, and the engine's weights and KV cache as
+   groups on the process's offload engine (verl_patches.rollout.engine_memory); the KV cache comes
+   back through the configs the engine core keeps (patch vllm.engine_core.keep_kv_cache_configs); the
+   groups are attached to the process's switch loop (verl_patches/offload/live.py), which alone
+   moves them: the engine's sleep / wake_up, which verl's sharding manager calls, reach its steps
+   (patches vllm.llm.sleep_to_offload / wake_up_to_onload).
 """
 
 from __future__ import annotations
@@ -31,9 +30,6 @@ from typing import Any
 from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-
-MEMORY_METHODS = ("onload_model_weights", "offload_model_weights", "init_cache_engine", "free_cache_engine")
-
 
 def _max_model_len(config: Any, model_hf_config: Any) -> int:
     """The engine's context: rollout.max_model_len, else prompt + response, checked against the model."""
@@ -146,8 +142,6 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
 
         memory = VllmEngineMemory(self.inference_engine)
         stash.put(self, "engine_memory", memory)
-        for name in MEMORY_METHODS:
-            setattr(self, name, getattr(memory, name))
         # Into the process's switch loop, which starts where an update ends: the KV cache and the
         # weights are released now, where upstream would put the engine to sleep. verl's sharding
         # manager then drives the loop through the engine's sleep / wake_up (patches vllm.llm.*).

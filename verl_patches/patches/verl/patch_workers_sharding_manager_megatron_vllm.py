@@ -9,15 +9,15 @@ never redoes vLLM's post-load processing, so MLA's W_UK_T / W_UV (derived from k
 at engine build) stay those of the initial weights.
 
 Ours, for recipe.reshard_method direct (default) or recipe, with the rollout built by patch
-verl.vllm_rollout.recipe_engine (which leaves its settings on the engine), reaching the steps of
-the switch loop (verl_patches/offload/live.py; docs/DESIGN.md section 3, steps 2 to 5):
-  wake the weights (step alloc_rollout_weights, through patch vllm.llm.wake_up_to_onload: an
-  allocation, no copy), reshard from the actor's live parameters into them and redo MLA's
-  post-load processing (the reshard step's call; verl_patches.reshard.binding: one plan for the
-  run, every byte once), offload the training params (step offload_train_params; without the
-  worker's loop, verl's own offload when param_offload is on), then wake the KV cache (step
-  init_kv_cache: created now that the training params left) and swap the RNG state as upstream
-  does. __exit__ is upstream's: sleep(level=1), which reaches release_rollout_weights.
+verl.vllm_rollout.recipe_engine (which leaves its settings on the engine), makes the calls of the
+switch loop's call -> step table that run inside __enter__ (verl_patches/offload/live.py:CALLS,
+``calls_inside``), in the loop's order: the engine's wake_up of the weights (an allocation, no copy,
+through patch vllm.llm.wake_up_to_onload), the weight sync (reshard from the actor's live parameters
+into them and redo MLA's post-load processing, verl_patches.reshard.binding: one plan for the run,
+every byte once; then the training params leave: without the worker's loop, verl's own offload when
+param_offload is on), the engine's wake_up of the KV cache (created now that the training params
+left); then it swaps the RNG state as upstream does. __exit__ is upstream's: sleep(level=1), the
+engine's sleep row.
 recipe.reshard_method=upstream runs verl's own __enter__ (plus the MLA fix), for comparison.
 """
 
@@ -239,9 +239,48 @@ def _max_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     return dict(zip(keys, values.tolist()))
 
 
+def weight_sync(manager: Any, switch: Any, reshard: Callable[[], Any]) -> Any:
+    """The weight sync: ``reshard`` (which returns its statistics), then the training params leave.
+    Under the switch loop, its row of the call -> step table; without it (no actor attached), verl's
+    own offload when param_offload is on."""
+    if switch is not None:
+        from verl_patches.offload.live import WEIGHT_SYNC
+
+        return switch.run_call(WEIGHT_SYNC, reshard)
+    from verl.utils.megatron_utils import offload_megatron_model_to_cpu
+
+    from verl_patches import accelerator
+
+    stats = reshard()
+    if manager.offload_param:
+        offload_megatron_model_to_cpu(manager.actor_module)
+    accelerator.empty_cache()
+    return stats
+
+
+def enter_calls(manager: Any, weight_sync: Callable[[], Any], steps: Any = None) -> Any:
+    """The calls of the switch loop's call -> step table made inside __enter__ (live.py's
+    ``calls_inside``), in the order of the loop's ``steps`` (default: our_steps()): the engine's
+    wake_up per tag, and ``weight_sync``. Returns what ``weight_sync`` returns."""
+    from verl_patches.offload.live import SHARDING_ENTER, WAKE_TAGS, WEIGHT_SYNC, calls_inside, wake_call
+    from verl_patches.offload.schedule import ScheduleError
+
+    does: dict[str, Callable[[], Any]] = {wake_call(t): functools.partial(_wake, manager, t) for t in WAKE_TAGS}
+    does[WEIGHT_SYNC] = weight_sync
+    out = None
+    for row in calls_inside(SHARDING_ENTER, steps):
+        if row.name not in does:
+            raise ScheduleError(f"the switch loop's call {row.name!r} runs inside {SHARDING_ENTER}, which does not "
+                                f"make it (it makes {sorted(does)})")
+        result = does[row.name]()
+        if row.name == WEIGHT_SYNC:
+            out = result
+    return out
+
+
 def recipe_enter(manager: Any, settings: Any) -> None:
     from verl.utils.debug.performance import simple_timer
-    from verl.utils.megatron_utils import load_megatron_model_to_gpu, offload_megatron_model_to_cpu
+    from verl.utils.megatron_utils import load_megatron_model_to_gpu
 
     from verl_patches import accelerator
     from verl_patches.reshard.binding import megatron_params, vllm_params
@@ -263,8 +302,6 @@ def recipe_enter(manager: Any, settings: Any) -> None:
         # Planned once (and checked against both models' shapes) before anything is allocated.
         session = getattr(manager, SESSION_ATTR, None) or _build_session(manager, settings, train,
                                                                          vllm_params(model))
-        _wake(manager, "weights")  # step alloc_rollout_weights
-
         checks: dict[str, float] = {}
 
         def reshard():
@@ -274,15 +311,8 @@ def recipe_enter(manager: Any, settings: Any) -> None:
             checks.update(self_check(manager, session, settings, train, model))
             return stats
 
-        if switch is not None:
-            stats = switch.call("reshard", reshard, "the sharding manager")
-            switch.reach("offload_train_params", "the sharding manager")
-        else:
-            stats = reshard()
-            if manager.offload_param:
-                offload_megatron_model_to_cpu(manager.actor_module)
-            accelerator.empty_cache()
-        _wake(manager, "kv_cache")  # step init_kv_cache
+        stats = enter_calls(manager, functools.partial(weight_sync, manager, switch, reshard),
+                            None if switch is None else switch.steps)
     checks["graph_addresses_checked"] = _addresses_checked(manager)
     manager.timing.update(switch_figures(stats, None if switch is None else switch.ledger, checks))
     manager.timing.update(memory_figures(switch))

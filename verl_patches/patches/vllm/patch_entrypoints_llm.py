@@ -4,10 +4,9 @@ Upstream: vllm/entrypoints/llm.py:LLM.sleep and LLM.wake_up drive sleep mode (a 
 that does not free memory on multi-node NPU, and that the recipe turns off). verl 0.4.1's
 MegatronVLLMShardingManager calls wake_up(tags=["weights"]) before loading weights,
 wake_up(tags=["kv_cache"]) after, and sleep(level=1) when generation is done. We wrap both:
-on an engine the recipe's rollout built (attach_engine_memory), those calls reach the switch
-loop's alloc_rollout_weights, init_kv_cache and release_rollout_weights
-(verl_patches/offload/live.py), so verl's own switch frees memory for real, in the loop's order.
-Any other engine gets the original.
+on an engine the recipe's rollout built (attach_engine_memory), each call runs its row of the
+switch loop's call -> step table (verl_patches/offload/live.py:CALLS), so verl's own switch frees
+memory for real, in the loop's order. Any other engine gets the original.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ def wrap_sleep(original: Callable[..., Any]) -> Callable[..., Any]:
         if switch is None:
             return original(self, level)
         # Generation is over: the KV cache, then the weights, are freed (no copy).
-        switch.reach("release_rollout_weights", "LLM.sleep")
+        switch.run_call("LLM.sleep")
 
     return sleep
 
@@ -66,14 +65,16 @@ def wrap_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
         switch = _switch(self)
         if switch is None:
             return original(self, tags)
-        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        from verl_patches.offload.live import WAKE_TAGS, switch_call, wake_call
+
+        unknown = set(tags or ()) - set(WAKE_TAGS)
         if unknown:
             raise ValueError(f"wake_up tags {sorted(unknown)}: expected 'weights' and/or 'kv_cache'")
-        # Weights before the cache: the reshard writes them while the cache's memory is still free.
-        if tags is None or "weights" in tags:
-            switch.reach("alloc_rollout_weights", "LLM.wake_up(weights)")
-        if tags is None or "kv_cache" in tags:
-            switch.reach("init_kv_cache", "LLM.wake_up(kv_cache)")
+        # In the loop's order (weights before the cache: the reshard writes them while the cache's
+        # memory is still free).
+        wanted = [t for t in WAKE_TAGS if tags is None or t in tags]
+        for tag in sorted(wanted, key=lambda t: switch.step_names.index(switch_call(wake_call(t)).reaches[0])):
+            switch.run_call(wake_call(tag))
 
     return wake_up
 
