@@ -522,7 +522,7 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
 def _optimizer_offload(rep: Report, cfg, swap_optimizer: bool):
     """actor.optim's optimizer-offload settings (patch verl.optim.cpu_offload): the checked dict, None when
     off, False when they are malformed or cannot combine (the error is recorded)."""
-    from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
+    from verl_patches.optim_offload import OptimizerOffloadError, offload_settings
 
     optim = _select(cfg, "actor_rollout_ref.actor.optim")
     if optim is None:

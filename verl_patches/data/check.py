@@ -40,7 +40,7 @@ def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
     """(scorer, description) for ``config``: its custom_reward_function when it names one (loaded
     by verl's own loader; it may call verl's default scorer, so the recipe's reward patch is applied
     around each call), else verl's default scorer with that patch."""
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
 
     if config is not None:
         custom = (config.get("custom_reward_function") or {}) if hasattr(config, "get") else {}
