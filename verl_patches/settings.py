@@ -7,7 +7,7 @@ Three things are called "recipe" in this repository; they are different:
 - the *recipe section*: this YAML section (``actor_rollout_ref.rollout.recipe``), read here;
 - the *run configs*: the YAML files under configs/ that compose a run (verl_patches/recipe_config.py);
 - the *recipe reshard method* (``reshard_method: recipe``): the published recipe's reference reshard,
-  kept for comparison (verl_patches/reshard/methods.py).
+  kept for comparison (verl_patches/reshard/__init__.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from verl_patches.reshard.methods import METHODS
+from verl_patches.reshard import METHODS
 
 SECTION = "actor_rollout_ref.rollout.recipe"  # in the trainer's config
 SECTION_IN_WORKER = "rollout.recipe"  # in a worker's config (verl gives it actor_rollout_ref)
@@ -37,7 +37,7 @@ class Key:
 
 
 KEYS: dict[str, Key] = {
-    "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (verl_patches/reshard/methods.py)"),
+    "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (verl_patches/reshard/__init__.py)"),
     "tensor_cache": Key(bool, True, "keep stage outputs on the workers; the driver sends row ids"),
     "dp_sync_on_device": Key(bool, True, "vLLM's DP all-reduces on the device group instead of gloo"),
     "offload": Key(bool, True, "the recipe's switch schedule instead of verl's offload and vLLM's sleep mode"),

@@ -11,13 +11,13 @@ from typing import Any, Mapping
 
 from verl_patches import settings
 from verl_patches.core import stash
-from verl_patches.reshard.methods import METHODS
+from verl_patches.reshard import METHODS
 from verl_patches.rollout.dp_domain import DEFAULT_MASTER_PORT_BASE, DEFAULT_PORT_STRIDE, DPDomainError, DPSpec
 
 RECIPE_KEY = settings.SECTION_IN_ROLLOUT  # actor_rollout_ref.rollout.recipe (configs/README.md)
 # The rollout's LLM carries its settings under this attribute, for the sharding manager.
 ENGINE_ATTR = stash.attr("rollout_settings")
-RESHARD_METHODS = METHODS  # verl_patches.reshard.methods: the one list
+RESHARD_METHODS = METHODS  # verl_patches.reshard (its __init__): the one list
 SECTION = settings.SECTION
 
 
