@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from verl_patches import settings
 from verl_patches.core.lock import REPO_ROOT
+from verl_patches.findings import finish
 
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
@@ -628,19 +629,10 @@ def main(argv: list[str] | None = None) -> int:
             rep.errors.append(verl_error)
     if args.check_data:
         check_data(cfg, rep)
-    print(f"model config: {model_path}")
-    print("layout: " + json.dumps(rep.layout))
-    for note in rep.notes:
-        print(f"note: {note}")
-    for warning in rep.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    for err in rep.errors:
-        print(f"error: {err}", file=sys.stderr)
-    if rep.errors:
-        print(f"{args.config_name}: {len(rep.errors)} layout/config error(s)", file=sys.stderr)
-        return 1
-    print(f"{args.config_name}: composed and validated")
-    return 0
+    return finish(rep.errors, f"{args.config_name}: composed and validated", warnings=rep.warnings,
+                  lines=[f"model config: {model_path}", "layout: " + json.dumps(rep.layout),
+                         *(f"note: {note}" for note in rep.notes)],
+                  failed=f"{args.config_name}: {len(rep.errors)} layout/config error(s)")
 
 
 if __name__ == "__main__":
