@@ -52,7 +52,7 @@ def test_param_gather_without_the_distributed_optimizer_is_refused_by_name():
 
 @pytest.mark.parametrize("key", D.KEYS)
 def test_a_quoted_boolean_is_named(key):
-    with pytest.raises(settings.SettingsError, match=rf"recipe\.{key} must be true or false, got 'true'"):
+    with pytest.raises(settings.SettingsError, match=rf"recipe\.{key} must be true or false, got the string 'true'"):
         D.DdpOverlap.from_worker(_worker(**{key: "true"}))
 
 

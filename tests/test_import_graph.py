@@ -1,8 +1,13 @@
-"""The package's import graph: no cycles inside `verl_patches`, and production code never imports
-`verl_patches.testing` (the test-only helpers depend on production code, not the other way round).
+"""The package's import graph: no cycles inside `verl_patches`, production code never imports
+`verl_patches.testing` (the test-only helpers depend on production code, not the other way round),
+every edge points down (core/ is handed the patch records, nothing outside patches/ imports a patch
+module), the recipe's settings are read through one module, and the import map's floors.
 
 The graph is read from the source with `ast`, so it sees imports inside functions too (a lazy
 import that only hides a cycle is still a cycle). Imports under `if TYPE_CHECKING:` are not edges.
+The *import-time* graph keeps only what importing a module runs (not function bodies); its floors:
+a module that imports nothing of the package is on floor 0, any other one floor above the highest
+module it imports.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
-    """Dotted names this module imports (``from a import b`` yields a.b and a)."""
+def _imports(tree: ast.AST, module: str, is_package: bool, import_time: bool = False) -> set[str]:
+    """Dotted names this module imports (``from a import b`` yields a.b and a); ``import_time``: only
+    those its import runs (function bodies skipped)."""
     out: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
+            if import_time and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
             if isinstance(child, ast.If) and _is_type_checking(child):
                 for sub in child.orelse:
                     visit(sub)
@@ -55,13 +63,13 @@ def _imports(tree: ast.AST, module: str, is_package: bool) -> set[str]:
     return out
 
 
-def import_graph(root: Path = REPO, package: str = PACKAGE) -> dict[str, set[str]]:
+def import_graph(root: Path = REPO, package: str = PACKAGE, import_time: bool = False) -> dict[str, set[str]]:
     """module -> modules of ``package`` it imports. An import of a.b.c is an edge to the deepest
     name that is a module (a symbol imported from a module is an edge to that module)."""
     files = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
-        names = _imports(ast.parse(path.read_text(), str(path)), mod, path.name == "__init__.py")
+        names = _imports(ast.parse(path.read_text(), str(path)), mod, path.name == "__init__.py", import_time)
         edges = set()
         for name in names:
             parts = name.split(".")
@@ -157,3 +165,151 @@ def test_production_modules_do_not_import_the_testing_helpers():
     bad = sorted(f"{mod} imports {t}" for mod, edges in import_graph().items()
                  if not mod.startswith(f"{PACKAGE}.testing") for t in edges if t.startswith(f"{PACKAGE}.testing"))
     assert not bad, "production code imports verl_patches.testing (move the helper out of testing/):\n" + "\n".join(bad)
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """module -> its floor in an acyclic graph: 0 for a module that imports none of the graph's, else one
+    above the highest module it imports."""
+    out: dict[str, int] = {}
+
+    def floor(v: str) -> int:
+        if v not in out:
+            out[v] = 1 + max((floor(w) for w in graph.get(v, ())), default=-1)
+        return out[v]
+
+    for v in graph:
+        floor(v)
+    return out
+
+
+def test_floors_of_a_small_graph_and_the_import_time_graph_skips_function_bodies(tmp_path):
+    assert floors({"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": set()}) == {"a": 2, "b": 1, "c": 0, "d": 0}
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import pkg.b\ndef f():\n    import pkg.c\nclass K:\n    from pkg import c\n")
+    (pkg / "b.py").write_text("")
+    (pkg / "c.py").write_text("")
+    assert import_graph(tmp_path, "pkg", import_time=True)["pkg.a"] == {"pkg.b", "pkg.c"}
+    (pkg / "a.py").write_text("import pkg.b\ndef f():\n    import pkg.c\n")
+    assert import_graph(tmp_path, "pkg", import_time=True)["pkg.a"] == {"pkg.b"}
+
+
+# The import map's height (import-time graph): 8 floors, before and after issue 28. The top chain is
+# the reshard engine's (preflight.rehearse -> reshard.executor -> baselines -> planner -> placements ->
+# deepseek_v3_names -> layouts -> model); moving the constants out of the patch modules took away the
+# edges that put recipe_config.py and tiny/ above the patches, but those were function-level imports,
+# which this graph does not hold (the package-level graph below does). A new module above the top is a
+# design change: raise it here with the reason.
+MAX_FLOORS = 8
+
+
+def test_the_import_map_has_its_floors():
+    f = floors(import_graph(import_time=True))
+    top = max(f.values())
+    chain = [max(f, key=f.get)]
+    g = import_graph(import_time=True)
+    while g[chain[-1]]:
+        chain.append(max(g[chain[-1]], key=f.get))
+    assert top + 1 <= MAX_FLOORS, f"the import map has {top + 1} floors (at most {MAX_FLOORS}): " + " -> ".join(chain)
+
+
+def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph of the package's top-level parts (verl_patches.core, verl_patches.patches, ... and the
+    top-level modules), every import counted, function-level ones too."""
+    def part(m: str) -> str:
+        return ".".join(m.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for mod, edges in graph.items():
+        out.setdefault(part(mod), set()).update(part(t) for t in edges if part(t) != part(mod))
+    return out
+
+
+def test_the_package_map_has_no_cycle():
+    """Every edge between the package's parts points down: before issue 28 core/ (the registry, which
+    imported the catalogue), patches/, cpu/, preflight/ and rollout/ formed one cycle."""
+    cycles = find_cycles(_package_graph(import_graph()))
+    assert not cycles, "cycles between the parts of verl_patches:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _patch_modules() -> set[str]:
+    return {m for m in import_graph() if m.startswith(f"{PACKAGE}.patches.")}
+
+
+def test_core_is_handed_the_patch_records():
+    """No module of core/ imports the patch catalogue or a patch module, at import time or in a function:
+    the registry is handed the module names by the catalogue (verl_patches.patches.load_catalogue)."""
+    bad = sorted(f"{mod} imports {t}" for mod, edges in import_graph().items() if mod.startswith(f"{PACKAGE}.core")
+                 for t in edges if t == f"{PACKAGE}.patches" or t.startswith(f"{PACKAGE}.patches."))
+    assert not bad, "core/ imports the patch catalogue (hand the registry its records instead):\n" + "\n".join(bad)
+
+
+def _replacements(module: str) -> set[str]:
+    import importlib
+
+    return {p.replacement.split(":", 1)[1] for p in importlib.import_module(module).PATCHES}
+
+
+def test_nothing_outside_patches_imports_a_patch_module():
+    """A constant or helper that both a patch and other code need lives below both, not in the patch module.
+    The test harness (verl_patches/testing) may import a patch's replacement itself, and only that."""
+    patch_modules = _patch_modules()
+    bad = []
+    for path in sorted((REPO / PACKAGE).rglob("*.py")):
+        mod = _module_name(path, REPO)
+        if mod.startswith(f"{PACKAGE}.patches"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                bad += [f"{mod} imports {a.name}" for a in node.names if a.name in patch_modules]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] if node.module in patch_modules else \
+                    [f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in patch_modules]
+                for t in targets:
+                    names = {a.name for a in node.names} if t == node.module else set()
+                    if mod.startswith(f"{PACKAGE}.testing") and names and names <= _replacements(t):
+                        continue
+                    bad.append(f"{mod} imports {t}" + (f" ({', '.join(sorted(names))})" if names else ""))
+    assert not bad, "imports into a patch module from outside patches/ (move the name below both):\n" + "\n".join(bad)
+
+
+def _names_the_recipe_section(tree: ast.AST) -> list[int]:
+    """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.settings."""
+    from verl_patches import settings
+
+    paths = {settings.SECTION, settings.SECTION_IN_WORKER}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value in paths:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Tuple):
+            vals = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            if any(vals[i:i + 2] == ["rollout", settings.SECTION_IN_ROLLOUT] for i in range(len(vals))):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                and node.value.value == settings.SECTION_IN_ROLLOUT:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and any(isinstance(a, ast.Constant) and a.value == settings.SECTION_IN_ROLLOUT
+                                                for a in node.args):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if func in ("get", "_get", "getattr", "select", "_select", "lookup"):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_one_settings_module_is_imported_by_every_reader():
+    """The recipe section is found and its types checked in verl_patches/settings.py only: the rollout's
+    settings, the launch-time validator and the run report import it, and no other module spells the
+    section's path to look it up itself."""
+    graph = import_graph()
+    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.rebalance",
+               f"{PACKAGE}.patches.verl.patch_utils_tracking"}
+    assert {r for r in readers if f"{PACKAGE}.settings" not in graph[r]} == set()
+    bad = []
+    for path in sorted((REPO / PACKAGE).rglob("*.py")):
+        mod = _module_name(path, REPO)
+        if mod != f"{PACKAGE}.settings":
+            bad += [f"{mod}:{line}" for line in _names_the_recipe_section(ast.parse(path.read_text(), str(path)))]
+    assert not bad, "the recipe section looked up outside verl_patches/settings.py (use settings.read / " \
+                    "settings.problems / settings.trainer_section):\n" + "\n".join(bad)

@@ -28,7 +28,7 @@ def _platform_default() -> str:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from verl_patches.core.doctor import as_json, run_doctor
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
     from verl_patches.core.doctor import is_failing
 
@@ -49,7 +49,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
               f"{', '.join(s.id for s in settings if s.failed)}", file=sys.stderr)
         return 1
     platform = args.platform or _platform_default()
-    findings, code = run_doctor(load_registry(), platform, args.upstream_root, strict=args.strict)
+    findings, code = run_doctor(load_catalogue(), platform, args.upstream_root, strict=args.strict)
     if args.json:
         print(json.dumps(as_json(findings + settings), indent=2))
         return code
@@ -70,9 +70,9 @@ def cmd_patches(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from verl_patches.core.docs import upstream_lines
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
-    patches = load_registry()
+    patches = load_catalogue()
     if args.json:
         rows = []
         for p in patches:
@@ -93,7 +93,7 @@ def cmd_patches(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     from verl_patches.core.fingerprint import TargetNotFound, source_span
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
     from verl_patches.core.upstream import module_file
 
     try:
@@ -124,11 +124,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_docs(args: argparse.Namespace) -> int:
     from verl_patches.core.docs import PATCHES_MD, render_patches_md
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
     current = PATCHES_MD.read_text(encoding="utf-8") if PATCHES_MD.exists() else ""
     unread: list[str] = []
-    text = render_patches_md(load_registry(), current, unread)
+    text = render_patches_md(load_catalogue(), current, unread)
     if unread:
         print(f"note: upstream not installed here for {', '.join(unread)}: their *upstream lines* "
               f"are kept from {PATCHES_MD.name} as committed, not re-read", file=sys.stderr)

@@ -91,7 +91,7 @@ VARIABLES: tuple[Var, ...] = (
     Var("VERL_PATCHES_DISABLE", "list", (), "patch ids the prelude leaves out (bisecting)",
         "verl_patches/prelude.py", weakens_when_set="the named patches, and the checks they carry, are off"),
     Var("VERL_PATCHES_EXTRA_MODULES", "list", (), "extra patch catalogue modules (a site's own patches)",
-        "verl_patches/core/registry.py"),
+        "verl_patches/patches/__init__.py"),
     Var("VERL_PATCHES_LOCK", "path", None, "the upstream lock file (default: configs/upstream.lock.toml)",
         "verl_patches/core/lock.py"),
     Var("VERL_PATCHES_FIXED_ROUTING", "bool", False,

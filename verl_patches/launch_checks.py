@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Mapping
 
 from verl_patches import env as overlay_env
+from verl_patches.findings import finish
 
 POSITIVE_INTS = ("NNODES", "DEVICES_PER_NODE", "WAIT_TIMEOUT_S", "STOP_GRACE_S")
 CHOICES = {"DEVICE": ("npu", "cuda", "cpu"), "ROLE": ("head", "worker"), "LAUNCH_CONSOLE": ("full", "steps")}
@@ -178,16 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", default=None, help="the real-weight run's checkpoint (DIST_CKPT_PATH)")
     args = p.parse_args(argv)
     if args.what == "env":
-        found, good = env_problems(), []
-        for w in env_warnings():
-            print(f"warning: {w}", file=sys.stderr)
-    else:
-        found, good = head_problems(ckpt=args.ckpt)
-    for line in good:
-        print(line)
-    for msg in found:
-        print(f"error: {msg}", file=sys.stderr)
-    return 2 if found else 0
+        return finish(env_problems(), code=2, warnings=env_warnings())
+    found, good = head_problems(ckpt=args.ckpt)
+    return finish(found, code=2, lines=good)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from verl_patches import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
 from verl_patches.core.record import Patch
-from verl_patches.core.registry import load_registry
+from verl_patches.patches import load_catalogue
 
 
 def disabled_ids() -> set[str]:
@@ -25,7 +25,7 @@ def patches_for(phase: str, registry: list[Patch] | None = None, device_type: st
 
     off = disabled_ids()
     dev = device_type or accelerator.device_type()
-    return [p for p in (registry if registry is not None else load_registry())
+    return [p for p in (registry if registry is not None else load_catalogue())
             if phase in p.phases and p.id not in off and p.applies_on(dev)]
 
 

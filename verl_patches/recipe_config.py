@@ -17,12 +17,14 @@ from typing import Any, Mapping
 
 from verl_patches import settings
 from verl_patches.core.lock import REPO_ROOT
+from verl_patches.findings import finish
 
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
 RUN_CONFIGS = ("deepseekv3_256die_random_init", "deepseekv3_256die_true_weight")
 # The one section that holds the recipe's own keys (configs/README.md).
 RECIPE_SECTION = settings.SECTION
+R = "actor_rollout_ref.rollout"  # verl's rollout section
 
 
 def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), config_dir: Path = CONFIG_DIR):
@@ -134,13 +136,7 @@ def _check_token_budgets(rep: Report, cfg, max_len: int) -> None:
                       f"split (use_dynamic_bsz) needs room for one; raise it to at least {-(-max_len // cp)}")
 
 
-def _select(cfg, key: str) -> Any:
-    from omegaconf import OmegaConf
-
-    try:
-        return OmegaConf.select(cfg, key, throw_on_missing=False)
-    except Exception:  # noqa: BLE001 - an interpolation that does not resolve is reported as a bad value
-        return None
+_select = settings.select  # a composed config's key (one lookup: verl_patches/settings.py)
 
 
 def _tree_paths(node: Any, prefix: str, known: set[str], free: set[str]) -> None:
@@ -181,7 +177,7 @@ def check_unknown_keys(rep: Report, cfg, config_dir: Path = CONFIG_DIR) -> None:
     """Every key of the composed config must be one verl's trainer or the recipe knows: a key added with
     ``+`` (Hydra's own hint for a key it does not know) is accepted by Hydra and then ignored by verl, so
     a misspelt ``+trainer.totl_training_steps=2`` would change nothing, silently. The recipe section has
-    its own typed table (settings.py), checked by recipe_problems."""
+    its own typed table (settings.py), checked by settings.problems."""
     from omegaconf import OmegaConf
 
     known, free = known_keys(config_dir)
@@ -212,62 +208,108 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     A value of the wrong type is one named error and every rule that depends on it is skipped,
     so the report never ends in an exception. ``environ`` (default: this process's) is the run's
     environment, for the settings that the workers read from it (the launcher exports them first).
+    The rules come in named groups, in this order (each group's errors in the report in turn).
     """
-
-    from verl_patches.megatron_args import RecipeMegatronError
-    from verl_patches.megatron_args import parse as parse_megatron
-    from verl_patches.rollout.settings import plain, recipe_problems
-
     rep = Report()
     check_unknown_keys(rep, cfg)
+    recipe = recipe_section_rules(rep, cfg)
+    if recipe is None:
+        return rep
+    rmeg = _recipe_megatron(recipe)
+    setting_warnings(rep, recipe)
+    nnodes, per_node, world = world_rules(rep, cfg)
+    train = training_layout_rules(rep, cfg, model, rmeg, world)
+    rollout = rollout_layout_rules(rep, cfg, recipe, model, world)
+    batch_rules(rep, cfg, train["dp"])
+    fixed_routing_rules(rep, cfg, recipe)
+    engine_rules(rep, cfg, recipe, environ)
+    length_rules(rep, cfg, model)
+    model_rules(rep, cfg, model)
+    card_rules(rep, recipe, world, nnodes, per_node)
+
+    megatron_section = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
+    hybrid = _optimizer_offload(rep, cfg, megatron_section.get("swap_optimizer", False) is True)
+    memory = _check_memory(rep, cfg, recipe, model, hybrid or None, world=world, tp=train["tp"], pp=train["pp"],
+                           expert_group=train["expert_group"], layer_list=train["num_layer_list"],
+                           rollout_tp=rollout["tp"], rollout_ep=rollout["ep"])
+    rep.layout = {"world": world, "nnodes": nnodes, "devices_per_node": per_node, "train": train, "rollout": rollout,
+                  "model": {"layers": model["num_hidden_layers"], "routed_experts": model["n_routed_experts"]}}
+    if memory:
+        rep.layout["memory"] = memory
+    return rep
+
+
+def _pos(rep: Report, cfg, key: str) -> int | None:
+    return _positive_int(rep, key, _select(cfg, key))
+
+
+def _recipe_megatron(recipe: dict):
+    """The recipe's Megatron section parsed, or None (a malformed one is reported by settings.problems)."""
+    from verl_patches.megatron_args import RecipeMegatronError
+    from verl_patches.megatron_args import parse as parse_megatron
+
+    try:
+        return parse_megatron(recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else None)
+    except RecipeMegatronError:
+        return None
+
+
+def recipe_section_rules(rep: Report, cfg) -> dict | None:
+    """The recipe section: present, well-typed (settings.problems) and with the values a run config sets.
+    The section as a plain dict, or None when no rule after this one can read it."""
     recipe_node = _select(cfg, RECIPE_SECTION)
     if not rep.check(recipe_node is not None, f"{RECIPE_SECTION} is missing"):
-        return rep
-    recipe = plain(recipe_node)
-    problems = recipe_problems(recipe)
+        return None
+    recipe = settings.plain(recipe_node)
+    problems = settings.problems(recipe)
     rep.errors += problems
     rep.bad_values |= bool(problems)
     if not isinstance(recipe, dict):
-        return rep
-    vdp = recipe.get("vllm_dp") if isinstance(recipe.get("vllm_dp"), dict) else {}
+        return None
+    vdp = _vllm_dp(recipe)
     missing = [f"vllm_dp.{k}" for k in ("dp_size", "instances") if vdp.get(k) == "???"]
     if not rep.check(not missing, f"{RECIPE_SECTION}: no value for {missing} (a run config sets them)"):
-        return rep
-    try:
-        rmeg = parse_megatron(recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else None)
-    except RecipeMegatronError:
-        rmeg = None  # reported by recipe_problems
+        return None
+    return recipe
 
-    def pos(key: str) -> int | None:
-        return _positive_int(rep, key, _select(cfg, key))
 
-    # An allowed value that switches a check off: said (a warning), so a weakened run is not taken for a checked one.
+def _vllm_dp(recipe: dict) -> dict:
+    return recipe.get("vllm_dp") if isinstance(recipe.get("vllm_dp"), dict) else {}
+
+
+def setting_warnings(rep: Report, recipe: dict) -> None:
+    """An allowed value that switches a check off: said (a warning), so a weakened run is not taken for a
+    checked one."""
     if recipe.get("fingerprint_every") == 0:
         rep.warnings.append(f"{RECIPE_SECTION}.fingerprint_every=0 switches the weight fingerprint check off: rollout "
                             "weights that differ from what training sent would go unnoticed (the recipe checks every "
                             f"{settings.KEYS['fingerprint_every'].default} switches)")
 
-    nnodes = pos("trainer.nnodes")
-    per_node = pos("trainer.n_gpus_per_node")
-    world = nnodes * per_node if nnodes and per_node else None
-    layers = model["num_hidden_layers"]
-    experts = model["n_routed_experts"]
-    dense = model["first_k_dense_replace"]
 
-    # Training layout (actor; the reference is co-located and must match it).
+def world_rules(rep: Report, cfg) -> tuple[int | None, int | None, int | None]:
+    """trainer.nnodes and trainer.n_gpus_per_node: positive integers; (nnodes, per node, world size)."""
+    nnodes = _pos(rep, cfg, "trainer.nnodes")
+    per_node = _pos(rep, cfg, "trainer.n_gpus_per_node")
+    return nnodes, per_node, nnodes * per_node if nnodes and per_node else None
+
+
+def training_layout_rules(rep: Report, cfg, model: dict, rmeg, world: int | None) -> dict:
+    """The actor's Megatron layout (the reference is co-located and must match it): it divides the world,
+    keeps whole experts per rank, and the pipeline's layer list covers the model. The layout's train part."""
     A = "actor_rollout_ref.actor.megatron"
-    tp = pos(f"{A}.tensor_model_parallel_size")
-    pp = pos(f"{A}.pipeline_model_parallel_size")
-    ep = pos(f"{A}.expert_model_parallel_size")
-    cp = pos(f"{A}.context_parallel_size")
+    layers, experts = model["num_hidden_layers"], model["n_routed_experts"]
+    tp = _pos(rep, cfg, f"{A}.tensor_model_parallel_size")
+    pp = _pos(rep, cfg, f"{A}.pipeline_model_parallel_size")
+    ep = _pos(rep, cfg, f"{A}.expert_model_parallel_size")
+    cp = _pos(rep, cfg, f"{A}.context_parallel_size")
     etp_raw = _select(cfg, f"{A}.expert_tensor_parallel_size")
     etp = tp if etp_raw is None else _positive_int(rep, f"{A}.expert_tensor_parallel_size", etp_raw)
     dp = None
-    train_ok = None not in (world, tp, pp, cp)
-    if train_ok:
+    if None not in (world, tp, pp, cp):
         if rep.check(world % (tp * pp * cp) == 0,
-                     f"world size {world} (trainer.nnodes {nnodes} x trainer.n_gpus_per_node {per_node}) is not "
-                     f"divisible by TP{tp} x PP{pp} x CP{cp} = {tp * pp * cp}"):
+                     f"world size {world} (trainer.nnodes {_select(cfg, 'trainer.nnodes')} x trainer.n_gpus_per_node "
+                     f"{_select(cfg, 'trainer.n_gpus_per_node')}) is not divisible by TP{tp} x PP{pp} x CP{cp} = "
+                     f"{tp * pp * cp}"):
             dp = world // (tp * pp * cp)
     extend = bool(rmeg.moe_tp_extend_ep) if rmeg is not None else False
     # Whole experts per rank (the reshard plan and vLLM's EP both move whole experts).
@@ -286,16 +328,23 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
         mine, theirs = _select(cfg, f"{A}.{key}"), _select(cfg, f"actor_rollout_ref.ref.megatron.{key}")
         rep.check(theirs == mine, f"ref.megatron.{key}={theirs!r} differs from actor's {mine!r} (co-located layout)")
-
     layer_list = list(rmeg.num_layer_list or []) if rmeg is not None else []
     if rmeg is not None and pp is not None:
         rep.check(len(layer_list) == pp, f"num_layer_list has {len(layer_list)} stages, PP is {pp}")
         rep.check(sum(layer_list) == layers,
                   f"num_layer_list {layer_list} sums to {sum(layer_list)}, the model has {layers} layers")
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": etp, "moe_tp_extend_ep": extend,
+            "expert_group": expert_group,
+            "experts_per_rank": experts // expert_group if expert_group and experts % expert_group == 0 else None,
+            "num_layer_list": layer_list, "dense_layers": model["first_k_dense_replace"]}
 
-    # Rollout layout: instances x (DP x TP) = world; EP = DP x TP inside one instance.
-    R = "actor_rollout_ref.rollout"
-    rtp = pos(f"{R}.tensor_model_parallel_size")
+
+def rollout_layout_rules(rep: Report, cfg, recipe: dict, model: dict, world: int | None) -> dict:
+    """The rollout's layout: instances x (DP x TP) = world; EP = DP x TP inside one instance holds whole
+    experts. The layout's rollout part."""
+    experts = model["n_routed_experts"]
+    vdp = _vllm_dp(recipe)
+    rtp = _pos(rep, cfg, f"{R}.tensor_model_parallel_size")
     rdp = _positive_int(rep, f"{RECIPE_SECTION}.vllm_dp.dp_size", vdp.get("dp_size"))
     inst = _positive_int(rep, f"{RECIPE_SECTION}.vllm_dp.instances", vdp.get("instances", 1))
     rep_ep = rdp * rtp if rdp and rtp else None
@@ -304,15 +353,19 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
                   f"rollout DP{rdp} x TP{rtp} x {inst} instance(s) = {rep_ep * inst}, world size is {world}")
     if rep_ep:
         rep.check(experts % rep_ep == 0, f"{experts} routed experts do not divide over rollout EP{rep_ep}")
+    return {"tp": rtp, "dp": rdp, "instances": inst, "ep": rep_ep,
+            "experts_per_rank": experts // rep_ep if rep_ep and experts % rep_ep == 0 else None}
 
-    # Batch arithmetic verl's trainer relies on.
-    bsz = pos("data.train_batch_size")
-    n = pos(f"{R}.n")
-    mini = pos("actor_rollout_ref.actor.ppo_mini_batch_size")
+
+def batch_rules(rep: Report, cfg, dp: int | None) -> None:
+    """The batch arithmetic verl's trainer relies on, and GRPO."""
+    bsz = _pos(rep, cfg, "data.train_batch_size")
+    n = _pos(rep, cfg, f"{R}.n")
+    mini = _pos(rep, cfg, "actor_rollout_ref.actor.ppo_mini_batch_size")
     dynamic = _flag(rep, "actor_rollout_ref.actor.use_dynamic_bsz", _select(cfg, "actor_rollout_ref.actor.use_dynamic_bsz"))
     epochs = _select(cfg, "actor_rollout_ref.actor.ppo_epochs")
     if dynamic is False:  # with dynamic batch sizes verl splits by tokens and ignores the micro batch size
-        micro = pos("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+        micro = _pos(rep, cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
         if None not in (bsz, n, dp, micro):
             rep.check((bsz * n) % (dp * micro) == 0,
                       f"train batch {bsz} x n {n} not divisible by actor DP{dp} x micro {micro}")
@@ -329,7 +382,9 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     adv = _select(cfg, "algorithm.adv_estimator")
     rep.check(adv == "grpo", f"algorithm.adv_estimator must be grpo, got {adv!r}")
 
-    # Fixed routing is a benchmark switch: with real weights it would train on routing the model never chose.
+
+def fixed_routing_rules(rep: Report, cfg, recipe: dict) -> None:
+    """Fixed routing is a benchmark switch: with real weights it would train on routing the model never chose."""
     fixed = recipe.get("fixed_routing", settings.KEYS["fixed_routing"].default)
     if rep.check(isinstance(fixed, bool), f"{RECIPE_SECTION}.fixed_routing must be true or false, got {fixed!r}") \
             and fixed:
@@ -337,7 +392,10 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
         rep.check(not loaded, f"{RECIPE_SECTION}.fixed_routing=True with {'/'.join(loaded)}.load_weight=True: forced "
                               "routing is for random-init throughput runs only (turn one of them off)")
 
-    # Engine constraints.
+
+def engine_rules(rep: Report, cfg, recipe: dict, environ: Mapping[str, str] | None) -> None:
+    """The rollout engine's switches: real booleans, graph mode without freeing the cache engine, and no
+    allocator setting that bypasses the address-stable pool graph mode needs on NPU."""
     for key in ("enforce_eager", "free_cache_engine", "enable_chunked_prefill"):
         v = _select(cfg, f"{R}.{key}")
         if not isinstance(v, bool):
@@ -355,20 +413,30 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
         conflict = alloc_conf_conflict(environ)
         if conflict:
             rep.errors.append(conflict)
-    prompt_len, resp_len = pos("data.max_prompt_length"), pos("data.max_response_length")
-    if prompt_len and resp_len:
-        max_len = prompt_len + resp_len
-        _check_token_budgets(rep, cfg, max_len)
-        if isinstance(model.get("max_position_embeddings"), int):
-            rep.check(max_len <= model["max_position_embeddings"],
-                      f"prompt + response = {max_len} exceeds max_position_embeddings {model['max_position_embeddings']}")
-        tokens = pos(f"{R}.max_num_batched_tokens")
-        if _select(cfg, f"{R}.enable_chunked_prefill") is True and tokens and tokens < max_len:
-            rep.notes.append(
-                f"rollout.max_num_batched_tokens={tokens} < max_model_len {max_len} with chunked prefill: "
-                "verl 0.4.1's vLLMRollout rejects this; the recipe's rollout patch must lift that check")
+
+
+def length_rules(rep: Report, cfg, model: dict) -> None:
+    """A padded sequence (prompt + response) fits the token budgets and the model's positions."""
+    prompt_len, resp_len = _pos(rep, cfg, "data.max_prompt_length"), _pos(rep, cfg, "data.max_response_length")
+    if not (prompt_len and resp_len):
+        return
+    max_len = prompt_len + resp_len
+    _check_token_budgets(rep, cfg, max_len)
+    if isinstance(model.get("max_position_embeddings"), int):
+        rep.check(max_len <= model["max_position_embeddings"],
+                  f"prompt + response = {max_len} exceeds max_position_embeddings {model['max_position_embeddings']}")
+    tokens = _pos(rep, cfg, f"{R}.max_num_batched_tokens")
+    if _select(cfg, f"{R}.enable_chunked_prefill") is True and tokens and tokens < max_len:
+        rep.notes.append(
+            f"rollout.max_num_batched_tokens={tokens} < max_model_len {max_len} with chunked prefill: "
+            "verl 0.4.1's vLLMRollout rejects this; the recipe's rollout patch must lift that check")
+
+
+def model_rules(rep: Report, cfg, model: dict) -> None:
+    """What the model and its loading need: no rope fusion with YaRN, BF16 weights, MTP off, a
+    distributed-checkpoint path when one is used."""
     rope = model.get("rope_scaling") if isinstance(model.get("rope_scaling"), dict) else {}
-    otc = _select(cfg, f"{A}.override_transformer_config")
+    otc = _select(cfg, "actor_rollout_ref.actor.megatron.override_transformer_config")
     fusion = otc.get("apply_rope_fusion", False) if hasattr(otc, "get") else False
     rep.check(not (rope.get("type") == "yarn" and fusion),
               "override_transformer_config.apply_rope_fusion=True with YaRN RoPE: megatron's MLA asserts it off "
@@ -387,31 +455,14 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
             rep.check(bool(path) and str(path).strip() != "",
                       f"{who}.megatron.use_dist_checkpointing=True but dist_checkpointing_path is empty (set DIST_CKPT_PATH)")
 
-    # perf/tps_per_card divides by whole cards (verl_patches/report.py: Cards); checked here, before a run.
+
+def card_rules(rep: Report, recipe: dict, world: int | None, nnodes: int | None, per_node: int | None) -> None:
+    """perf/tps_per_card divides by whole cards (verl_patches/report.py: Cards); checked here, before a run."""
     per_card = recipe.get("devices_per_card")
     if world is not None and isinstance(per_card, int) and not isinstance(per_card, bool):
         rep.check(per_card >= 1 and world % per_card == 0,
                   f"{RECIPE_SECTION}.devices_per_card={per_card}: the world size {world} (trainer.nnodes {nnodes} x "
                   f"trainer.n_gpus_per_node {per_node}) is not whole cards of {per_card} device(s)")
-
-    megatron_section = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
-    hybrid = _optimizer_offload(rep, cfg, megatron_section.get("swap_optimizer", False) is True)
-    memory = _check_memory(rep, cfg, recipe, model, hybrid or None, world=world, tp=tp, pp=pp, expert_group=expert_group,
-                           layer_list=layer_list, rollout_tp=rtp, rollout_ep=rep_ep)
-
-    rep.layout = {
-        "world": world, "nnodes": nnodes, "devices_per_node": per_node,
-        "train": {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, "etp": etp, "moe_tp_extend_ep": extend,
-                  "expert_group": expert_group,
-                  "experts_per_rank": experts // expert_group if expert_group and experts % expert_group == 0 else None,
-                  "num_layer_list": layer_list, "dense_layers": dense},
-        "rollout": {"tp": rtp, "dp": rdp, "instances": inst, "ep": rep_ep,
-                    "experts_per_rank": experts // rep_ep if rep_ep and experts % rep_ep == 0 else None},
-        "model": {"layers": layers, "routed_experts": experts},
-    }
-    if memory:
-        rep.layout["memory"] = memory
-    return rep
 
 
 MEMORY_KEYS = ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank",
@@ -472,7 +523,7 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
 def _optimizer_offload(rep: Report, cfg, swap_optimizer: bool):
     """actor.optim's optimizer-offload settings (patch verl.optim.cpu_offload): the checked dict, None when
     off, False when they are malformed or cannot combine (the error is recorded)."""
-    from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
+    from verl_patches.optim_offload import OptimizerOffloadError, offload_settings
 
     optim = _select(cfg, "actor_rollout_ref.actor.optim")
     if optim is None:
@@ -578,19 +629,10 @@ def main(argv: list[str] | None = None) -> int:
             rep.errors.append(verl_error)
     if args.check_data:
         check_data(cfg, rep)
-    print(f"model config: {model_path}")
-    print("layout: " + json.dumps(rep.layout))
-    for note in rep.notes:
-        print(f"note: {note}")
-    for warning in rep.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    for err in rep.errors:
-        print(f"error: {err}", file=sys.stderr)
-    if rep.errors:
-        print(f"{args.config_name}: {len(rep.errors)} layout/config error(s)", file=sys.stderr)
-        return 1
-    print(f"{args.config_name}: composed and validated")
-    return 0
+    return finish(rep.errors, f"{args.config_name}: composed and validated", warnings=rep.warnings,
+                  lines=[f"model config: {model_path}", "layout: " + json.dumps(rep.layout),
+                         *(f"note: {note}" for note in rep.notes)],
+                  failed=f"{args.config_name}: {len(rep.errors)} layout/config error(s)")
 
 
 if __name__ == "__main__":

@@ -7,15 +7,16 @@ Three things are called "recipe" in this repository; they are different:
 - the *recipe section*: this YAML section (``actor_rollout_ref.rollout.recipe``), read here;
 - the *run configs*: the YAML files under configs/ that compose a run (verl_patches/recipe_config.py);
 - the *recipe reshard method* (``reshard_method: recipe``): the published recipe's reference reshard,
-  kept for comparison (verl_patches/reshard/methods.py).
+  kept for comparison (verl_patches/reshard/__init__.py).
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from verl_patches.reshard.methods import METHODS
+from verl_patches.reshard import METHODS
 
 SECTION = "actor_rollout_ref.rollout.recipe"  # in the trainer's config
 SECTION_IN_WORKER = "rollout.recipe"  # in a worker's config (verl gives it actor_rollout_ref)
@@ -31,11 +32,12 @@ class Key:
     kind: Any  # bool, int, float, str, a tuple of allowed values, or "section" (checked elsewhere)
     default: Any
     doc: str
-    minimum: Any = None  # numbers: the smallest value allowed
+    minimum: Any = None  # numbers: the smallest value allowed (an int key without one: 0)
+    maximum: Any = None  # numbers: the largest value allowed
 
 
 KEYS: dict[str, Key] = {
-    "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (verl_patches/reshard/methods.py)"),
+    "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (verl_patches/reshard/__init__.py)"),
     "tensor_cache": Key(bool, True, "keep stage outputs on the workers; the driver sends row ids"),
     "dp_sync_on_device": Key(bool, True, "vLLM's DP all-reduces on the device group instead of gloo"),
     "offload": Key(bool, True, "the recipe's switch schedule instead of verl's offload and vLLM's sleep mode"),
@@ -69,32 +71,130 @@ KEYS: dict[str, Key] = {
 }
 
 
+# The keys of the ``vllm_dp`` section (read by verl_patches/rollout/settings.py, which holds the defaults).
+VLLM_DP: dict[str, Key] = {
+    "dp_size": Key(int, None, "vLLM DP ranks per instance; null: every rank of an instance", minimum=1),
+    "instances": Key(int, None, "independent vLLM instances (default 1)", minimum=1),
+    "master_port_base": Key(int, None, "the first instance's DP master port", minimum=1, maximum=65535),
+    "port_stride": Key(int, None, "port distance between instances", minimum=1),
+}
+# The type of each key: a type, a tuple of allowed values, a nested section, or "megatron"
+# (checked by verl_patches.megatron_args.parse).
+SCHEMA: dict[str, Any] = {
+    **{name: key.kind for name, key in KEYS.items() if key.kind != "section"},
+    "vllm_dp": {name: key.kind for name, key in VLLM_DP.items()},
+    "megatron": "megatron",
+}
+
+
+def _describe(value: Any) -> str:
+    return f"the string {value!r}" if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+
+
+def _problem(spec: Key, value: Any, here: str) -> str | None:
+    """What is wrong with ``value`` for a key of type ``spec`` (named ``here``), or None. The one set of
+    type rules: the run-time reader and the launch-time validator both use it. None and '???' (a value
+    the run config must set) are not judged here."""
+    kind = spec.kind
+    if value is None or value == "???" or kind == "section":
+        return None
+    if isinstance(kind, tuple):
+        return None if value in kind else f"{here} must be one of {list(kind)}, got {_describe(value)}"
+    if kind is bool:
+        if isinstance(value, bool):
+            return None
+        hint = " (write true or false without quotes)" if isinstance(value, str) else ""
+        return f"{here} must be true or false, got {_describe(value)}{hint}"
+    if kind is str:
+        return None if isinstance(value, str) else f"{here} must be a string (a path), got {_describe(value)}"
+    if kind is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            return f"{here} must be a positive number, got {_describe(value)}"
+        if spec.minimum is not None and value < spec.minimum:
+            return f"{here} must be >= {spec.minimum}, got {value}"
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"{here} must be an integer, got {_describe(value)}"
+    low = 0 if spec.minimum is None else spec.minimum
+    if value < low or (spec.maximum is not None and value > spec.maximum):
+        return f"{here} must be >= {low}" + (f" and <= {spec.maximum}" if spec.maximum is not None else "") \
+            + f", got {value}"
+    return None
+
+
+def check_type(kind: Any, value: Any, here: str) -> Any:
+    """``value`` if it has type ``kind`` (bool, int, float, str or a tuple of allowed values) by the rules
+    above (a number may be any size: verl's own keys have their own bounds), else SettingsError naming
+    ``here``: for a reader of verl's own keys next to the recipe's."""
+    problem = _problem(Key(kind, None, "", minimum=float("-inf") if kind is int else None), value, here)
+    if problem:
+        raise SettingsError(problem)
+    return value
+
+
 def check_value(key: str, value: Any, where: str = SECTION) -> Any:
     """``value`` for ``key`` if it has the key's type; else SettingsError naming ``where.key``."""
     if key not in KEYS:
         raise SettingsError(f"{where}.{key}: unknown key (known: {', '.join(sorted(KEYS))})")
-    kind = KEYS[key].kind
-    if value is None or kind == "section":
-        return value
-    if kind is bool:
-        if not isinstance(value, bool):
-            hint = " (write true or false without quotes)" if isinstance(value, str) else ""
-            raise SettingsError(f"{where}.{key} must be true or false, got {value!r}{hint}")
-    elif isinstance(kind, tuple):
-        if value not in kind:
-            raise SettingsError(f"{where}.{key} must be one of {list(kind)}, got {value!r}")
-    elif kind is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise SettingsError(f"{where}.{key} must be a number, got {value!r}")
-    elif not isinstance(value, kind) or isinstance(value, bool):
-        raise SettingsError(f"{where}.{key} must be {kind.__name__}, got {value!r}")
-    minimum = KEYS[key].minimum
-    if minimum is not None and value < minimum:
-        raise SettingsError(f"{where}.{key} must be at least {minimum}, got {value!r}")
+    problem = _problem(KEYS[key], value, f"{where}.{key}")
+    if problem:
+        raise SettingsError(problem)
     return value
 
 
-def _lookup(node: Any, path: str) -> Any:
+def _unknown(key: Any, known: Mapping[str, Any], here: str) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
+    return f"{here}: unknown key{hint}"
+
+
+def _megatron_problems(value: Any, here: str) -> list[str]:
+    from verl_patches.megatron_args import RecipeMegatronError, parse
+
+    if not isinstance(value, Mapping):
+        return [f"{here} must be a mapping, got {_describe(value)}"]
+    try:
+        parse(value)
+    except RecipeMegatronError as e:
+        return [str(e)]
+    return []
+
+
+def problems(section: Any, where: str = SECTION) -> list[str]:
+    """Every unknown key (with a did-you-mean), wrong type and string boolean in the recipe section
+    ``section`` (a DictConfig, a mapping or None), named by its full key path; [] when it is
+    well-formed. A '???' (a value the run config must set) is not judged here."""
+    section = plain(section)
+    if section is None:
+        return []
+    if not isinstance(section, Mapping):
+        return [f"{where} must be a mapping of the recipe's keys, got {_describe(section)}"]
+    out: list[str] = []
+    for key, value in section.items():
+        here = f"{where}.{key}"
+        if not isinstance(key, str) or key not in SCHEMA:
+            out.append(_unknown(key, SCHEMA, here))
+        elif value is None or value == "???":
+            continue
+        elif key == "megatron":
+            out += _megatron_problems(value, here)
+        elif key == "vllm_dp":
+            if not isinstance(value, Mapping):
+                out.append(f"{here} must be a mapping, got {_describe(value)}")
+                continue
+            for sub, v in value.items():
+                spec = VLLM_DP.get(sub) if isinstance(sub, str) else None
+                problem = _unknown(sub, VLLM_DP, f"{here}.{sub}") if spec is None else _problem(spec, v, f"{here}.{sub}")
+                out += [problem] if problem else []
+        else:
+            problem = _problem(KEYS[key], value, here)
+            out += [problem] if problem else []
+    return out
+
+
+def lookup(node: Any, path: str) -> Any:
+    """The value at the dotted ``path`` of ``node`` (a DictConfig, a mapping, an object or None), as it is
+    ('???' kept); None where a part is missing. The one lookup of the package's config readers."""
     for part in path.split("."):
         if node is None:
             return None
@@ -104,7 +204,23 @@ def _lookup(node: Any, path: str) -> Any:
             if type(e).__name__ != "MissingMandatoryValue":
                 raise
             return None
-    return None if node == "???" else node
+    return node
+
+
+def _lookup(node: Any, path: str) -> Any:
+    value = lookup(node, path)
+    return None if value == "???" else value
+
+
+def select(cfg: Any, key: str) -> Any:
+    """``key`` (dotted) of a composed OmegaConf config, resolved; None where it is missing, '???' or an
+    interpolation that does not resolve (the validator reports that as a bad value)."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.select(cfg, key, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - an interpolation that does not resolve is reported as a bad value
+        return None
 
 
 def plain(node: Any) -> Any:
@@ -116,10 +232,20 @@ def plain(node: Any) -> Any:
     return node
 
 
-def read(section: Any, key: str, where: str = SECTION) -> Any:
-    """``key`` of the recipe section ``section`` (a DictConfig, a mapping or None), checked, or its default."""
-    value = check_value(key, _lookup(section, key), where)
+def read(section: Any, key: str, where: str = SECTION, check: bool = True) -> Any:
+    """``key`` of the recipe section ``section`` (a DictConfig, a mapping or None), checked, or its default.
+    ``check=False``: unchecked, for a reader that has reported ``problems(section)`` already."""
+    value = _lookup(section, key)
+    if check:
+        check_value(key, value, where)
+    elif key not in KEYS:
+        raise SettingsError(f"{where}.{key}: unknown key (known: {', '.join(sorted(KEYS))})")
     return KEYS[key].default if value is None else value
+
+
+def trainer_section(config: Any) -> Any:
+    """The recipe section of the trainer's whole config (None where there is none)."""
+    return _lookup(config, SECTION)
 
 
 def from_worker(worker_config: Any, key: str) -> Any:
@@ -129,7 +255,7 @@ def from_worker(worker_config: Any, key: str) -> Any:
 
 def from_trainer(config: Any, key: str) -> Any:
     """``key`` read from the trainer's whole config."""
-    return read(_lookup(config, SECTION), key)
+    return read(trainer_section(config), key)
 
 
 def from_rollout(rollout_config: Any, key: str) -> Any:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import pytest
 
 from verl_patches.core.apply import _unwrap_descriptor
-from verl_patches.core.registry import load_registry
+from verl_patches.patches import load_catalogue
 
 P = inspect.Parameter
 POSITIONAL = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
@@ -98,7 +98,7 @@ def live_original(target: str) -> Any | None:
 
 
 def _cases():
-    return [pytest.param(p, id=p.id) for p in load_registry()]
+    return [pytest.param(p, id=p.id) for p in load_catalogue()]
 
 
 def test_the_check_itself_catches_the_narrowing_that_broke_verls_default_scorer():

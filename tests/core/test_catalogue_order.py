@@ -10,7 +10,8 @@ import pytest
 from tests.fixtures import fixture_patches as fx
 from verl_patches.core import apply as A
 from verl_patches.core.record import Patch, PatchDefinitionError
-from verl_patches.core.registry import check_catalogue, load_registry
+from verl_patches.core.registry import check_catalogue
+from verl_patches.patches import load_catalogue
 
 
 def _rec(pid: str, **over) -> Patch:
@@ -18,7 +19,7 @@ def _rec(pid: str, **over) -> Patch:
 
 
 def test_the_real_catalogue_is_consistent_and_every_record_has_a_feature():
-    patches = load_registry()  # runs check_catalogue
+    patches = load_catalogue()  # runs check_catalogue
     assert all(p.feature for p in patches)
     # Every method wrapped by several records has a declared order.
     by_target: dict[str, list[Patch]] = {}

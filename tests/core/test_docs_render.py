@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from verl_patches.core import docs
 from verl_patches.core.docs import NOT_INSTALLED, committed_upstream_lines, render_patches_md
-from verl_patches.core.registry import load_registry
+from verl_patches.patches import load_catalogue
 
 
 def _pretend_missing(monkeypatch, patch_id):
@@ -20,7 +20,7 @@ def _pretend_missing(monkeypatch, patch_id):
 
 
 def test_committed_lines_are_read_back_for_every_patch():
-    patches = load_registry()
+    patches = load_catalogue()
     text = render_patches_md(patches)
     found = committed_upstream_lines(text)
     assert set(found) == {p.id for p in patches}
@@ -28,7 +28,7 @@ def test_committed_lines_are_read_back_for_every_patch():
 
 
 def test_an_upstream_missing_here_keeps_the_committed_lines(monkeypatch):
-    patches = load_registry()
+    patches = load_catalogue()
     pid = "verl.reward_score.deepscaler"
     committed = render_patches_md(patches)
     # Patches whose upstream this machine lacks anyway (MindSpeed on a CI machine) are unread too.
@@ -45,7 +45,7 @@ def test_an_upstream_missing_here_keeps_the_committed_lines(monkeypatch):
 
 
 def test_a_committed_entry_of_another_release_is_not_kept(monkeypatch):
-    patches = load_registry()
+    patches = load_catalogue()
     pid = "verl.reward_score.deepscaler"
     committed = render_patches_md(patches)
     old = committed_upstream_lines(committed)[pid]

@@ -110,7 +110,7 @@ def test_docs_check_fails_when_registry_changes():
 
 
 def test_fingerprint_command_matches_the_record():
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
 
     p = get_patch("verl.reward_score.deepscaler")
     r = cli("fingerprint", p.target)
@@ -136,10 +136,10 @@ def test_cann_is_read_from_its_install_record(tmp_path):
 def test_npu_only_patch_is_skipped_off_ascend_but_still_fingerprinted():
     """A patch whose target needs torch_npu (vLLM-Ascend's model runner) is not applied on CPU
     or CUDA, and the doctor checks its fingerprint by parsing without requiring it here."""
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
     from verl_patches.prelude import patches_for
 
-    npu_only = [p for p in load_registry() if p.platforms == ("npu",)]
+    npu_only = [p for p in load_catalogue() if p.platforms == ("npu",)]
     assert npu_only, "expected at least one NPU-only patch in the registry"
     pid = npu_only[0].id
     phase = npu_only[0].phases[0]

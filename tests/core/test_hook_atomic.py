@@ -50,14 +50,14 @@ def test_install_on_a_full_disk_leaves_the_module_as_it_was(root):
 
 def test_a_line_cut_short_is_named_by_check_and_doctor_and_repaired_by_install(root, capsys):
     from verl_patches.core.doctor import run_doctor
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
     path = _module(root)
     original = path.read_text()
     path.write_text(original + "\n" + hook.LINE[:20])  # what an interrupted in-place write left
     assert main(["hook", "check", "--upstream-root", str(root)]) == 1
     assert "cut short by an interrupted write" in capsys.readouterr().err
-    findings, code = run_doctor(load_registry(), "cpu", root)
+    findings, code = run_doctor(load_catalogue(), "cpu", root)
     worker = [f for f in findings if f.target.startswith(hook.WORKER_MODULE + ":")]
     assert worker and all(f.status == "changed" and "is not valid Python" in f.detail for f in worker)
     assert code == 1

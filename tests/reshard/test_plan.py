@@ -15,7 +15,7 @@ from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.box import split_box
 from verl_patches.reshard.planner import build_plan
-from verl_patches.reshard.summary import plan_summaries
+from verl_patches.reshard.baselines import plan_summaries
 
 REPO = Path(__file__).resolve().parents[2]
 DSV3 = str(REPO / "configs/model/deepseek_v3.json")

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from verl_patches import settings
 from verl_patches.rollout import rebalance as rb
-from verl_patches.rollout.settings import recipe_problems
+from verl_patches.settings import problems as recipe_problems
 
 ON = rb.RebalancePolicy(enabled=True)
 
@@ -185,10 +185,10 @@ def test_the_setting_is_off_by_default_and_read_by_the_typed_reader():
 
 
 @pytest.mark.parametrize("section,match", [
-    ({"rebalance": "true"}, "recipe.rebalance must be true or false, got 'true' (write true or false"),
-    ({"rebalance_min_bucket_drop": 0}, "recipe.rebalance_min_bucket_drop must be at least 1, got 0"),
-    ({"rebalance_max_imbalance": 0.5}, "recipe.rebalance_max_imbalance must be at least 1.0, got 0.5"),
-    ({"rebalance_max_imbalance": "2"}, "recipe.rebalance_max_imbalance must be a number"),
+    ({"rebalance": "true"}, "recipe.rebalance must be true or false, got the string 'true' (write true or false"),
+    ({"rebalance_min_bucket_drop": 0}, "recipe.rebalance_min_bucket_drop must be >= 1, got 0"),
+    ({"rebalance_max_imbalance": 0.5}, "recipe.rebalance_max_imbalance must be >= 1.0, got 0.5"),
+    ({"rebalance_max_imbalance": "2"}, "recipe.rebalance_max_imbalance must be a positive number"),
 ])
 def test_a_bad_setting_is_named(section, match):
     with pytest.raises(rb.RebalanceError) as e:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from verl_patches.rollout.settings import RECIPE_SCHEMA, RolloutSettings, recipe_problems
+from verl_patches.rollout.settings import RolloutSettings
+from verl_patches.settings import SCHEMA as RECIPE_SCHEMA
+from verl_patches.settings import plain
+from verl_patches.settings import problems as recipe_problems
 
 
 @pytest.mark.parametrize("name", ["deepseekv3_256die_random_init", "deepseekv3_256die_true_weight"])
@@ -16,8 +19,6 @@ def test_the_shipped_configs_match_the_schema(name):
     cfg = compose(name)
     assert recipe_problems(_select(cfg, RECIPE_SECTION)) == []
     # Every key of the schema is set by the shipped YAML: the schema and the YAML list the same keys.
-    from verl_patches.rollout.settings import plain
-
     section = plain(_select(cfg, RECIPE_SECTION))
     assert set(section) == set(RECIPE_SCHEMA)
     assert set(section["vllm_dp"]) == set(RECIPE_SCHEMA["vllm_dp"])

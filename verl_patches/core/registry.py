@@ -1,7 +1,9 @@
-"""The registry: every patch record of the overlay, collected from the patch catalogue.
+"""The registry: the patch records of the modules it is handed, checked as one catalogue.
 
-Loading the registry imports our patch modules only; they import no upstream code at
-module level, so the doctor and the docs work without the upstream stack importable.
+The catalogue (verl_patches/patches/__init__.py: load_catalogue) hands it the overlay's modules; core/
+names no patch module itself, so every import edge points down. Loading imports our patch modules only;
+they import no upstream code at module level, so the doctor and the docs work without the upstream
+stack importable.
 """
 
 from __future__ import annotations
@@ -11,16 +13,8 @@ import importlib
 from verl_patches.core.record import Patch, PatchDefinitionError
 
 
-def load_registry(modules: tuple[str, ...] | None = None) -> list[Patch]:
-    """All patch records, in catalogue order; ids must be unique."""
-    if modules is None:
-        from verl_patches.patches import PATCH_MODULES
-
-        # Extra catalogue modules (a site's own patches; tests use it for fixtures).
-        from verl_patches import env
-
-        extra = env.get("VERL_PATCHES_EXTRA_MODULES")
-        modules = PATCH_MODULES + extra
+def load_registry(modules: tuple[str, ...]) -> list[Patch]:
+    """The patch records of ``modules`` (each defines ``PATCHES``), in their order; ids must be unique."""
     seen: dict[str, str] = {}
     out: list[Patch] = []
     for name in modules:
@@ -80,8 +74,9 @@ def check_catalogue(patches: list[Patch]) -> None:
         raise PatchDefinitionError("the patch catalogue is inconsistent:\n  " + "\n  ".join(problems))
 
 
-def get_patch(patch_id: str) -> Patch:
-    for p in load_registry():
+def find_patch(patches: list[Patch], patch_id: str) -> Patch:
+    """The record ``patch_id`` of ``patches``; KeyError naming the command that lists them."""
+    for p in patches:
         if p.id == patch_id:
             return p
     raise KeyError(f"no patch with id {patch_id!r} (see `python -m verl_patches patches`)")

@@ -22,6 +22,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from verl_patches.findings import finish
+
 REWARD_PATCH = "verl.reward_score.deepscaler"
 # Rows scored per data source: enough to catch a scorer that rejects the source, cheap on 40k rows.
 # (Every row's columns and types are checked; scoring is what is sampled.)
@@ -40,7 +42,7 @@ def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
     """(scorer, description) for ``config``: its custom_reward_function when it names one (loaded
     by verl's own loader; it may call verl's default scorer, so the recipe's reward patch is applied
     around each call), else verl's default scorer with that patch."""
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
 
     if config is not None:
         custom = (config.get("custom_reward_function") or {}) if hasattr(config, "get") else {}
@@ -260,13 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: not found: {', '.join(missing)}", file=sys.stderr)
         return 2
     scorer, what = recipe_scorer()
-    problems = check_files(args.files, scorer, args.prompt_key)
-    for msg in problems:
-        print(f"error: {msg}", file=sys.stderr)
-    if problems:
-        return 1
-    print(f"every row of {len(args.files)} file(s) has the recipe's columns; every data source is scored by {what}")
-    return 0
+    return finish(check_files(args.files, scorer, args.prompt_key),
+                  f"every row of {len(args.files)} file(s) has the recipe's columns; every data source is scored by {what}")
 
 
 if __name__ == "__main__":

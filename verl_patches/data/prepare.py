@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_patches import atomic
-from verl_patches.patches.verl.patch_utils_reward_score import DEEPSCALER_SOURCES
 from verl_patches.core.lock import REPO_ROOT
+from verl_patches.reward import DEEPSCALER_SOURCES
 
 SAMPLES = {
     "deepscaler": REPO_ROOT / "data" / "sample" / "deepscaler_sample.json",

@@ -6,8 +6,7 @@ Names are loaded on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from verl_patches import lazy_names
 
 # Each name and the module it lives in: imported on first use (PEP 562), so that reading the patch
 # catalogue (the doctor) needs no torch.
@@ -20,16 +19,4 @@ _WHERE = {
     **dict.fromkeys(['LiveSwitch', 'live_switch', 'reset_live_switch'], 'verl_patches.offload.live'),
 }
 
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__all__, __getattr__, __dir__ = lazy_names(__name__, _WHERE)

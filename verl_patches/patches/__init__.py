@@ -1,8 +1,11 @@
 """The patch catalogue: one module per upstream module patched, grouped by upstream package.
 
 Each listed module defines ``PATCHES``, a list of records; the registry reads them in this
-order, which is also the order the prelude applies them in.
+order, which is also the order the prelude applies them in. The catalogue hands its modules to the
+registry (verl_patches/core/registry.py), which names none itself: :func:`load_catalogue`.
 """
+
+from __future__ import annotations
 
 PATCH_MODULES: tuple[str, ...] = (
     # CPU platform stand-ins first (platforms=("cpu",)): what has no host implementation upstream.
@@ -59,3 +62,19 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.megatron.patch_core_optimizer_distrib_optimizer",
     "verl_patches.patches.mindspeed.patch_arguments",
 )
+
+
+def load_catalogue() -> list:
+    """Every patch record of the catalogue, plus the modules named by VERL_PATCHES_EXTRA_MODULES (a site's
+    own patches; tests use it for fixtures), checked by the registry."""
+    from verl_patches import env
+    from verl_patches.core.registry import load_registry
+
+    return load_registry(PATCH_MODULES + env.get("VERL_PATCHES_EXTRA_MODULES"))
+
+
+def get_patch(patch_id: str):
+    """The catalogue's record ``patch_id`` (KeyError if there is none)."""
+    from verl_patches.core.registry import find_patch
+
+    return find_patch(load_catalogue(), patch_id)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_patches.core.lock import REPO_ROOT
-from verl_patches.reshard.methods import METHODS
+from verl_patches.reshard import METHODS
 
 MODELS = {"tiny": REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json",
           "deepseek_v3": REPO_ROOT / "configs" / "model" / "deepseek_v3.json"}
@@ -229,7 +229,7 @@ def render(report: dict[str, Any]) -> str:
 
 def reference_plans(model_path: Path) -> list[dict[str, Any]]:
     from verl_patches.reshard.planner import build_plan
-    from verl_patches.reshard.summary import plan_summaries
+    from verl_patches.reshard.baselines import plan_summaries
 
     out = []
     for train, rollout in REFERENCE_LAYOUTS:

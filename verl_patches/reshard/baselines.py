@@ -12,7 +12,7 @@ owner stage and one PP all-to-all that spreads the gathered full tensors to ever
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,8 +22,31 @@ from verl_patches import accelerator
 from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import box_numel, intersect
 from verl_patches.reshard.placements import Logical, Placements
-from verl_patches.reshard.planner import Plan, RankStats
-from verl_patches.reshard.stats import ExecStats, zero_padding
+from verl_patches.reshard.planner import Plan, RankStats, summarize
+
+
+# What one rank's reshard did (shared by every method's executor, ours in executor.py too), and the one
+# step all of them end with.
+@dataclass
+class ExecStats:
+    """What one rank did: bytes it received / sent over the links, collectives issued, and the
+    largest transient buffer set it held (bytes, counted from the buffers it allocated)."""
+
+    method: str
+    recv_bytes: int = 0
+    sent_bytes: int = 0
+    local_bytes: int = 0
+    collectives: int = 0
+    peak_extra_bytes: int = 0
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def zero_padding(P: Placements, rank: int, roll: dict[str, torch.Tensor]) -> None:
+    """vLLM zero-fills the vocab rows past the real vocabulary; do the same (no traffic)."""
+    for slot in P.rollout_zero[rank]:
+        slot.view(roll[slot.name]).zero_()
+
 
 # --------------------------------------------------------------------------------------
 # Units: one Megatron parameter of one stage (what upstream iterates over)
@@ -156,18 +179,24 @@ def _stage_shard(P: Placements, G: Any, u: Any, my_stage: int, train: dict[str, 
     return buf
 
 
-def execute_upstream(plan: Plan, rank: int, train: dict[str, torch.Tensor],
-                     roll: dict[str, torch.Tensor]) -> ExecStats:
+def _begin(plan: Plan, rank: int, roll: dict[str, torch.Tensor], method: str):
+    """What both reference methods begin with: the placements, this rank's groups, the method's stats, the
+    peak counter, the clock, a rollout tensor (its dtype, device and element size) and this rank's pipeline
+    stage; the rollout's vocab padding zeroed."""
     P = plan.placements
     G = make_groups(P, rank)
-    tc = P.tcoords
-    st = ExecStats("upstream")
+    st = ExecStats(method)
     peak = _Peak()
     t0 = time.perf_counter()
     ref = next(iter(roll.values()))
-    es = ref.element_size()
-    my_stage = tc.pp_rank[rank]
+    my_stage = P.tcoords.pp_rank[rank]
     zero_padding(P, rank, roll)
+    return P, G, st, peak, t0, ref, ref.element_size(), my_stage
+
+
+def execute_upstream(plan: Plan, rank: int, train: dict[str, torch.Tensor],
+                     roll: dict[str, torch.Tensor]) -> ExecStats:
+    P, G, st, peak, t0, ref, es, my_stage = _begin(plan, rank, roll, "upstream")
     for u in units(P):
         buf = _stage_shard(P, G, u, my_stage, train, ref, peak, st)
         g = len(G.tp_ranks) if u.kind == "tp" else len(G.ep_ranks) if u.kind == "ep" else 1
@@ -249,18 +278,9 @@ def _expert_exchange(P: Placements, u: Unit, G: Groups, me_idx: int) -> list[lis
 
 def execute_recipe(plan: Plan, rank: int, train: dict[str, torch.Tensor],
                    roll: dict[str, torch.Tensor]) -> Any:
-    P = plan.placements
-    G = make_groups(P, rank)
-    tc = P.tcoords
-    st = ExecStats("recipe")
-    peak = _Peak()
-    t0 = time.perf_counter()
-    ref = next(iter(roll.values()))
-    es = ref.element_size()
+    P, G, st, peak, t0, ref, es, my_stage = _begin(plan, rank, roll, "recipe")
     dt, dev = ref.dtype, ref.device
-    my_stage = tc.pp_rank[rank]
     p = P.train.pp
-    zero_padding(P, rank, roll)
     us = units(P)
     # Experts: PP broadcast of the expert-group shard, then AlltoAllV in the expert group.
     me = G.ep_ranks.index(rank)
@@ -428,3 +448,11 @@ def recipe_stats(P: Placements, elem_size: int) -> list[RankStats]:
         out[r].collectives = coll
         out[r].peak_extra_bytes = pk * elem_size
     return out
+
+
+def plan_summaries(plan: Plan) -> list[dict[str, Any]]:
+    """One dict per method with max/mean received bytes per rank, total bytes on links,
+    collectives per rank and peak extra device memory per rank."""
+    P, es = plan.placements, plan.elem_size
+    return [summarize("direct", plan.ranks), summarize("upstream", upstream_stats(P, es)),
+            summarize("recipe", recipe_stats(P, es))]

@@ -14,7 +14,7 @@ from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import DTYPE_BYTES, build_plan
-from verl_patches.reshard.summary import plan_summaries
+from verl_patches.reshard.baselines import plan_summaries
 
 
 # Input bounds: far above any DeepSeek-V3 layout (the recipe's world is 256 ranks), low enough that

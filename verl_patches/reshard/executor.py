@@ -18,10 +18,9 @@ from verl_patches import accelerator
 from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import Box
 from verl_patches.reshard.placements import Part, Placements
-from verl_patches.reshard.baselines import execute_recipe, execute_upstream
-from verl_patches.reshard.methods import METHODS
+from verl_patches.reshard.baselines import ExecStats, execute_recipe, execute_upstream, zero_padding
+from verl_patches.reshard import METHODS
 from verl_patches.reshard.planner import Plan, RankProgram, Transfer, rank_program
-from verl_patches.reshard.stats import ExecStats, zero_padding
 
 
 
@@ -199,10 +198,10 @@ def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
     return st
 
 
-# The method registry: names (and what each is) in verl_patches.reshard.methods, runners here.
+# The method registry: names (and what each is) in verl_patches.reshard (its __init__), runners here.
 _RUNNERS: dict[str, Callable[..., ExecStats]] = {
     "direct": _execute_direct,
     "recipe": lambda plan, rank, train, roll, group: execute_recipe(plan, rank, train, roll),
     "upstream": lambda plan, rank, train, roll, group: execute_upstream(plan, rank, train, roll),
 }
-assert tuple(_RUNNERS) == METHODS, "verl_patches.reshard.methods.METHODS and the runners must agree"
+assert tuple(_RUNNERS) == METHODS, "verl_patches.reshard.METHODS and the runners must agree"

@@ -2,3 +2,7 @@
 
 Plain functions with verl's custom-reward signature; nothing here patches verl.
 """
+
+# data_source values the deepscaler preparation tool writes (verl_patches/data/prepare.py), plus the dataset's
+# hub name: the rows verl_patches.reward.deepscaler scores (the reward patch routes them there).
+DEEPSCALER_SOURCES = frozenset({"deepscaler", "agentica-org/DeepScaleR-Preview-Dataset"})

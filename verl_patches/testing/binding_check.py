@@ -103,7 +103,7 @@ def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dic
     from megatron.core import parallel_state as mpu
 
     from verl_patches.core.apply import apply_all
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
 
     mpu.initialize_model_parallel(1, 1)
     out, applied = [], False
@@ -213,7 +213,7 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     from torch.distributed.device_mesh import init_device_mesh
 
     from verl_patches.core.apply import apply_all
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
     from verl_patches.reshard.binding import megatron_params
     from verl_patches.reshard.shards import full_state, logical_state, train_shards
     from verl_patches.rollout.settings import RolloutSettings

@@ -65,7 +65,7 @@ def _cpu_stand_ins() -> None:
     """What megatron-core needs to build and step on the host (CPU platform only): its optimizers through
     the overlay's patch cpu.megatron.optimizer_on_host, and torch.cuda.current_device answering the host."""
     from verl_patches.core.apply import apply_all
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
     from verl_patches.testing.upstream_env import prepare_cpu_upstream
 
     prepare_cpu_upstream()
@@ -97,7 +97,7 @@ def build(cfg: dict, *, seed: int, lr: float, fraction: float | None, overlap: b
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from verl_patches.patches.verl.patch_utils_megatron_utils_switch import apply_offload, offload_settings
+    from verl_patches.optim_offload import apply_offload, offload_settings
     from verl_patches.testing.live_models import build_megatron_deepseek
 
     torch.manual_seed(seed)  # megatron-core's CPU initialisation draws from it: every variant starts equal

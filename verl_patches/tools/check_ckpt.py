@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from verl_patches.tools import manifest
+from verl_patches.findings import finish
 
 # What megatron-core's dist_checkpointing.load reads besides the data files.
 REQUIRED = (".metadata", "metadata.json", "common.pt")
@@ -64,12 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ckpt", type=Path, help="checkpoint directory (DIST_CKPT_PATH)")
     args = p.parse_args(argv)
     found, summary = problems(args.ckpt)
-    for msg in found:
-        print(f"error: {msg}", file=sys.stderr)
-    if found:
-        return 1
-    print(f"{args.ckpt}: complete torch_dist checkpoint ({summary})")
-    return 0
+    return finish(found, f"{args.ckpt}: complete torch_dist checkpoint ({summary})")
 
 
 if __name__ == "__main__":

@@ -36,9 +36,9 @@ def _setup() -> None:
     from megatron.core import parallel_state as mpu
 
     from verl_patches.core.apply import apply_all
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
-    apply_all([p for p in load_registry() if p.id.startswith(CPU_IDS)])
+    apply_all([p for p in load_catalogue() if p.id.startswith(CPU_IDS)])
     mpu.initialize_model_parallel(1, 1)
     import verl.workers.actor.megatron_actor as ma
 
@@ -213,7 +213,7 @@ def train(rank: int, world: int, overlap: dict[str, bool], offload_between: bool
     from verl.workers.actor.megatron_actor import MegatronPPOActor
 
     from verl_patches.core.apply import apply_all, undo
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
 
     applied = apply_all([get_patch(i) for i in OVERLAP_IDS])
     try:
@@ -245,7 +245,7 @@ def train(rank: int, world: int, overlap: dict[str, bool], offload_between: bool
 def guards(rank: int, world: int) -> dict[str, Any]:
     """The offload of the params refuses an in-flight gather and parameters not gathered since a step."""
     from verl_patches.core.apply import apply_all, undo
-    from verl_patches.core.registry import get_patch
+    from verl_patches.patches import get_patch
     from verl_patches.ddp_overlap import DdpOverlapError, complete_param_gather
     from verl_patches.offload import OffloadEngine
     from verl_patches.offload.megatron_memory import ActorMemory

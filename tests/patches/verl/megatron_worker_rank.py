@@ -258,9 +258,9 @@ def _data(n: int = 2):
 
 def _apply(ids: list[str]) -> None:
     from verl_patches.core import apply as ap
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
-    reg = {p.id: p for p in load_registry()}
+    reg = {p.id: p for p in load_catalogue()}
     ap.apply_all([reg[i] for i in ids])
 
 

@@ -54,13 +54,13 @@ def _setup():
     from megatron.core import parallel_state as mpu
 
     from verl_patches.core.apply import apply_all
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
     # Imported before any patch: its `from ... import compute_policy_loss` must see the original, so that
     # undo() between scenarios restores it there too.
     import verl.workers.actor.megatron_actor  # noqa: F401
 
-    apply_all([p for p in load_registry() if p.id.startswith("cpu.") and p.applies_on("cpu") and "worker" in p.phases])
+    apply_all([p for p in load_catalogue() if p.id.startswith("cpu.") and p.applies_on("cpu") and "worker" in p.phases])
     mpu.initialize_model_parallel(1, 1)
 
 
@@ -148,9 +148,9 @@ def update(ids: list, compare: bool = True, loss_agg_mode: str = "token-mean", e
     import dataclasses
 
     from verl_patches.core.apply import apply_all, undo
-    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import load_catalogue
 
-    reg = {p.id: p for p in load_registry()}
+    reg = {p.id: p for p in load_catalogue()}
     patches = [dataclasses.replace(reg[i], requires=()) if strip_requires else reg[i] for i in ids]
     applied = apply_all(patches)
     try:

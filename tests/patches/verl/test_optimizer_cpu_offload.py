@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_patches.core.apply import apply_all, undo
-from verl_patches.core.registry import get_patch
+from verl_patches.patches import get_patch
 from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
 from verl_patches.patches.verl.patch_workers_megatron_workers_switch import check_optimizer_offload
 

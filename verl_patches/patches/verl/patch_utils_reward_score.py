@@ -14,9 +14,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-
-# data_source values the deepscaler preparation tool writes (data/), plus the dataset's hub name.
-DEEPSCALER_SOURCES = frozenset({"deepscaler", "agentica-org/DeepScaleR-Preview-Dataset"})
+from verl_patches.reward import DEEPSCALER_SOURCES
 
 
 def wrap_default_compute_score(original: Callable[..., Any]) -> Callable[..., Any]:

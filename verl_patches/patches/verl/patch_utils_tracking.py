@@ -28,24 +28,23 @@ from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
 REPORT_ATTR = stash.attr("report")
-RECIPE = ("actor_rollout_ref", "rollout", "recipe")
 
 
 def _get(cfg: Any, *path: str) -> Any:
-    for key in path:
-        if cfg is None:
-            return None
-        cfg = cfg.get(key) if hasattr(cfg, "get") else getattr(cfg, key, None)
-    return cfg
+    from verl_patches import settings
+
+    return settings.lookup(cfg, ".".join(path))
 
 
 def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self, project_name, experiment_name, default_backend="console", config=None):
-        recipe = _get(config, *RECIPE)
+        from verl_patches import settings
+
+        recipe = settings.trainer_section(config)
         if recipe is None:
             return original(self, project_name, experiment_name, default_backend, config)
-        from verl_patches import accelerator, settings
+        from verl_patches import accelerator
         from verl_patches.report import Cards, RunReport
 
         # Upstream's __del__ reads self.logger: a setting refused below must not add an AttributeError to it.
