@@ -84,7 +84,7 @@ def _mindspeed_source(tmp_path, upstream_dir, **env):
 
     return subprocess.run(["bash", str(REPO / "scripts" / "install_mindspeed.sh"), "--print", sys.executable],
                           env=dict(os.environ, VERL_PATCHES_UPSTREAM_DIR=str(upstream_dir), **env),
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=300)
 
 
 def test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_a_note(tmp_path):
@@ -114,7 +114,7 @@ def test_install_mindspeed_without_a_folder_named_looks_inside_and_beside_the_ch
 
     def source():
         return subprocess.run(["bash", str(checkout / "scripts" / "install_mindspeed.sh"), "--print", sys.executable],
-                              env=dict(env, GIT="false"), capture_output=True, text=True, timeout=60)
+                              env=dict(env, GIT="false"), capture_output=True, text=True, timeout=300)
 
     assert source().stdout.startswith("skip: no ")
     (tmp_path / "archives" / "upstream").mkdir(parents=True)

@@ -19,7 +19,7 @@ import pytest
 from tests.helpers import REPO
 from tests.offload.test_live_switch import ACTOR, REF, ROLLOUT, Member, die_and_engine
 from verl_patches.core import stash
-from verl_patches.core.registry import get_patch
+from verl_patches.patches import get_patch
 from verl_patches.offload import ScheduleError, our_steps
 from verl_patches.offload.live import (CALLS, SHARDING_ENTER, WAKE_TAGS, WEIGHT_SYNC, WORKER, calls_inside,
                                        calls_markdown, reset_live_switch, switch_call, wake_call)

@@ -101,7 +101,7 @@ def test_named_readers_read_it_and_absent_readers_do_not(sources):
 def _apply(*lines, **env):
     script = "set -euo pipefail\nsource scripts/cluster/recipe_env.sh\n" + "\n".join(lines)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HCCL_", "VLLM_", "ASCEND_", "TASK_QUEUE"))}
-    return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=30,
+    return subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**base, **env})
 
 

@@ -113,7 +113,7 @@ LAUNCH_CKPT_DIR={ckpt or ''}
 launch_check_head
 """
     return subprocess.run(["bash", "-c", script], env=_env(PYTHONPATH=str(REPO), **env), capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=300)
 
 
 def test_head_inputs_pass(model, data, tmp_path):

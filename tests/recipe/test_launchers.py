@@ -204,7 +204,7 @@ echo "EXPORTED {ccl}=$(printenv {ccl}) GLOO_SOCKET_IFNAME=$(printenv GLOO_SOCKET
 
     def run(**user):
         r = subprocess.run(["bash", "-c", script], env=_env(DEVICE=device, **user), capture_output=True, text=True,
-                           timeout=30)
+                           timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
         return r.stdout
 
