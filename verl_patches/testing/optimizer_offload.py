@@ -147,13 +147,13 @@ def run_variant(cfg: dict, *, steps: int, fraction: float | None, lr: float, ove
     from verl_patches.offload.live import LiveSwitch
     from verl_patches.offload.megatron_memory import (ActorMemory, host_optimizer_bytes, hybrid_optimizers,
                                                       inner_optimizers)
-    from verl_patches.patches.megatron.patch_core_fp8_utils import quantize_param_shard
+    from verl_patches.patches import get_patch
 
     # megatron-core 0.12.1's DistributedOptimizer calls Transformer Engine's FP8 cast on every step and
     # raises without TE (neither the GPU image nor the host has it); with no FP8 params there is nothing to
     # cast: the CPU platform's replacement (patch cpu.megatron.fp8_quantize_without_te) returns, and
     # raises if an FP8 param ever appears.
-    dopt.quantize_param_shard = quantize_param_shard
+    dopt.quantize_param_shard = get_patch("cpu.megatron.fp8_quantize_without_te").load_replacement()
     cuda = device == "cuda"
     gc.collect()  # the previous variant's model and optimizer (megatron's objects hold reference cycles)
     if cuda:
