@@ -12,9 +12,14 @@ with exactly those tensors, and samples; it returns vLLM's RequestOutput objects
 tokens' log-probs as vLLM's V1 sampler computes them (log-softmax of the raw logits, before
 temperature and top-k / top-p) when the sampling parameters ask for them, as verl's always do.
 
-Sampling draws from torch's default generator, which verl's sharding manager has set to the
-generation state of the rank's data-parallel group (so the tensor-parallel ranks of a group agree,
-as vLLM's do). Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture
+Each request samples with its own generator: vLLM's per-request seed where SamplingParams.seed
+is set, else a seed drawn per request, in the original order, from torch's default generator, which
+verl's sharding manager has set to the generation state of the rank's data-parallel group (so the
+tensor-parallel ranks of a group agree, as vLLM's do). Each request keeps its own KV cache and a
+step runs one left-padded batched forward over the running requests, whose result for a request does
+not depend on the others (tests/rollout/test_migrate.py): a request's tokens depend neither on its
+batch nor on its DP rank, which is what lets recipe.rebalance move requests between DP ranks during
+the generation (verl_patches/rollout/migrate.py; the ranks then step in lockstep). Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture
 (``enforce_eager`` must be True), the KV cache is allocated and bound but transformers uses its
 own cache for the forward.
 """
