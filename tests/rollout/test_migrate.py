@@ -157,3 +157,27 @@ def test_negative_control_a_move_without_the_generator_state_changes_tokens(rank
     differ = sum(a != b for out in ranks for a, b in zip(out["off"]["tokens"], out["no_generator_state"]["tokens"]))
     assert differ > 0
     assert ranks[0]["no_generator_state"]["stats"]["moves"] == ranks[0]["on"]["stats"]["moves"]
+
+
+def test_the_setting_reaches_the_engine_on_the_cpu_platform_and_is_refused_on_a_device(monkeypatch):
+    """recipe.rebalance is run by the CPU stand-in only: on a device vLLM's engine cannot move a
+    request yet, so True is refused at the rollout's construction instead of doing nothing."""
+    from types import SimpleNamespace
+
+    from verl_patches.core import stash
+    from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import _attach_rebalance
+
+    engine = SimpleNamespace()
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")
+    _attach_rebalance(engine, {"recipe": {"rebalance": True, "rebalance_cpu_stagger": 3}})
+    setup = stash.get(engine, "rebalance")
+    assert setup.policy.enabled and setup.stagger == 3
+    _attach_rebalance(engine, {"recipe": {}})
+    assert stash.get(engine, "rebalance") is None  # off by default
+    with pytest.raises(ValueError, match="needs rebalance: True"):
+        _attach_rebalance(engine, {"recipe": {"rebalance_cpu_stagger": 3}})
+    for device in ("npu", "cuda"):
+        monkeypatch.setenv("VERL_PATCHES_DEVICE", device)
+        with pytest.raises(ValueError, match=f"CPU generation stand-in only; vLLM's engine on {device}"):
+            _attach_rebalance(engine, {"recipe": {"rebalance": True}})
+        _attach_rebalance(engine, {"recipe": {"rebalance": False}})  # off is fine everywhere
