@@ -261,14 +261,13 @@ class _Generator:
         test-only stagger (recipe.rebalance_cpu_stagger)."""
         from vllm.distributed import parallel_state as ps
 
-        from verl_patches.rollout.migrate import Lockstep, default_buckets
+        from verl_patches.rollout.migrate import Lockstep, eager_buckets
 
         coord = ps.get_dp_group()
         seqs = int(self.vllm_config.scheduler_config.max_num_seqs)
-        extra = getattr(self.vllm_config, "additional_config", None) or {}
-        graphs = (extra.get("torchair_graph_config") or {}).get("graph_batch_sizes") if isinstance(extra, dict) else None
-        buckets = tuple(int(b) for b in graphs) if graphs else default_buckets(seqs)
-        lockstep = Lockstep(coord.cpu_group, setup.policy, buckets, seqs)
+        # The CPU engine is eager (no graph is captured, whatever torchair_graph_config says): the group
+        # steps at its fullest rank's batch, so every batch size is a bucket.
+        lockstep = Lockstep(coord.cpu_group, setup.policy, eager_buckets(seqs), seqs)
         return lockstep, int(setup.stagger) * coord.rank_in_group
 
 

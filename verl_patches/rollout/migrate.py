@@ -198,13 +198,9 @@ class Lockstep:
         return rb.restore({self.rank: self.original[self.rank]}, {self.rank: here})[self.rank]
 
 
-def default_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Powers of two below ``max_num_seqs``, then ``max_num_seqs``: the buckets where no graph is
-    captured (the CPU stand-in), so that the policy has sizes to drop through."""
+def eager_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Every batch size from 1 to ``max_num_seqs``: the buckets of an eager engine (no captured graph),
+    whose DP group steps at its fullest rank's batch; the policy then evens the ranks out."""
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
         raise MigrateError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
-    out, b = [], 1
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 2
-    return tuple(out + [max_num_seqs])
+    return tuple(range(1, max_num_seqs + 1))
