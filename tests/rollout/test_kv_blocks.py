@@ -22,8 +22,8 @@ def _manager():
 
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=WIDTH, dtype=torch.bfloat16, use_mla=True)
-    cfg = KVCacheConfig(num_blocks=BLOCKS,
-                        kv_cache_tensors=[KVCacheTensor(size=BLOCKS * spec.page_size_bytes, shared_by=[n]) for n in names],
+    tensors = [KVCacheTensor(size=BLOCKS * spec.page_size_bytes, shared_by=[n]) for n in names]
+    cfg = KVCacheConfig(num_blocks=BLOCKS, kv_cache_tensors=tensors,
                         kv_cache_groups=[KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)])
     # Prefix caching off, as the recipe's rollout runs.
     return KVCacheManager(cfg, max_model_len=64, enable_caching=False)

@@ -19,9 +19,11 @@ tensor-parallel ranks of a group agree, as vLLM's do). Each request keeps its ow
 step runs one left-padded batched forward over the running requests, whose result for a request does
 not depend on the others (tests/rollout/test_migrate.py): a request's tokens depend neither on its
 batch nor on its DP rank, which is what lets recipe.rebalance move requests between DP ranks during
-the generation (verl_patches/rollout/migrate.py; the ranks then step in lockstep). Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture
-(``enforce_eager`` must be True), the KV cache is allocated and bound but transformers uses its
-own cache for the forward.
+the generation (verl_patches/rollout/migrate.py; the ranks then step in lockstep).
+
+Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture (``enforce_eager``
+must be True), the KV cache is allocated and bound but transformers uses its own cache for the
+forward.
 """
 
 from __future__ import annotations
