@@ -36,7 +36,7 @@ NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "switch/", "global
 # Run B's rollout: rebalance on, the second DP rank starting its requests 8 decode steps late (of the 16
 # tokens of every response), so the first rank empties first and requests move both ways.
 REBALANCE = ("actor_rollout_ref.rollout.recipe.rebalance=True",
-             "+actor_rollout_ref.rollout.recipe.rebalance_cpu_stagger=8")
+             "actor_rollout_ref.rollout.recipe.rebalance_cpu_stagger=8")
 # Mean reward of the last 2 steps over the first 2, on the toy task. Measured rises: 0.28 (rewards 0.094,
 # 0.112, 0.245, 0.311, 0.375, 0.391) when the stand-in sampled every row from one shared stream; 0.131
 # (0.094, 0.066, 0.150, 0.108, 0.171, 0.251) since each request samples with its own generator (what
