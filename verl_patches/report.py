@@ -29,6 +29,10 @@ from typing import Any, TextIO
 
 SWITCH_PREFIX = "switch/"
 _TIMED_SWITCH = "timing_s/" + SWITCH_PREFIX
+# The generation's own figures, through the same channel (the rollout's rebalance: rollout/rebalance_*,
+# verl_patches/rollout/migrate.py); moved to ``rollout/...``.
+ROLLOUT_PREFIX = "rollout/"
+_TIMED_ROLLOUT = "timing_s/" + ROLLOUT_PREFIX
 
 # (label, metric, format) of the per-step line, in order; absent metrics are left out.
 LINE = (
@@ -158,8 +162,9 @@ class RunReport:
 
     def step(self, data: dict[str, Any], step: int) -> dict[str, Any]:
         data = dict(data)
-        for key in [k for k in data if k.startswith(_TIMED_SWITCH)]:
-            data[SWITCH_PREFIX + key[len(_TIMED_SWITCH):]] = data.pop(key)
+        for timed, prefix in ((_TIMED_SWITCH, SWITCH_PREFIX), (_TIMED_ROLLOUT, ROLLOUT_PREFIX)):
+            for key in [k for k in data if k.startswith(timed)]:
+                data[prefix + key[len(timed):]] = data.pop(key)
         if self.cards is not None:
             tps = tps_per_card(data, self.cards)
             if tps is not None:

@@ -58,14 +58,19 @@ KEYS: dict[str, Key] = {
                                      "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
     "tensorboard_dir": Key(str, None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's "
                                       "default, tensorboard_log/<project>/<experiment> under the driver's directory"),
-    # The rollout's long-tail rebalance policy (verl_patches/rollout/rebalance.py, docs/ROLLOUT.md). Read
-    # by the planner (python -m verl_patches rollout-plan); no rollout patch consumes it yet.
+    # The rollout's long-tail rebalance (docs/ROLLOUT.md): the policy (verl_patches/rollout/rebalance.py, also
+    # read by the planner) and the mechanism (verl_patches/rollout/migrate.py), which only the CPU
+    # generation stand-in runs yet: on vLLM's engine (NPU, GPU) the rollout refuses rebalance: True.
     "rebalance": Key(bool, False, "move unfinished requests between DP ranks so the DP group drops to a smaller "
-                                  "captured graph bucket (policy only: the rollout does not act on it yet)"),
+                                  "captured graph bucket (the CPU generation stand-in only: vLLM's engine on a "
+                                  "device does not implement the move yet and refuses it)"),
     "rebalance_min_bucket_drop": Key(int, 1, "rebalance only when it lowers the group's graph bucket by at least "
                                              "this many steps of graph_batch_sizes", minimum=1),
     "rebalance_max_imbalance": Key(float, None, "or, for a smaller drop, when the fullest DP rank holds more than "
                                                 "this many times the mean; null: only the drop counts", minimum=1.0),
+    "rebalance_cpu_stagger": Key(int, 0, "tests only, CPU generation stand-in: DP rank r admits its requests r x N "
+                                         "decode steps late, forcing an uneven tail for rebalance to move (the "
+                                         "outputs do not change); 0: off", minimum=0),
     "devices_per_card": Key(int, None, "devices (verl's GPUs: dies on Ascend) per card, for perf/tps_per_card; "
                                        "null: by trainer.device (npu 2, cuda 1; the CPU platform 1)"),
 }

@@ -26,6 +26,9 @@ KEYS: dict[str, str] = {
     "step": "the trainer's global step of the generation under way, on verl's sharding manager",
     "addresses_reported": "captured-graph addresses checked already reported, on verl's sharding manager",
     "update_probe": "the next update's rollout-mismatch / entropy probe (UpdateProbe), on verl's MegatronPPOActor",
+    "rebalance": "the rollout's RebalanceSetup (recipe.rebalance*) or None, on vLLM's LLM (read by its generate)",
+    "timing": "verl's sharding manager's timing dict of the generation under way, on vLLM's LLM (the "
+              "generation adds its rollout/... figures)",
 }
 
 

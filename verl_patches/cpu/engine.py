@@ -12,11 +12,18 @@ with exactly those tensors, and samples; it returns vLLM's RequestOutput objects
 tokens' log-probs as vLLM's V1 sampler computes them (log-softmax of the raw logits, before
 temperature and top-k / top-p) when the sampling parameters ask for them, as verl's always do.
 
-Sampling draws from torch's default generator, which verl's sharding manager has set to the
-generation state of the rank's data-parallel group (so the tensor-parallel ranks of a group agree,
-as vLLM's do). Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture
-(``enforce_eager`` must be True), the KV cache is allocated and bound but transformers uses its
-own cache for the forward.
+Each request samples with its own generator: vLLM's per-request seed where SamplingParams.seed
+is set, else a seed drawn per request, in the original order, from torch's default generator, which
+verl's sharding manager has set to the generation state of the rank's data-parallel group (so the
+tensor-parallel ranks of a group agree, as vLLM's do). Each request keeps its own KV cache and a
+step runs one left-padded batched forward over the running requests, whose result for a request does
+not depend on the others (tests/rollout/test_migrate.py): a request's tokens depend neither on its
+batch nor on its DP rank, which is what lets recipe.rebalance move requests between DP ranks during
+the generation (verl_patches/rollout/migrate.py; the ranks then step in lockstep).
+
+Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture (``enforce_eager``
+must be True), the KV cache is allocated and bound but transformers uses its own cache for the
+forward.
 """
 
 from __future__ import annotations
@@ -148,7 +155,16 @@ def llm_generate(self, prompts: Any = None, sampling_params: Any = None, prompt_
             raise CpuEngineError("the CPU engine takes token-id prompts ({'prompt_token_ids': [...]}), as verl sends")
         token_ids.append([int(t) for t in p["prompt_token_ids"]])
     params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(token_ids)
-    return self._cpu_generator.generate(token_ids, params)
+    from verl_patches.core import stash
+
+    outputs = self._cpu_generator.generate(token_ids, params, rebalance=stash.get(self, "rebalance"))
+    # Into the sharding manager's timing dict (verl's channel from the generation workers to the
+    # driver's metrics), which patch verl.sharding_manager.reshard leaves on the engine.
+    timing = stash.get(self, "timing")
+    if timing is not None:
+        for key, value in self._cpu_generator.last_figures.items():
+            timing[key] = timing.get(key, 0.0) + value
+    return outputs
 
 
 class _Generator:
@@ -156,6 +172,7 @@ class _Generator:
         self.vllm_config, self.vllm_model = vllm_config, vllm_model
         self._hf: Optional[torch.nn.Module] = None
         self._placements = None
+        self.last_figures: dict[str, float] = {}  # the last generate's rebalance figures (rollout/...)
 
     def _placements_for_rollout(self) -> Any:
         if self._placements is None:
@@ -206,15 +223,24 @@ class _Generator:
         return self._hf
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: Sequence[Any]) -> list:
+    def generate(self, prompts: list[list[int]], params: Sequence[Any], rebalance: Any = None) -> list:
+        """vLLM's RequestOutputs for ``prompts``. ``rebalance`` (a ``RebalanceSetup``, patch
+        verl.vllm_rollout.recipe_engine; None: off): decode in lockstep with the other ranks of vLLM's
+        DP group and move unfinished requests between them (verl_patches/rollout/migrate.py)."""
         from vllm.outputs import CompletionOutput, RequestOutput
 
         model = self._load_hf()
         hf_cfg = self.vllm_config.model_config.hf_config
         eos = getattr(hf_cfg, "eos_token_id", None)
         rows = [(i, s) for i, p in enumerate(params) for s in range(int(p.n))]
+        seeds = request_seeds([params[i] for i, _ in rows], [s for _, s in rows])
+        lockstep, arrival = None, 0
+        if rebalance is not None and rebalance.policy.enabled:
+            lockstep, arrival = self._lockstep(rebalance)
         sequences = _sample(model, [prompts[i] for i, _ in rows], [params[i] for i, _ in rows], eos,
-                            pad=int(getattr(hf_cfg, "pad_token_id", None) or 0))
+                            pad=int(getattr(hf_cfg, "pad_token_id", None) or 0), seeds=seeds, lockstep=lockstep,
+                            arrival=arrival, capacity=int(self.vllm_config.scheduler_config.max_num_seqs))
+        self.last_figures = lockstep.stats.figures() if lockstep is not None else {}
         outputs = []
         for i, ids in enumerate(prompts):
             samples = []
@@ -231,6 +257,31 @@ class _Generator:
             outputs.append(RequestOutput(request_id=str(i), prompt=None, prompt_token_ids=ids, prompt_logprobs=None,
                                          outputs=samples, finished=True))
         return outputs
+
+    def _lockstep(self, setup: Any) -> tuple[Any, int]:
+        """The lockstep over vLLM's DP group (its gloo group), and this rank's arrival step under the
+        test-only stagger (recipe.rebalance_cpu_stagger)."""
+        from vllm.distributed import parallel_state as ps
+
+        from verl_patches.rollout.migrate import Lockstep, eager_buckets
+
+        coord = ps.get_dp_group()
+        seqs = int(self.vllm_config.scheduler_config.max_num_seqs)
+        # The CPU engine is eager (no graph is captured, whatever torchair_graph_config says): the group
+        # steps at its fullest rank's batch, so every batch size is a bucket.
+        lockstep = Lockstep(coord.cpu_group, setup.policy, eager_buckets(seqs), seqs)
+        return lockstep, int(setup.stagger) * coord.rank_in_group
+
+
+def request_seeds(params: Sequence[Any], sample_index: Sequence[int]) -> list[int]:
+    """One sampling seed per request (row), so that a request samples the same tokens on any rank and in
+    any batch: vLLM's own per-request seed where SamplingParams.seed is set (seed + index for the n
+    samples of a prompt, as vLLM 0.9.1's parallel sampling gives its children), else drawn from the
+    rank's generation stream (torch's default generator, which verl sets per DP group), one per row in
+    the original request order."""
+    drawn = torch.randint(0, 2**62, (len(params),), dtype=torch.int64).tolist() if params else []
+    return [int(p.seed) + int(s) if getattr(p, "seed", None) is not None else d
+            for p, s, d in zip(params, sample_index, drawn)]
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -258,54 +309,158 @@ def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.
     return chosen.squeeze(-1), ranks
 
 
+class RequestState:
+    """One request of the stand-in's decode: what it needs to go on generating on any rank, and what
+    a move sends (``pack``): prompt, generated tokens, their log-probs, its sampling generator's state
+    and its KV cache (transformers' per-layer key and value tensors of the request's own positions,
+    no padding)."""
+
+    def __init__(self, prompt: list[int], params: Any, seed: int) -> None:
+        self.prompt, self.params = list(prompt), params
+        self.out: list[int] = []
+        self.lps: list[tuple[float, int]] = []
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.kv: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None  # None: not prefilled yet
+        self.reason: Optional[str] = None
+
+    def weight(self) -> int:
+        """Tokens whose KV a move carries."""
+        return len(self.prompt) + len(self.out)
+
+    def pack(self) -> dict:
+        return {"prompt": self.prompt, "params": self.params, "out": self.out, "lps": self.lps,
+                "generator": self.generator.get_state(), "kv": self.kv}
+
+    @classmethod
+    def unpack(cls, d: dict) -> "RequestState":
+        state = cls(d["prompt"], d["params"], 0)
+        state.out, state.lps, state.kv = list(d["out"]), list(d["lps"]), d["kv"]
+        state.generator.set_state(d["generator"])
+        return state
+
+    def kv_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv or ())
+
+
+def _forward(model: torch.nn.Module, batch: list[RequestState]) -> torch.Tensor:
+    """One forward over ``batch``: prefill for requests without KV (all of the batch) or one decode
+    step for requests with KV (all of it), left-padded to the batch's longest. Each request's KV is
+    updated to its own positions; returns the last position's logits [len(batch), vocab]."""
+    from transformers import DynamicCache
+
+    n = len(batch)
+    prefill = batch[0].kv is None
+    if any((s.kv is None) != prefill for s in batch):
+        raise CpuEngineError("a forward mixes prefill and decode requests")
+    if prefill:
+        lens = [len(s.prompt) for s in batch]
+        width = max(lens)
+        ids = torch.zeros((n, width), dtype=torch.long)
+        mask = torch.zeros((n, width), dtype=torch.long)
+        for r, s in enumerate(batch):
+            ids[r, width - lens[r]:] = torch.tensor(s.prompt, dtype=torch.long)
+            mask[r, width - lens[r]:] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        past = None
+    else:
+        lens = [s.kv[0][0].shape[-2] for s in batch]
+        width = max(lens)
+        past = DynamicCache()
+        for layer in range(len(batch[0].kv)):
+            k0, v0 = batch[0].kv[layer]
+            keys = k0.new_zeros((n, k0.shape[0], width, k0.shape[-1]))
+            values = v0.new_zeros((n, v0.shape[0], width, v0.shape[-1]))
+            for r, s in enumerate(batch):
+                keys[r, :, width - lens[r]:] = s.kv[layer][0]
+                values[r, :, width - lens[r]:] = s.kv[layer][1]
+            past.update(keys, values, layer)
+        ids = torch.tensor([[s.out[-1]] for s in batch], dtype=torch.long)
+        mask = torch.zeros((n, width + 1), dtype=torch.long)
+        for r in range(n):
+            mask[r, width - lens[r]:] = 1
+        positions = torch.tensor([[length] for length in lens], dtype=torch.long)
+    res = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
+    cache, total = res.past_key_values, ids.shape[1] + (0 if prefill else width)
+    for r, s in enumerate(batch):
+        keep = total - (lens[r] + (0 if prefill else 1))
+        s.kv = [(cache[layer][0][r, :, keep:].clone(), cache[layer][1][r, :, keep:].clone())
+                for layer in range(len(cache))]
+    return res.logits[:, -1]
+
+
+def _sample_next(state: RequestState, logits: torch.Tensor, eos: Optional[int]) -> None:
+    """Sample the request's next token from its row of logits with its own generator; record the
+    token's log-prob as vLLM returns it (``sampled_logprobs``) and whether the request finished."""
+    p = state.params
+    if p.temperature <= 0:
+        tok = int(torch.argmax(logits))
+    else:
+        filtered = _filter(logits.float() / p.temperature, int(p.top_k), float(p.top_p))
+        tok = int(torch.multinomial(torch.softmax(filtered, -1), 1, generator=state.generator))
+    lp, rank = sampled_logprobs(logits.unsqueeze(0), torch.tensor([tok]))
+    state.out.append(tok)
+    state.lps.append((float(lp[0]), int(rank[0])))
+    if eos is not None and tok == eos and not p.ignore_eos:
+        state.reason = "stop"
+    elif len(state.out) >= int(p.max_tokens):
+        state.reason = "length"
+
+
 def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any], eos: Optional[int],
-            pad: int) -> list[tuple[list[int], str, list[dict[int, Any]]]]:
-    """Batched sampling with a KV cache: left-padded prompts, per-row temperature / top-k / top-p /
-    max_tokens / ignore_eos; temperature 0 is greedy. Each row also gets its sampled tokens' log-probs
-    as vLLM returns them (``sampled_logprobs``): one {token_id: vllm.sequence.Logprob} per position."""
+            pad: int, seeds: Sequence[int], lockstep: Any = None, arrival: int = 0,
+            capacity: Optional[int] = None) -> list[tuple[list[int], str, list[dict[int, Any]]]]:
+    """Sampling with a KV cache per request: each step, one batched forward over the rank's running
+    requests (left-padded; a row's logits do not depend on its neighbours, tests/rollout/test_migrate.py),
+    each request sampling with its own generator (``seeds``, ``request_seeds``): per-row temperature /
+    top-k / top-p / max_tokens / ignore_eos, temperature 0 greedy. Each row also gets its sampled
+    tokens' log-probs as vLLM returns them (``sampled_logprobs``): one {token_id: Logprob} per position.
+
+    At most ``capacity`` requests run at once (vLLM's max_num_seqs), admitted in order from step
+    ``arrival`` (0; the test-only stagger delays a DP rank's). With ``lockstep``
+    (verl_patches/rollout/migrate.py), every step ends with the DP group's check and the moves it
+    plans, and the outputs come back to their original rank and order at the end. ``pad`` is
+    unused: padded positions are masked (kept for the callers' signature)."""
+    from collections import deque
+
     from vllm.sequence import Logprob
 
-    if not prompts:
-        return []
-    n, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad, dtype=torch.long)
-    mask = torch.zeros((n, width), dtype=torch.long)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p):] = 1
-    max_new = max(int(p.max_tokens) for p in params)
-    out: list[list[int]] = [[] for _ in range(n)]
-    out_lps: list[list[dict[int, Any]]] = [[] for _ in range(n)]
-    done = [False] * n
-    past = None
-    step_ids, step_mask = ids, mask
-    for _ in range(max_new):
-        positions = (step_mask.cumsum(-1) - 1).clamp(min=0)
-        positions = positions[:, -step_ids.shape[1]:]
-        res = model(input_ids=step_ids, attention_mask=step_mask, position_ids=positions, past_key_values=past,
-                    use_cache=True)
-        past = res.past_key_values
-        logits = res.logits[:, -1].float()
-        nxt = torch.empty(n, dtype=torch.long)
-        for r, p in enumerate(params):
-            if p.temperature <= 0:
-                nxt[r] = int(torch.argmax(logits[r]))
-                continue
-            filtered = _filter(logits[r] / p.temperature, int(p.top_k), float(p.top_p))
-            nxt[r] = int(torch.multinomial(torch.softmax(filtered, -1), 1))
-        lps, ranks = sampled_logprobs(res.logits[:, -1], nxt)
-        for r, p in enumerate(params):
-            if done[r]:
-                continue
-            tok = int(nxt[r])
-            out[r].append(tok)
-            out_lps[r].append({tok: Logprob(logprob=float(lps[r]), rank=int(ranks[r]))})
-            if (eos is not None and tok == eos and not p.ignore_eos) or len(out[r]) >= int(p.max_tokens):
-                done[r] = True
-        if all(done):
+    del pad
+    states = [RequestState(p, sp, seed) for p, sp, seed in zip(prompts, params, seeds)]
+    ids = lockstep.begin(len(states)) if lockstep is not None else list(range(len(states)))
+    waiting = deque(zip(ids, states))
+    running: dict[int, RequestState] = {}
+    finished: dict[int, RequestState] = {}
+    capacity = capacity or max(1, len(states))
+    step = 0
+    while True:
+        if step >= arrival:
+            while waiting and len(running) < capacity:
+                rid, state = waiting.popleft()
+                running[rid] = state
+        for group in ([s for s in running.values() if s.kv is None], [s for s in running.values() if s.kv is not None]):
+            if group:
+                # Both lists are taken before either forward: a request prefilled now decodes next step.
+                logits = _forward(model, group)
+                for s, row in zip(group, logits):
+                    _sample_next(s, row, eos)
+        for rid in [rid for rid, s in running.items() if s.reason is not None]:
+            finished[rid] = running.pop(rid)
+        step += 1
+        if lockstep is None:
+            if not running and not waiting:
+                break
+            continue
+        busy, moves = lockstep.check({rid: s.weight() for rid, s in running.items()}, len(waiting))
+        if not busy:
             break
-        step_ids = nxt.unsqueeze(1)
-        step_mask = torch.cat([step_mask, torch.ones((n, 1), dtype=step_mask.dtype)], dim=1)
-    reasons = ["stop" if (eos is not None and seq and seq[-1] == eos and not p.ignore_eos) else "length"
-               for seq, p in zip(out, params)]
-    return list(zip(out, reasons, out_lps))
+        if moves:
+            me = lockstep.rank
+            outgoing = {m.request: running.pop(m.request).pack() for m in moves if m.src == me}
+            for rid, packed in lockstep.move(moves, outgoing).items():
+                running[rid] = RequestState.unpack(packed)
+    if lockstep is not None:
+        done = lockstep.restore({rid: (s.out, s.reason, s.lps) for rid, s in finished.items()})
+    else:
+        done = [(finished[rid].out, finished[rid].reason, finished[rid].lps) for rid in ids]
+    return [(list(out), reason, [{t: Logprob(logprob=lp, rank=rk)} for t, (lp, rk) in zip(out, lps)])
+            for out, reason, lps in done]

@@ -47,7 +47,8 @@ def _params(**kw):
 def _generator(model):
     gen = object.__new__(engine._Generator)
     gen.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(eos_token_id=1, pad_token_id=0)))
+        hf_config=types.SimpleNamespace(eos_token_id=1, pad_token_id=0)),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=256))
     gen._load_hf = lambda: model
     return gen
 

@@ -65,6 +65,30 @@ def _engine_kwargs(config: Any) -> dict:
     return kwargs
 
 
+def _attach_rebalance(engine: Any, config: Any) -> None:
+    """recipe.rebalance* onto the engine for the generation (verl_patches/rollout/migrate.py). Only the
+    CPU generation stand-in (verl_patches/cpu/engine.py) runs the mechanism: on a device vLLM's engine
+    has no request move yet, so rebalance: True is refused there rather than silently ignored."""
+    from verl_patches import accelerator, settings as overlay_settings
+    from verl_patches.core import stash
+    from verl_patches.rollout.migrate import RebalanceSetup
+    from verl_patches.rollout.rebalance import RebalancePolicy
+    from verl_patches.rollout.settings import RECIPE_KEY
+
+    recipe = config.get(RECIPE_KEY, None)
+    policy = RebalancePolicy.from_recipe(recipe)
+    stagger = overlay_settings.read(recipe, "rebalance_cpu_stagger")
+    device = accelerator.device_type()
+    if device != "cpu" and (policy.enabled or stagger):
+        raise ValueError(f"rollout.{RECIPE_KEY}.rebalance is implemented for the CPU generation stand-in only; vLLM's "
+                         f"engine on {device} cannot move a request between DP ranks yet (docs/ROLLOUT.md): set "
+                         f"rebalance: False and rebalance_cpu_stagger: 0")
+    if stagger and not policy.enabled:
+        raise ValueError(f"rollout.{RECIPE_KEY}.rebalance_cpu_stagger={stagger} forces an imbalance for rebalance to "
+                         "move: it needs rebalance: True")
+    stash.put(engine, "rebalance", RebalanceSetup(policy, stagger) if policy.enabled else None)
+
+
 def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config, **kwargs) -> None:
     import torch.distributed as dist
     from vllm import SamplingParams
@@ -136,6 +160,7 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
     from verl_patches.rollout.settings import ENGINE_ATTR
 
     setattr(self.inference_engine, ENGINE_ATTR, settings)
+    _attach_rebalance(self.inference_engine, config)
     if settings.offload:
         from verl_patches.patches.vllm.patch_entrypoints_llm import attach_engine_memory
         from verl_patches.rollout.engine_memory import VllmEngineMemory

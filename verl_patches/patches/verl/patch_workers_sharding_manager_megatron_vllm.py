@@ -326,8 +326,13 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
         if settings is None:  # a rollout not built by the recipe's constructor: upstream throughout
             return original(self)
         if settings.reshard_method == "upstream":
-            return upstream_enter(self, settings, original)
-        return recipe_enter(self, settings)
+            out = upstream_enter(self, settings, original)
+        else:
+            out = recipe_enter(self, settings)
+        # The generation's own figures (the rollout's rebalance, rollout/...) go into the same dict,
+        # verl's one channel from the generation workers to the driver's metrics.
+        stash.put(self.inference_engine, "timing", self.timing)
+        return out
 
     return __enter__
 

@@ -1,0 +1,206 @@
+"""The rollout's long-tail rebalance MECHANISM: move unfinished requests between the DP ranks of one
+rollout while they generate, and put every output back on its original rank, in its original order.
+
+The policy (which requests, from where to where) is verl_patches/rollout/rebalance.py, imported: the
+same code the planner runs. This module is the lockstep around it, device-agnostic and engine-agnostic:
+
+- ``Lockstep``: at every check (every decode step of the DP group), the ranks all-gather their
+  counts of running and waiting requests on the DP group (one small collective), and every rank runs
+  ``rebalance.judge`` on the same counts; only when it says rebalance do they all-gather the running
+  request ids with their weights (the tokens whose state would move) and all compute the same
+  ``rebalance.decide`` plan. No coordinator: identical inputs give identical plans.
+- ``transfer``: the moved requests' states go point to point (isend / irecv on the DP group, a size
+  then a payload per (source, destination) pair; all posted before any wait, so no order deadlocks).
+  A state is the engine's own dict (``RequestState``'s ``pack`` in the CPU stand-in): prompt ids,
+  generated ids, log-probs so far, the request's sampling generator state and its KV cache. Tensors
+  are moved to the host first (``_to_host``): the exchange runs on the group it is given (gloo on
+  the host). A device-to-device KV transfer (HCCL / NCCL, vLLM's KV blocks) is not written.
+- ``Lockstep.restore``: every finished output goes back to its original rank (the same point to point
+  transfer) and ``rebalance.restore`` orders it there, failing on a lost or duplicated request.
+
+Exactness is the engine's part: a moved request must compute on its new rank exactly what it would
+have computed at home. That needs its own sampling generator (vLLM's per-request seed, or one drawn
+per request from the rank's stream in original order) and a forward whose result for one request
+does not depend on the other requests of the batch (checked for the CPU stand-in in
+tests/rollout/test_migrate.py). docs/ROLLOUT.md states the costs.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_patches.rollout import rebalance as rb
+
+
+class MigrateError(RuntimeError):
+    """The DP ranks disagree or a transfer is malformed; the message names the problem."""
+
+
+def _to_host(obj: Any) -> Any:
+    """Tensors of a state, on the host (the exchange pickles them; gloo carries the bytes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def transfer(moves: Sequence[rb.Move], payloads: Mapping[Any, Any], group: Any) -> tuple[dict, int]:
+    """Send the payload of every move whose source is this rank, receive those whose destination is.
+
+    ``moves`` must be the same list on every rank of ``group`` (group ranks as src / dst);
+    ``payloads``: request id -> what to send, for this rank's outgoing moves. Returns (request id ->
+    received payload, bytes this rank sent). A rank may both send and receive: every isend / irecv is
+    posted before any wait.
+    """
+    me = dist.get_rank(group)
+    ranks = dist.get_process_group_ranks(group)
+    outgoing: dict[int, list] = {}
+    incoming: set[int] = set()
+    for m in moves:
+        if m.src == m.dst:
+            raise MigrateError(f"move of request {m.request!r} from rank {m.src} to itself")
+        if m.src == me:
+            if m.request not in payloads:
+                raise MigrateError(f"rank {me} is to send request {m.request!r} but does not hold it")
+            outgoing.setdefault(m.dst, []).append((m.request, _to_host(payloads[m.request])))
+        elif m.dst == me:
+            incoming.add(m.src)
+    blobs = {dst: pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) for dst, items in outgoing.items()}
+    sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
+    work = [dist.isend(torch.tensor([len(b)], dtype=torch.int64), ranks[dst], group=group, tag=1)
+            for dst, b in blobs.items()]
+    work += [dist.irecv(t, ranks[src], group=group, tag=1) for src, t in sizes_in.items()]
+    for w in work:
+        w.wait()
+    data_in = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes_in.items()}
+    work = [dist.isend(torch.frombuffer(bytearray(b), dtype=torch.uint8), ranks[dst], group=group, tag=2)
+            for dst, b in blobs.items()]
+    work += [dist.irecv(t, ranks[src], group=group, tag=2) for src, t in data_in.items()]
+    for w in work:
+        w.wait()
+    received: dict = {}
+    for src in sorted(data_in):
+        for rid, payload in pickle.loads(data_in[src].numpy().tobytes()):
+            want = [m for m in moves if m.request == rid and m.dst == me and m.src == src]
+            if not want:
+                raise MigrateError(f"rank {me} received request {rid!r} from rank {src}, which no move sends it")
+            received[rid] = payload
+    missing = [m.request for m in moves if m.dst == me and m.request not in received]
+    if missing:
+        raise MigrateError(f"rank {me} did not receive request(s) {missing[:3]}")
+    return received, sum(len(b) for b in blobs.values())
+
+
+@dataclass(frozen=True)
+class RebalanceSetup:
+    """What the rollout's engine carries for the mechanism (patch verl.vllm_rollout.recipe_engine, from
+    recipe.rebalance*): the policy, and the CPU stand-in's test-only stagger (DP rank r admits its
+    requests r x ``stagger`` decode steps late, forcing an uneven tail; 0: off)."""
+
+    policy: rb.RebalancePolicy
+    stagger: int = 0
+
+
+@dataclass
+class LockstepStats:
+    checks: int = 0  # lockstep checks (one per decode step of the group)
+    rebalances: int = 0  # checks whose plan the policy took
+    moves: int = 0  # requests moved, over the whole DP group
+    sent_bytes: int = 0  # state bytes this rank sent (moves and the outputs' return)
+    returned: int = 0  # outputs this rank sent back to their original rank
+
+    def figures(self, prefix: str = "rollout/") -> dict[str, float]:
+        return {f"{prefix}rebalance_checks": float(self.checks), f"{prefix}rebalances": float(self.rebalances),
+                f"{prefix}rebalance_moves": float(self.moves), f"{prefix}rebalance_sent_bytes": float(self.sent_bytes)}
+
+
+@dataclass
+class Lockstep:
+    """One rollout's lockstep over the DP ``group`` (every rank of the group calls every method, in
+    the same order). ``buckets``: the captured graph batch sizes; ``capacity``: max_num_seqs per rank."""
+
+    group: Any
+    policy: rb.RebalancePolicy
+    buckets: tuple[int, ...]
+    capacity: int
+    stats: LockstepStats = field(default_factory=LockstepStats)
+    original: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.buckets = rb.check_buckets(list(self.buckets))
+        if self.capacity > self.buckets[-1]:
+            raise MigrateError(f"max_num_seqs {self.capacity} exceeds the largest graph batch size {self.buckets[-1]}")
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+
+    def begin(self, local: int) -> list[int]:
+        """Global request ids of this rank's ``local`` requests (unique over the group, in rank then
+        original order), and the layout ``restore`` returns to."""
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(counts, torch.tensor([local], dtype=torch.int64), group=self.group)
+        start = 0
+        for r, c in enumerate(counts):
+            self.original[r] = list(range(start, start + int(c.item())))
+            start += int(c.item())
+        return self.original[self.rank]
+
+    def check(self, running: Mapping[int, int], waiting: int) -> tuple[bool, tuple[rb.Move, ...]]:
+        """(whether any rank of the group still has work, the moves to make now). ``running``:
+        request id -> its weight (tokens whose state would move) for this rank's running requests."""
+        mine = torch.tensor([len(running), int(waiting)], dtype=torch.int64)
+        every = [torch.zeros(2, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        self.stats.checks += 1
+        if sum(int(t.sum()) for t in every) == 0:
+            return False, ()
+        counts = {r: int(t[0]) for r, t in enumerate(every)}
+        if not rb.judge(counts, self.buckets, self.policy, self.capacity).rebalance:
+            return True, ()
+        lists: list[Any] = [None] * self.size
+        dist.all_gather_object(lists, sorted(running.items()), group=self.group)
+        layout = {r: [rid for rid, _ in items] for r, items in enumerate(lists)}
+        weights = {rid: w for items in lists for rid, w in items}
+        decision = rb.decide(layout, self.buckets, self.policy, self.capacity, weights)
+        if not decision.rebalance:  # judge and decide read the same counts
+            raise MigrateError(f"the DP ranks' plans disagree: {decision.reason}")
+        self.stats.rebalances += 1
+        self.stats.moves += len(decision.moves)
+        return True, decision.moves
+
+    def move(self, moves: Sequence[rb.Move], payloads: Mapping[int, Any]) -> dict[int, Any]:
+        received, sent = transfer(moves, payloads, self.group)
+        self.stats.sent_bytes += sent
+        return received
+
+    def restore(self, finished: Mapping[int, Any]) -> list[Any]:
+        """This rank's original requests' outputs, in their original order, wherever they finished.
+        ``finished``: request id -> output, for the requests that finished on this rank."""
+        if not self.original:
+            raise MigrateError("Lockstep.restore before begin")
+        home = {rid: r for r, ids in self.original.items() for rid in ids}
+        away = [rb.Move(rid, self.rank, home[rid]) for rid in sorted(finished) if home.get(rid) != self.rank]
+        lists: list[Any] = [None] * self.size
+        dist.all_gather_object(lists, [(m.request, m.dst) for m in away], group=self.group)
+        back = [rb.Move(rid, src, dst) for src, items in enumerate(lists) for rid, dst in items]
+        received, sent = transfer(back, {m.request: finished[m.request] for m in away}, self.group)
+        self.stats.sent_bytes += sent
+        self.stats.returned += len(away)
+        here = [(rid, out) for rid, out in finished.items() if home.get(rid) == self.rank] + list(received.items())
+        return rb.restore({self.rank: self.original[self.rank]}, {self.rank: here})[self.rank]
+
+
+def eager_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Every batch size from 1 to ``max_num_seqs``: the buckets of an eager engine (no captured graph),
+    whose DP group steps at its fullest rank's batch; the policy then evens the ranks out."""
+    if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
+        raise MigrateError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+    return tuple(range(1, max_num_seqs + 1))
