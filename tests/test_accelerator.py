@@ -54,7 +54,8 @@ def test_npu_path_with_a_fake_torch_npu():
     what torch_npu's registration does (rename the privateuse1 backend to "npu" and add a
     torch.npu namespace), in a subprocess because the rename cannot be undone."""
     r = run_py(r"""
-import sys, types, torch
+import os, sys, types, torch
+os.environ.pop("VERL_PATCHES_DEVICE", None)  # resolved from the platform, whatever another test left here
 calls = []
 torch.utils.rename_privateuse1_backend("npu")
 torch.npu = types.SimpleNamespace(
