@@ -11,6 +11,11 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
+
+# The overlay's process helpers, from this checkout (bringup.sh also puts it on PYTHONPATH).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from verl_patches.procs import alive  # noqa: E402
 
 
 def _reachable(host: str, port: int, timeout: float) -> bool:
@@ -21,24 +26,9 @@ def _reachable(host: str, port: int, timeout: float) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
 def head_gone(args: argparse.Namespace) -> str | None:
     """The error to report when the watched Ray head process (--head-pid) has exited, with its log's tail."""
-    if args.head_pid is None or _alive(args.head_pid):
+    if args.head_pid is None or alive(args.head_pid):
         return None
     tail = ""
     if args.head_log:

@@ -19,6 +19,17 @@ from tests.helpers import declared_ckpt, head_inputs, model_shapes
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
+# The head launcher as launch_main runs it for the random-init config, up to its start (the tests add it).
+HEAD_LAUNCH = f"""
+set -euo pipefail
+source {SCRIPTS}/cluster/bringup.sh
+source {SCRIPTS}/cluster/launch.sh
+bringup_defaults
+CONFIG_NAME=deepseekv3_256die_random_init
+launch_defaults
+LAUNCH_RUN_OVERRIDES=(); USER_OVERRIDES=()
+launch_build_trainer_cmd
+"""
 TRUE_WEIGHT = SCRIPTS / "train_deepseekv3_256die_true_weight.sh"
 RANDOM_INIT = SCRIPTS / "train_deepseekv3_256die_random_init.sh"
 VENV_BIN = Path(sys.executable).parent
@@ -314,17 +325,7 @@ def test_sigterm_to_a_running_launcher_stops_everything_it_started(tmp_path):
 
     port, *agent = _free_ports(6)
     temp = Path(f"/tmp/rs{os.getpid()}")
-    script = f"""
-set -euo pipefail
-source {SCRIPTS}/cluster/bringup.sh
-source {SCRIPTS}/cluster/launch.sh
-bringup_defaults
-CONFIG_NAME=deepseekv3_256die_random_init
-launch_defaults
-LAUNCH_RUN_OVERRIDES=(); USER_OVERRIDES=()
-launch_build_trainer_cmd
-launch_start head
-"""
+    script = HEAD_LAUNCH + "launch_start head\n"
     env = _env(DEVICE="cuda", NNODES="2", DEVICES_PER_NODE="2", RAY_NUM_CPUS="1", MASTER_ADDR="127.0.0.1",
                RAY_PORT=str(port), RAY_TEMP_DIR=str(temp), LOG_DIR=str(tmp_path / "logs"), WAIT_TIMEOUT_S="300",
                STOP_GRACE_S="10",
@@ -452,18 +453,7 @@ def test_a_ray_head_that_dies_while_the_trainer_runs_stops_the_launcher_at_once(
     that would sleep two minutes here): the head's death ends the launch within seconds, with its log."""
     port, *agent = _free_ports(6)
     temp = Path(f"/tmp/rd{os.getpid()}")
-    script = f"""
-set -euo pipefail
-source {SCRIPTS}/cluster/bringup.sh
-source {SCRIPTS}/cluster/launch.sh
-bringup_defaults
-CONFIG_NAME=deepseekv3_256die_random_init
-launch_defaults
-LAUNCH_RUN_OVERRIDES=(); USER_OVERRIDES=()
-launch_build_trainer_cmd
-TRAINER_CMD=(sleep 120)
-launch_start head
-"""
+    script = HEAD_LAUNCH + "TRAINER_CMD=(sleep 120)\nlaunch_start head\n"
     env = _env(DEVICE="cuda", NNODES="1", DEVICES_PER_NODE="1", RAY_NUM_CPUS="1", MASTER_ADDR="127.0.0.1",
                RAY_PORT=str(port), RAY_TEMP_DIR=str(temp), LOG_DIR=str(tmp_path / "logs"), WAIT_TIMEOUT_S="90",
                RAY_EXTRA_ARGS=(f"--ray-client-server-port={agent[0]} --dashboard-agent-listen-port={agent[1]} "

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from verl_patches.offload.groups import Location, OffloadGroup
-from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
-from verl_patches.offload.schedule import (OUR_INITIAL, ROLES, Action, ScheduleError, StepRunner, StepSpec,
+from verl_patches.offload.ledger import LedgerEntry
+from verl_patches.offload.schedule import (OUR_INITIAL, ROLES, Action, RunsSteps, ScheduleError, StepRunner, StepSpec,
                                            locations_after, our_steps, step_roles)
 
 # Call steps whose work runs inside verl's own bodies, between two reached steps.
@@ -163,7 +163,7 @@ def _passed(*_args: Any) -> None:
     """The hook of a call step that verl's own body ran."""
 
 
-class LiveSwitch:
+class LiveSwitch(RunsSteps):
     """``our_steps()`` over the groups of the attached memory objects (each has ``groups()``:
     role -> OffloadGroup, and ``engine``), run through a StepRunner; see the module docstring for the
     rules. The loop owns the process's offload engine: given here, else the first attached memory's,
@@ -185,24 +185,7 @@ class LiveSwitch:
         # Where an update ends: update_end has run.
         self.index, self.iteration, self.started = self._at("update_end") + 1, 0, False
 
-    # -- the runner's ------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.runner.name
-
-    @property
-    def ledger(self) -> MemoryLedger:
-        return self.runner.ledger
-
-    @property
-    def measure_device(self) -> bool:
-        return self.runner.measure_device
-
-    @measure_device.setter
-    def measure_device(self, on: bool) -> None:
-        self.runner.measure_device = on
-
-    # -- introspection -----------------------------------------------------------------------
+    # -- introspection (the rest: schedule.RunsSteps) --------------------------------------
     @property
     def groups(self) -> dict[str, OffloadGroup]:
         """Role -> group over every attached memory object."""
@@ -210,21 +193,6 @@ class LiveSwitch:
         for m in self.members:
             out.update(m.groups())
         return out
-
-    @property
-    def state(self) -> str:
-        """Name of the step that runs next."""
-        return self.steps[self.index].name
-
-    @property
-    def step_names(self) -> list[str]:
-        return list(self._names)
-
-    def locations(self) -> dict[str, Location]:
-        return self.runner.locations()
-
-    def resident(self) -> dict[str, int]:
-        return self.runner.resident()
 
     def _at(self, step: str) -> int:
         if step not in self._names:

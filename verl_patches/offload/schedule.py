@@ -281,7 +281,47 @@ class StepRunner:
         return entry
 
 
-class SwitchSchedule:
+class RunsSteps:
+    """What a step order run through a StepRunner shows, shared by SwitchSchedule and the live loop
+    (offload/live.py): ``self.runner``, ``self.steps`` and ``self.index`` are the owner's."""
+
+    runner: StepRunner
+    steps: Sequence[StepSpec]
+    index: int
+
+    @property
+    def name(self) -> str:
+        return self.runner.name
+
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self.runner.ledger
+
+    @property
+    def measure_device(self) -> bool:
+        return self.runner.measure_device
+
+    @measure_device.setter
+    def measure_device(self, on: bool) -> None:
+        self.runner.measure_device = on
+
+    @property
+    def state(self) -> str:
+        """Name of the step that runs next."""
+        return self.steps[self.index].name
+
+    @property
+    def step_names(self) -> list[str]:
+        return [s.name for s in self.steps]
+
+    def locations(self) -> dict[str, Location]:
+        return self.runner.locations()
+
+    def resident(self) -> dict[str, int]:
+        return self.runner.resident()
+
+
+class SwitchSchedule(RunsSteps):
     """Runs ``steps`` in order over a fixed set of groups, one ``advance()`` per step, wrapping around
     per iteration; each step through a StepRunner (shared with the live loop).
 
@@ -317,35 +357,6 @@ class SwitchSchedule:
     def __repr__(self) -> str:
         return (f"SwitchSchedule(name={self.name!r}, roles={sorted(self.groups)}, at={self.state!r}, "
                 f"iteration={self.iteration})")
-
-    # -- the runner's ------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return self.runner.name
-
-    @property
-    def ledger(self) -> MemoryLedger:
-        return self.runner.ledger
-
-    @property
-    def measure_device(self) -> bool:
-        return self.runner.measure_device
-
-    # -- introspection -----------------------------------------------------------------
-    @property
-    def state(self) -> str:
-        """Name of the step that runs next."""
-        return self.steps[self.index].name
-
-    @property
-    def step_names(self) -> list[str]:
-        return [s.name for s in self.steps]
-
-    def locations(self) -> dict[str, Location]:
-        return self.runner.locations()
-
-    def resident(self) -> dict[str, int]:
-        return self.runner.resident()
 
     # -- running -----------------------------------------------------------------------
     def prepare(self) -> None:
