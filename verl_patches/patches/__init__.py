@@ -13,6 +13,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.torch.patch_cuda_random",
     "verl_patches.patches.verl.patch_utils_device",
     "verl_patches.patches.verl.patch_utils_debug_performance",
+    "verl_patches.patches.vllm.patch_model_executor_models_registry",
     "verl_patches.patches.verl.patch_models_mcore_model_initializer",
     "verl_patches.patches.megatron.patch_core_tensor_parallel_random",
     "verl_patches.patches.megatron.patch_core_fp8_utils",
