@@ -16,6 +16,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # megatron-core's import applies torch.compile, which makes torch pre-fork inductor compile
 # workers in every process; the tests compile nothing, and on 2 cores those pools hurt.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# The tests start hundreds of local ranks (verl_patches/launch.py:run_distributed): forked from a server
+# that imported torch, megatron-core and vLLM once instead of each importing them (3-13 s of CPU a rank).
+# tests/test_launch.py runs the spawn start (the default) as well.
+os.environ.setdefault("VERL_PATCHES_RANK_START", "forkserver")
+os.environ.setdefault("VERL_PATCHES_RANK_PRELOAD", "torch,torch.distributed,megatron.core,vllm")
 
 from verl_patches.testing.upstream_env import prepare_cpu_upstream  # noqa: E402
 

@@ -68,3 +68,31 @@ def head_inputs(root: Path) -> dict[str, str]:
         "data_source": "deepscaler", "prompt": [{"role": "user", "content": "What is 1+1?"}], "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": 0}}]), str(data))
     return {"MODEL_PATH": str(model), "TRAIN_FILES": str(data), "VAL_FILES": str(data)}
+
+
+def rank_pids(parent: int) -> list[int]:
+    """The ranks ``run_distributed`` started under process ``parent``: spawned interpreters
+    (multiprocessing's spawn_main, not its resource tracker), or children of its forkserver
+    (VERL_PATCHES_RANK_START=forkserver; the server itself is not a rank)."""
+    from verl_patches import procs
+
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    def ppid(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return -1
+
+    out = []
+    for pid in procs.descendants(parent):
+        cmd = cmdline(pid)
+        if b"resource_tracker" in cmd:
+            continue
+        if b"spawn_main" in cmd or b"multiprocessing.forkserver" in cmdline(ppid(pid)):
+            out.append(pid)
+    return out

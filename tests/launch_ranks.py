@@ -63,3 +63,12 @@ def spin(rank: int, world: int, ready: str, seconds: float, hold_gil_rank: int =
         dist.all_reduce(t)
         time.sleep(0.02)
     return rank
+
+
+def environment_and_modules(rank: int, world: int, names: list[str]) -> tuple[dict, bool, int]:
+    """What a rank sees: the named variables, whether megatron-core was already imported when the body
+    began (forked from a server that preloaded it), and its parent's pid."""
+    import os
+    import sys
+
+    return {n: os.environ.get(n) for n in names}, "megatron.core" in sys.modules, os.getppid()

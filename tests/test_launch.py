@@ -4,6 +4,7 @@ that the job's own connections cannot be holding."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import time
@@ -15,12 +16,48 @@ from verl_patches import ports
 from verl_patches import launch as rd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the bodies by name
-from launch_ranks import echo, one_rank_raises, one_rank_sleeps  # noqa: E402
+from launch_ranks import echo, environment_and_modules, one_rank_raises, one_rank_sleeps  # noqa: E402
+
+from tests.helpers import run_py  # noqa: E402
 
 
 @pytest.mark.slow
-def test_results_come_back_by_rank():
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_results_come_back_by_rank(monkeypatch, start):
+    monkeypatch.setenv("VERL_PATCHES_RANK_START", start)
     assert rd.run_distributed(echo, 3, {"x": 1}, timeout=120) == [(r, 3, {"x": 1}) for r in range(3)]
+
+
+@pytest.mark.slow
+def test_a_forked_rank_takes_the_callers_environment_of_the_call(monkeypatch):
+    """The forkserver's environment is that of its start; a rank must see the caller's at the call, as a
+    spawned rank does: a variable set since is there, one removed since is not. The preload is imported."""
+    monkeypatch.setenv("VERL_PATCHES_RANK_START", "forkserver")
+    monkeypatch.setenv("VERL_PATCHES_RANK_PRELOAD", "torch,megatron.core")
+    monkeypatch.setenv("LAUNCH_TEST_GONE", "before")
+    rd.run_distributed(echo, 1, None, timeout=120)  # the server is up (if this process had none yet)
+    monkeypatch.setenv("LAUNCH_TEST_SET", "after the server started")
+    monkeypatch.delenv("LAUNCH_TEST_GONE")
+    (env, preloaded, ppid), = rd.run_distributed(environment_and_modules, 1, ["LAUNCH_TEST_SET", "LAUNCH_TEST_GONE"],
+                                                 timeout=120)
+    assert env == {"LAUNCH_TEST_SET": "after the server started", "LAUNCH_TEST_GONE": None}
+    assert ppid != os.getpid()  # the forkserver's child, not this process's
+    assert preloaded, "megatron.core was not imported by the forkserver"
+
+
+@pytest.mark.slow
+def test_a_preload_that_fails_is_named():
+    """The forkserver drops preload errors silently; a rank forked from it must fail naming the module."""
+    code = ("import sys; sys.path.insert(0, 'tests')\n"
+            "from launch_ranks import echo\n"
+            "from verl_patches.launch import run_distributed, DistributedFailure\n"
+            "try:\n"
+            "    run_distributed(echo, 1, None, timeout=120)\n"
+            "except DistributedFailure as e:\n"
+            "    print(e)\n")
+    r = run_py(code, env={"VERL_PATCHES_RANK_START": "forkserver",
+                          "VERL_PATCHES_RANK_PRELOAD": "torch,no_such_module_for_the_test"})
+    assert "could not preload no_such_module_for_the_test: ModuleNotFoundError" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_failing_rank_is_named_and_its_peers_errors_follow():

@@ -16,6 +16,7 @@ import pytest
 
 from verl_patches import procs
 from verl_patches.launch import DistributedFailure, run_distributed
+from tests.helpers import rank_pids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the bodies by name
 from launch_ranks import spin  # noqa: E402
@@ -76,14 +77,10 @@ def test_the_preflight_names_a_stopped_rank_and_stops(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while victim is None and time.monotonic() < deadline and p.poll() is None:
-            # A rank: a spawned child (not multiprocessing's resource tracker) whose heartbeat thread runs
+            # A rank (spawned, or forked by the forkserver) whose heartbeat thread runs
             # (rank_boot starts it before anything else: a second thread means it beats).
-            for pid in procs.descendants(p.pid):
-                try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-                except OSError:
-                    continue
-                if b"spawn_main" in cmd and b"resource_tracker" not in cmd and _threads(pid) >= 2:
+            for pid in rank_pids(p.pid):
+                if _threads(pid) >= 2:
                     victim = pid
                     break
             time.sleep(0.1)

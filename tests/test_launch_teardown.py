@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from verl_patches import procs
-from tests.helpers import REPO
+from tests.helpers import REPO, rank_pids
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow
@@ -40,16 +40,7 @@ def _wait_for(cond, timeout: float, what: str):
 
 
 def _rank_pids(parent: int) -> list[int]:
-    """The parent's spawned ranks (multiprocessing's spawn children, not its resource tracker)."""
-    out = []
-    for pid in procs.descendants(parent):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmd:
-            out.append(pid)
-    return out
+    return rank_pids(parent)
 
 
 def _assert_all_gone(pids: list[int], timeout: float = 5.0) -> None:
@@ -88,19 +79,21 @@ def test_sigterm_to_the_preflight_parent_stops_every_rank(tmp_path):
     assert "Traceback" not in text
 
 
-def _runner(tmp_path: Path) -> subprocess.Popen:
+def _runner(tmp_path: Path, start: str) -> subprocess.Popen:
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from launch_ranks import report_pid_and_wait\n"
             "from verl_patches.launch import run_distributed\n"
             "run_distributed(report_pid_and_wait, 2, %r, timeout=600)\n") % (str(HERE), str(tmp_path))
-    return subprocess.Popen([sys.executable, "-c", code], env=_env(), cwd=str(REPO),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-c", code], env=dict(_env(), VERL_PATCHES_RANK_START=start),
+                            cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
 @pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
-def test_the_runners_ranks_end_with_their_parent(tmp_path, sig):
-    parent = _runner(tmp_path)
+def test_the_runners_ranks_end_with_their_parent(tmp_path, sig, start):
+    """Spawned ranks are the runner's children; forked ones its forkserver's, and must end as well."""
+    parent = _runner(tmp_path, start)
     try:
         files = [tmp_path / f"rank{r}.pid" for r in range(2)]
         _wait_for(lambda: all(f.exists() for f in files) or parent.poll() is not None, 90, "both ranks' pid files")

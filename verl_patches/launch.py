@@ -29,9 +29,10 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., Any],
             args: tuple, env: dict[str, str], queue: Any, parent_pid: int, ready: Any = None) -> None:
-    # A rank outliving its parent would hold its memory (device memory too) for ever, and
-    # would block writing its result into a pipe nobody reads.
-    procs.die_with_parent(parent_pid)
+    # A rank outliving its caller would hold its memory (device memory too) for ever, and
+    # would block writing its result into a pipe nobody reads. (A forked rank's parent is the
+    # forkserver, which ends with the caller; the rank watches the caller too.)
+    procs.die_with(parent_pid)
     # Only the parent reads: a rank holding the read end open too would keep a write into
     # a dead parent's full pipe blocked instead of failing.
     queue._reader.close()
@@ -41,6 +42,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., An
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     try:
+        rank_boot.check_preload()
         if backend != "gloo":
             from verl_patches import accelerator
 
@@ -73,14 +75,57 @@ def _dump_stacks(ranks: list[Any], which: list[int]) -> None:
     time.sleep(2.0)  # let faulthandler write before the kill
 
 
+def _context() -> tuple[Any, Any]:
+    """The multiprocessing context the ranks start from (``VERL_PATCHES_RANK_START``), and what a forked
+    rank takes from the caller (``rank_boot.main``): its environment, stdout and stderr (None for a
+    spawned rank, which inherits them).
+
+    spawn: a fresh interpreter per rank. forkserver: one server per calling process, started at its first
+    call, imports ``VERL_PATCHES_RANK_PRELOAD`` once (verl_patches/rank_preload.py) and forks every rank of
+    every later call from that state; a rank then takes the caller's environment and standard streams of
+    the call, since the server's are those of its own start.
+    """
+    if overlay_env.get("VERL_PATCHES_RANK_START") == "spawn":
+        return mp.get_context("spawn"), None
+    ctx = mp.get_context("forkserver")
+    # Read when the server starts (the first call); a later call's preload setting is the server's.
+    ctx.set_forkserver_preload(["verl_patches.rank_preload", "verl_patches.rank_boot", "verl_patches.launch"])
+    from multiprocessing.reduction import DupFd
+
+    stdio = {}
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue  # closed in the caller: the rank keeps the server's
+        stdio[fd] = _Passed(fd, DupFd)
+    return ctx, (dict(os.environ), stdio)
+
+
+class _Passed:
+    """A descriptor of the caller for a forked rank: multiprocessing's DupFd, made when the rank's
+    arguments are pickled for the forkserver (it hands the descriptor over with them)."""
+
+    def __init__(self, fd: int, dup: Any) -> None:
+        self.fd, self.dup = fd, dup
+
+    def __reduce__(self) -> Any:
+        return (_identity, (self.dup(self.fd),))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str = "gloo",
                     env: dict[str, str] | None = None, timeout: float = 300.0,
                     grace: float = 30.0, heartbeat: float | None = None,
                     startup: float = 120.0) -> list[Any]:
     """Call ``fn(rank, world, *args)`` on ``world`` spawned processes; return results by rank.
 
-    ``fn`` must be importable (module level) because processes are spawned, not forked:
-    forking a process that has imported torch with threads is unsafe. Once a rank fails, the
+    ``fn`` must be importable (module level) because ranks are spawned, or forked from a
+    single-threaded forkserver (``VERL_PATCHES_RANK_START``, see ``_context``), never forked from the
+    caller: forking a process that has imported torch with threads is unsafe. Once a rank fails, the
     others get ``grace`` seconds to finish (they usually wait in a collective for the failed
     one); ranks still running then, or at ``timeout``, have their Python stacks written to
     stderr and are killed. Raises DistributedFailure naming every rank that failed and every
@@ -97,7 +142,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     Stopping the caller stops the ranks: on KeyboardInterrupt and, in the main thread, SIGTERM
     or SIGHUP (raised as ``procs.Terminated``) every rank and whatever it started is killed
     before the exception propagates; a rank whose parent dies, even by SIGKILL, is killed by
-    the kernel (``procs.die_with_parent``).
+    the kernel or by the rank's watch of the caller (``procs.die_with``).
     """
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise ValueError(f"run_distributed: world must be a positive integer, got {world!r}")
@@ -106,7 +151,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     if not (isinstance(heartbeat, (int, float)) and heartbeat > 0 and startup > 0):
         raise ValueError(f"run_distributed: heartbeat and startup must be positive seconds, got {heartbeat!r}, "
                          f"{startup!r} (0 would switch the liveness check off)")
-    ctx = mp.get_context("spawn")
+    ctx, caller = _context()
     queue = ctx.SimpleQueue()
     port = free_port()
     beats = ctx.Array("d", world, lock=False)  # 0.0: no beat yet
@@ -116,8 +161,8 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     # Plain pickle: ``fn`` and ``args`` travel by value (tensors as bytes), as the results come back.
     payloads = [pickle.dumps((_worker, (r, world, port, backend, fn, args, dict(env or {})), (os.getpid(),)))
                 for r in range(world)]
-    ranks = [ctx.Process(target=rank_boot.main, args=(beats, ready, r, beat_every, queue, payloads[r]), daemon=False)
-             for r in range(world)]
+    ranks = [ctx.Process(target=rank_boot.main, args=(beats, ready, r, beat_every, queue, payloads[r], caller),
+                         daemon=False) for r in range(world)]
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     hung: list[int] = []

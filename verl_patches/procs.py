@@ -71,6 +71,26 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL, interval: float 
                          name="verl_patches-parent-watch").start()
 
 
+def _watch_pid(pid: int, interval: float) -> None:
+    while True:
+        time.sleep(interval)
+        if not alive(pid):
+            os._exit(1)
+
+
+def die_with(owner_pid: int, sig: int = signal.SIGKILL, interval: float = 1.0) -> None:
+    """Make this process end when ``owner_pid`` ends: its parent (``die_with_parent``), or the process that
+    asked a server to start it (a forkserver's child: the parent-death signal then follows the server,
+    which ends with its owner, and a daemon thread polls the owner's pid as well)."""
+    if os.getppid() == owner_pid:
+        die_with_parent(owner_pid, sig, interval)
+        return
+    set_parent_death_signal(sig)
+    if not alive(owner_pid):
+        os._exit(1)
+    threading.Thread(target=_watch_pid, args=(owner_pid, interval), daemon=True, name="verl_patches-owner-watch").start()
+
+
 def _children_by_scan(pid: int) -> list[int]:
     """Children from every process's parent pid (kernels without /proc/PID/task/TID/children)."""
     kids = []
