@@ -1,0 +1,140 @@
+"""A running request moved between two vLLM 0.9.1 V1 engines between two steps
+(verl_patches/rollout/vllm_move.py), against vLLM's real Scheduler, KVCacheManager, Request,
+InputBatch / CachedRequestState (updated by the real GPUModelRunner._update_states), Sampler and
+OutputProcessor: with the rebalance every request's tokens and log-probs equal the run without it,
+every output returns to its original rank and order, the KV arrives bit for bit and the source's
+pool gets its blocks back; malformed moves are errors naming the problem.
+
+Stand-ins, declared (tests/rollout/vllm_move_ranks.py says exactly what): the forward (no kernels on
+CPU: deterministic KV rows per token written into the request's real blocks, logits from all of its
+rows read back), the model runner's shell around the real ``_update_states``, and the step and
+request fan-out of EngineCore / LLMEngine written out; the DP group is a gloo group of 4 processes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_patches.launch import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
+from vllm_move_ranks import Engine, model_dir, move_rank, params, summary  # noqa: E402
+
+WORLD = 4
+
+
+def _two_steps(tmp_path, blocks=40):
+    d = model_dir(tmp_path)
+    a = Engine(d)
+    for i, (prompt, n_tok) in enumerate([([5, 6, 7, 8, 9], 6), ([10, 11, 12], 5), ([13, 14, 15, 16], 4)]):
+        a.add(str(i), prompt, params(n_tok, 7 + i))
+    a.step()
+    a.step()  # prefill, then one decode: every request between two steps with 2 outputs
+    return d, a
+
+
+def _baseline(tmp_path):
+    d = model_dir(tmp_path)
+    e = Engine(d)
+    for i, (prompt, n_tok) in enumerate([([5, 6, 7, 8, 9], 6), ([10, 11, 12], 5), ([13, 14, 15, 16], 4)]):
+        e.add(str(i), prompt, params(n_tok, 7 + i))
+    return summary(e.run())
+
+
+def test_a_request_moved_between_two_engines_generates_what_it_would_have(tmp_path):
+    from verl_patches.rollout import vllm_move as vm
+
+    d, a = _two_steps(tmp_path)
+    b = Engine(d)
+    b.add("0", [20, 21, 22], params(3, 99))  # the destination runs its own request "0" too
+    b.step()
+    pool = a.scheduler.kv_cache_manager.block_pool
+    free = pool.get_num_free_blocks()
+    held = len(a.scheduler.kv_cache_manager.get_block_ids("1")[0])
+    payload = vm.take_out(a.parts, "1")
+    assert pool.get_num_free_blocks() == free + held
+    assert "1" in a.scheduler.finished_req_ids and "1" not in a.output_processor.request_states
+    moved = vm.put_in(b.parts, payload, vm.moved_id(7))
+    assert moved.num_computed_tokens == moved.num_tokens - 1
+    so = b.scheduler.schedule()  # exactly its next decode token, as a cached (not new) request
+    assert so.num_scheduled_tokens[vm.moved_id(7)] == 1
+    assert [r.req_id for r in so.scheduled_cached_reqs if r.req_id == vm.moved_id(7)]
+    eco = b.scheduler.update_from_output(so, b.runner.execute(so))
+    assert vm.moved_id(7) in b.runner.input_batch.req_id_to_index  # re-added as a resumed request is
+    done_b = b.output_processor.process_outputs(eco[0].outputs).request_outputs
+    while b.scheduler.has_requests():
+        done_b += b.step()
+    done_a = a.run()
+    assert not a.runner.requests.get("1")  # the source's runner dropped it at its next step
+    away = [o for o in done_b if o.request_id == vm.moved_id(7)]
+    back = vm.restore_output(a.output_processor, payload["home"], away[0])
+    got = summary(sorted(done_a + [back], key=lambda o: int(o.request_id)))
+    assert got == _baseline(tmp_path)
+
+
+def test_negative_control_without_the_generator_state_the_tokens_change(tmp_path):
+    from verl_patches.rollout import vllm_move as vm
+
+    d, a = _two_steps(tmp_path)
+    b = Engine(d)
+    payload = vm.take_out(a.parts, "1")
+    payload["generator"] = torch.Generator().manual_seed(0).get_state()
+    vm.put_in(b.parts, payload, "77")
+    done = b.run()
+    back = vm.restore_output(a.output_processor, payload["home"], done[0])
+    want = [s for s in _baseline(tmp_path) if s[0] == "1"]
+    assert summary([back])[0][1][0][1] != want[0][1][0][1]
+
+
+def test_malformed_moves_are_named_and_change_nothing(tmp_path):
+    from verl_patches.rollout import vllm_move as vm
+
+    d, a = _two_steps(tmp_path)
+    with pytest.raises(vm.MoveError, match="request 'nope' is unknown to this rank's scheduler"):
+        vm.take_out(a.parts, "nope")
+    a.add("9", [30, 31], params(3, 1))  # waiting, not running
+    with pytest.raises(vm.MoveError, match="request '9' cannot move: it is WAITING, not running"):
+        vm.take_out(a.parts, "9")
+    full = Engine(d, blocks=2)  # 1 usable block (the other is vLLM's null block)
+    full.add("hog", list(range(2, 10)), params(2, 3))
+    full.step()  # the hog holds it
+    payload = vm.take_out(a.parts, "0")  # 6 KV rows: one block, none left
+    before = (full.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(), dict(full.scheduler.requests))
+    with pytest.raises(vm.MoveError, match="cannot join this rank: .*no free KV blocks for 6 tokens"):
+        vm.put_in(full.parts, payload, "m")
+    assert (full.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(), dict(full.scheduler.requests)) == before
+    assert "m" not in full.runner.requests and "m" not in full.output_processor.request_states
+    with pytest.raises(vm.MoveError, match="request '2' is already on this rank"):
+        vm.put_in(a.parts, payload, "2")
+
+
+# ---------- 4 DP ranks, forced imbalance, through run_engine ----------
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("vllm_move"))
+    return run_distributed(move_rank, WORLD, root, env={"VLLM_PLUGINS": "verl_patches"}, timeout=300)
+
+
+@pytest.mark.slow
+def test_rebalance_inside_vllm_changes_no_token_and_returns_every_output_home(ranks):
+    for rank, out in enumerate(ranks):
+        assert out["on"] == out["off"], rank  # ids, order, samples, tokens, log-probs (floats, bit for bit)
+        assert out["off_pool_back"] and out["on_pool_back"], rank
+    assert sum(r["stats"]["moves"] for r in ranks) / WORLD > 0  # moves happened (the same count on every rank)
+    assert all(r["stats"] == {**ranks[0]["stats"], "sent_bytes": r["stats"]["sent_bytes"],
+                              "returned": r["stats"]["returned"]} for r in ranks)
+    assert sum(r["stats"]["returned"] for r in ranks) > 0  # outputs finished away and came home
+
+
+@pytest.mark.slow
+def test_moved_kv_arrives_bit_for_bit_and_the_source_pool_gets_its_blocks_back(ranks):
+    checks = [c for r in ranks for c in r["kv_checks"]]
+    assert {side for side, _ in checks} == {"source", "destination"}
+    assert all(ok for _, ok in checks)
+    pools = [c for r in ranks for c in r["pool_checks"]]
+    assert pools and all(pools)
