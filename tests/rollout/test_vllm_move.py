@@ -110,6 +110,23 @@ def test_malformed_moves_are_named_and_change_nothing(tmp_path):
     assert "m" not in full.runner.requests and "m" not in full.output_processor.request_states
     with pytest.raises(vm.MoveError, match="request '2' is already on this rank"):
         vm.put_in(a.parts, payload, "2")
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    a.add("5", [17, 18], SamplingParams(max_tokens=4, seed=2, output_kind=RequestOutputKind.FINAL_ONLY))
+    a.step()  # "5" prefilled, detokenized by the output processor's real tokenizer
+    with pytest.raises(vm.MoveError, match="request '5' cannot move: its output is detokenized"):
+        vm.take_out(a.parts, "5")
+    assert "5" in a.scheduler.requests and "5" in a.output_processor.request_states
+
+
+def test_a_multiprocess_engine_core_is_named():
+    from types import SimpleNamespace
+
+    from verl_patches.rollout import vllm_move as vm
+
+    with pytest.raises(vm.MoveError, match="engine core is not in this process"):
+        vm.EngineParts.of_llm_engine(SimpleNamespace(engine_core=SimpleNamespace(), output_processor=None))
 
 
 # ---------- 4 DP ranks, forced imbalance, through run_engine ----------
@@ -129,6 +146,20 @@ def test_rebalance_inside_vllm_changes_no_token_and_returns_every_output_home(ra
     assert all(r["stats"] == {**ranks[0]["stats"], "sent_bytes": r["stats"]["sent_bytes"],
                               "returned": r["stats"]["returned"]} for r in ranks)
     assert sum(r["stats"]["returned"] for r in ranks) > 0  # outputs finished away and came home
+    assert sum(r["moved_samples"] for r in ranks) > 0  # samples of n = 2 prompts moved: their parents waited
+
+
+@pytest.mark.slow
+def test_every_request_finished_in_both_runs(ranks):
+    """The comparison above is not vacuous: every prompt came back with all its samples at full length."""
+    from vllm_move_ranks import workload
+
+    for rank, out in enumerate(ranks):
+        want = [(rid, p.n, p.max_tokens) for rid, _, p in workload(rank)]
+        got = [(rid, len(samples), len(samples[0][1])) for rid, samples in out["on"]]
+        assert got == want, rank
+        assert all(len(s[1]) == p.max_tokens and len(s[2]) == p.max_tokens
+                   for (_, samples), (_, _, p) in zip(out["on"], workload(rank)) for s in samples)
 
 
 @pytest.mark.slow
