@@ -27,6 +27,15 @@ from vllm_move_ranks import Engine, model_dir, move_rank, params, summary  # noq
 WORLD = 4
 
 
+@pytest.fixture(autouse=True)
+def _inspect_in_process(monkeypatch):
+    """Stand-in: vLLM's ModelConfig inspects the model class in a fresh interpreter (about 15 s here);
+    the tiny model's class is inspected in this process instead."""
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+
+
 def _two_steps(tmp_path, blocks=40):
     d = model_dir(tmp_path)
     a = Engine(d)
@@ -147,6 +156,10 @@ def test_rebalance_inside_vllm_changes_no_token_and_returns_every_output_home(ra
                               "returned": r["stats"]["returned"]} for r in ranks)
     assert sum(r["stats"]["returned"] for r in ranks) > 0  # outputs finished away and came home
     assert sum(r["moved_samples"] for r in ranks) > 0  # samples of n = 2 prompts moved: their parents waited
+    from test_migrate import _replayed_moves  # the policy's plan replayed without a model
+
+    assert ranks[0]["stats"]["moves"] == _replayed_moves([r["lengths"] for r in ranks],
+                                                         [r["max_tokens"] for r in ranks])
 
 
 @pytest.mark.slow

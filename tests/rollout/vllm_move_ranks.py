@@ -305,4 +305,7 @@ def move_rank(rank: int, world: int, root: str) -> dict:
     out["on_pool_back"] = on.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free0
     out["runner_empty"] = not on.runner.requests and on.runner.input_batch.num_reqs == 0
     out["stats"] = vars(lockstep.stats)
+    engine_requests = [(len(prompt), p.max_tokens) for _, prompt, p in workload(rank) for _ in range(p.n)]
+    out["lengths"] = [n for n, _ in engine_requests]  # per engine request, in the order they were added
+    out["max_tokens"] = [m for _, m in engine_requests]
     return out
