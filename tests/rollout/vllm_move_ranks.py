@@ -55,14 +55,23 @@ def model_dir(root: Path) -> Path:
 
 
 _CONFIGS: dict = {}
+# vLLM's Scheduler; vLLM-Ascend's AscendScheduler as the recipe runs it (ascend_scheduler_config with
+# chunked prefill: vLLM's schedule() under Ascend's update_from_output) and with its own prefill-first
+# schedule() (chunked prefill off, vLLM-Ascend's default).
+SCHEDULERS = ("vllm", "ascend_chunked", "ascend_prefill_first")
 
 
-def vllm_config(d: Path, blocks: int = BLOCKS):
-    """One VllmConfig per model dir and pool size (building one inspects the model class in a
-    subprocess: the engines of a process share it)."""
-    if (str(d), blocks) not in _CONFIGS:
-        _CONFIGS[(str(d), blocks)] = _build_config(d, blocks)
-    return _CONFIGS[(str(d), blocks)]
+def vllm_config(d: Path, blocks: int = BLOCKS, scheduler: str = "vllm"):
+    """One VllmConfig per model dir, pool size and scheduler (the engines of a process share it)."""
+    key = (str(d), blocks, scheduler)
+    if key not in _CONFIGS:
+        _CONFIGS[key] = _build_config(d, blocks)
+        if scheduler != "vllm":
+            from vllm_ascend.core.schedule_config import AscendSchedulerConfig
+
+            _CONFIGS[key].scheduler_config = AscendSchedulerConfig.initialize_from_config(
+                _CONFIGS[key].scheduler_config, SimpleNamespace(enable_chunked_prefill=scheduler == "ascend_chunked"))
+    return _CONFIGS[key]
 
 
 def _build_config(d: Path, blocks: int):
@@ -170,7 +179,7 @@ class Runner:
 class Engine:
     """One DP rank's engine (see the module docstring for what is real)."""
 
-    def __init__(self, d: Path, blocks: int = BLOCKS) -> None:
+    def __init__(self, d: Path, blocks: int = BLOCKS, scheduler: str = "vllm") -> None:
         from vllm.transformers_utils.tokenizer_group import TokenizerGroup
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.engine.output_processor import OutputProcessor
@@ -178,9 +187,13 @@ class Engine:
 
         from verl_patches.rollout.vllm_move import EngineParts
 
-        cfg = vllm_config(d, blocks)
+        cfg = vllm_config(d, blocks, scheduler)
         kv_cfg = kv_cache_config(blocks)
+        if scheduler != "vllm":
+            from vllm_ascend.core.scheduler import AscendScheduler as Scheduler  # noqa: F811
         self.scheduler = Scheduler(cfg, kv_cfg, StructuredOutputManager(cfg), log_stats=False)
+        if scheduler != "vllm":
+            assert self.scheduler.scheduler_config.chunked_prefill_enabled == (scheduler == "ascend_chunked")
         self.kv_caches = [torch.zeros(blocks, BLOCK, WIDTH) for _ in range(LAYERS)]
         self.runner = Runner(self.kv_caches, kv_cfg)
         self.output_processor = OutputProcessor(TokenizerGroup(str(d), enable_lora=False, max_num_seqs=MAX_SEQS,
@@ -250,31 +263,41 @@ def summary(outputs: list) -> list:
 
 
 def move_rank(rank: int, world: int, root: str) -> dict:
-    """The workload without and with the rebalance (run_engine over a Lockstep on a gloo group), with
-    the KV and the pools checked at every move."""
-    from verl_patches.rollout import rebalance as rb
+    """Per scheduler: the workload without and with the rebalance (run_engine over a Lockstep on a
+    gloo group), with the KV and the pools checked at every move."""
     from verl_patches.rollout import vllm_move
-    from verl_patches.rollout.kv_blocks import read_rows
-    from verl_patches.rollout.migrate import Lockstep
 
     d = model_dir(Path(root) / f"rank{rank}")
     from vllm.model_executor.models import registry
 
     registry._run_in_subprocess = lambda fn: fn()  # stand-in: inspect the model class in this process
     group = dist.new_group(list(range(world)), backend="gloo")
-    out: dict = {"kv_checks": [], "pool_checks": [], "moved_samples": 0}
+    out: dict = {}
 
-    off = Engine(d)
+    take_out, put_in = vllm_move.take_out, vllm_move.put_in
+    for kind in SCHEDULERS:
+        out[kind] = _runs(d, rank, group, kind, take_out, put_in)
+    return out
+
+
+def _runs(d, rank, group, kind, take_out, put_in) -> dict:
+    """The workload on ``kind`` of scheduler: without, then with the rebalance (KV and pools checked at every move)."""
+    from verl_patches.rollout import rebalance as rb
+    from verl_patches.rollout import vllm_move
+    from verl_patches.rollout.kv_blocks import read_rows
+    from verl_patches.rollout.migrate import Lockstep
+
+    out: dict = {"kv_checks": [], "pool_checks": [], "moved_samples": 0}
+    off = Engine(d, scheduler=kind)
     free0 = off.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     for rid, prompt, p in workload(rank):
         off.add(rid, prompt, p)
     out["off"] = summary(off.run())
     out["off_pool_back"] = off.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free0
 
-    on = Engine(d)
+    on = Engine(d, scheduler=kind)
     for rid, prompt, p in workload(rank):
         on.add(rid, prompt, p)
-    take_out, put_in = vllm_move.take_out, vllm_move.put_in
 
     def checked_take_out(parts, rid, home=None):
         pool = parts.scheduler.kv_cache_manager.block_pool
@@ -303,7 +326,6 @@ def move_rank(rank: int, world: int, root: str) -> dict:
     finally:
         vllm_move.take_out, vllm_move.put_in = take_out, put_in
     out["on_pool_back"] = on.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free0
-    out["runner_empty"] = not on.runner.requests and on.runner.input_batch.num_reqs == 0
     out["stats"] = vars(lockstep.stats)
     engine_requests = [(len(prompt), p.max_tokens) for _, prompt, p in workload(rank) for _ in range(p.n)]
     out["lengths"] = [n for n, _ in engine_requests]  # per engine request, in the order they were added

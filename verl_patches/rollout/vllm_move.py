@@ -10,6 +10,9 @@ classes, which it reads and writes by their fields:
   ``CachedRequestData``; ``Scheduler._free_request`` drops it the same way), ``kv_cache_manager``
   (``KVCacheManager.free`` / ``free_block_hashes`` / ``allocate_slots`` / ``get_block_ids``),
   ``max_num_running_reqs``, ``connector``;
+  vLLM-Ascend 0.9.1's ``vllm_ascend/core/scheduler.py:AscendScheduler`` (the recipe's) subclasses
+  it with the same fields plus ``scheduled_req_ids``, which its ``update_from_output`` empties of
+  the scheduled requests (so it is empty between two steps);
 - request (``vllm/v1/request.py:Request``): built by its constructor, ``append_output_token_ids``,
   ``num_computed_tokens``, ``status`` (``RequestStatus.RUNNING``), ``num_cached_tokens``;
 - worker (``vllm/v1/worker/gpu_model_runner.py:GPUModelRunner``): ``requests`` (req id ->
@@ -22,6 +25,8 @@ classes, which it reads and writes by their fields:
   persistent ``InputBatch``, ``_update_states`` adds it through ``InputBatch.add_request``, the path
   a resumed or unscheduled-then-scheduled request takes; ``add_request`` takes the state's
   ``generator`` into ``InputBatch.generators`` for a seeded request (``SamplingType.RANDOM_SEED``).
+  vLLM-Ascend 0.9.1's ``NPUModelRunner._update_states`` (``vllm_ascend/worker/model_runner_v1.py``)
+  takes the same path (read; it needs torch_npu to run).
 - output side (``vllm/v1/engine/output_processor.py:OutputProcessor``): ``request_states`` (req id
   -> ``RequestState``: ``request_index``, ``output_kind``, ``prompt``, ``prompt_token_ids``,
   ``max_tokens_param``, ``is_prefilling``, ``stats``, its ``logprobs_processor``
@@ -109,6 +114,9 @@ def _check_movable(parts: EngineParts, rid: str) -> tuple[Any, Any, Any]:
     if request.num_computed_tokens != request.num_tokens - 1 or request.num_output_tokens < 1:
         raise _refuse(rid, f"{request.num_computed_tokens} of {request.num_tokens} tokens computed; a move runs "
                            "between two steps, after a step that sampled its last token")
+    if rid in getattr(sched, "scheduled_req_ids", ()):
+        raise _refuse(rid, "vLLM-Ascend's AscendScheduler still counts it scheduled (between schedule() and "
+                           "update_from_output())")
     if request.spec_token_ids:
         raise _refuse(rid, "it carries speculative tokens")
     if request.has_encoder_inputs or request.lora_request is not None or request.use_structured_output:
