@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,6 +125,14 @@ def test_malformed_moves_are_named_and_change_nothing(tmp_path, kind):
     assert "m" not in full.runner.requests and "m" not in full.output_processor.request_states
     with pytest.raises(vm.MoveError, match="request '2' is already on this rank"):
         vm.put_in(a.parts, payload, "2")
+    room = Engine(d, scheduler=kind)
+    room.scheduler.max_num_running_reqs = 0  # a destination already running max_num_seqs requests
+    with pytest.raises(vm.MoveError, match="already runs max_num_seqs=0 requests"):
+        vm.put_in(room.parts, payload, "m")
+    assert not room.scheduler.requests and not room.runner.requests
+    out = SimpleNamespace(finished=True, outputs=[None])
+    with pytest.raises(vm.MoveError, match="its parent 'p' is not waiting for it on this rank"):
+        vm.restore_output(a.output_processor, {"request_id": "0_p", "parent": "p"}, out)
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -135,8 +144,6 @@ def test_malformed_moves_are_named_and_change_nothing(tmp_path, kind):
 
 
 def test_a_multiprocess_engine_core_is_named():
-    from types import SimpleNamespace
-
     from verl_patches.rollout import vllm_move as vm
 
     with pytest.raises(vm.MoveError, match="engine core is not in this process"):
