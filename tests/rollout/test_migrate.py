@@ -178,6 +178,7 @@ def test_the_setting_reaches_the_engine_on_the_cpu_platform_and_is_refused_on_a_
         _attach_rebalance(engine, {"recipe": {"rebalance_cpu_stagger": 3}})
     for device in ("npu", "cuda"):
         monkeypatch.setenv("VERL_PATCHES_DEVICE", device)
-        with pytest.raises(ValueError, match=f"CPU generation stand-in only; vLLM's engine on {device}"):
+        with pytest.raises(ValueError, match=f"CPU generation stand-in only; vLLM's engine on {device} .*"
+                                             "device path .* has not run anywhere"):
             _attach_rebalance(engine, {"recipe": {"rebalance": True}})
         _attach_rebalance(engine, {"recipe": {"rebalance": False}})  # off is fine everywhere

@@ -67,8 +67,9 @@ def _engine_kwargs(config: Any) -> dict:
 
 def _attach_rebalance(engine: Any, config: Any) -> None:
     """recipe.rebalance* onto the engine for the generation (verl_patches/rollout/migrate.py). Only the
-    CPU generation stand-in (verl_patches/cpu/engine.py) runs the mechanism: on a device vLLM's engine
-    has no request move yet, so rebalance: True is refused there rather than silently ignored."""
+    CPU generation stand-in (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside
+    vLLM's engine (verl_patches/rollout/vllm_move.run_engine, ready to replace LLM._run_engine's loop)
+    has not run, so rebalance: True is refused there rather than silently ignored."""
     from verl_patches import accelerator, settings as overlay_settings
     from verl_patches.core import stash
     from verl_patches.rollout.migrate import RebalanceSetup
@@ -81,8 +82,11 @@ def _attach_rebalance(engine: Any, config: Any) -> None:
     device = accelerator.device_type()
     if device != "cpu" and (policy.enabled or stagger):
         raise ValueError(f"rollout.{RECIPE_KEY}.rebalance is implemented for the CPU generation stand-in only; vLLM's "
-                         f"engine on {device} cannot move a request between DP ranks yet (docs/ROLLOUT.md): set "
-                         f"rebalance: False and rebalance_cpu_stagger: 0")
+                         f"engine on {device} cannot move a request between DP ranks yet: the move inside vLLM's engine "
+                         "(verl_patches/rollout/vllm_move.py) is tested on CPU against vLLM's classes, but its device "
+                         "path (KV transfer device to device over HCCL / NCCL, the NZ cache layout under TorchAir, "
+                         "batch-invariant kernels) has not run anywhere (docs/ROLLOUT.md): set rebalance: False and "
+                         "rebalance_cpu_stagger: 0")
     if stagger and not policy.enabled:
         raise ValueError(f"rollout.{RECIPE_KEY}.rebalance_cpu_stagger={stagger} forces an imbalance for rebalance to "
                          "move: it needs rebalance: True")
