@@ -268,9 +268,11 @@ def move_rank(rank: int, world: int, root: str) -> dict:
     from verl_patches.rollout import vllm_move
 
     d = model_dir(Path(root) / f"rank{rank}")
-    from vllm.model_executor.models import registry
+    from verl_patches.core.apply import apply_all
+    from verl_patches.patches import get_patch
 
-    registry._run_in_subprocess = lambda fn: fn()  # stand-in: inspect the model class in this process
+    # The overlay's CPU-platform patch (a run's prelude applies it): the model class is inspected here.
+    apply_all([get_patch("cpu.vllm.inspect_model_in_process")])
     group = dist.new_group(list(range(world)), backend="gloo")
     out: dict = {}
 
