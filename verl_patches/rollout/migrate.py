@@ -9,12 +9,13 @@ same code the planner runs. This module is the lockstep around it, device-agnost
   ``rebalance.judge`` on the same counts; only when it says rebalance do they all-gather the running
   request ids with their weights (the tokens whose state would move) and all compute the same
   ``rebalance.decide`` plan. No coordinator: identical inputs give identical plans.
-- ``transfer``: the moved requests' states go point to point (isend / irecv on the DP group, a size
-  then a payload per (source, destination) pair; all posted before any wait, so no order deadlocks).
-  A state is the engine's own dict (``RequestState``'s ``pack`` in the CPU stand-in): prompt ids,
-  generated ids, log-probs so far, the request's sampling generator state and its KV cache. Tensors
-  are moved to the host first (``_to_host``): the exchange runs on the group it is given (gloo on
-  the host). A device-to-device KV transfer (HCCL / NCCL, vLLM's KV blocks) is not written.
+- ``transfer`` (verl_patches/rollout/kv_transfer.py): the moved requests' states go point to point
+  per (source, destination) pair, every isend / irecv posted before any wait, so no order deadlocks.
+  A state is the engine's own dict (``RequestState``'s ``pack`` in the CPU stand-in, ``vllm_move``'s
+  payload): prompt ids, generated ids, log-probs so far, the request's sampling generator state and
+  its KV cache. The KV entry's tensors travel as one buffer per pair (per dtype) over the lockstep's
+  ``kv_group``, device to device on NCCL / HCCL (the DP group itself, gloo, when none is given); the
+  rest is pickled over the DP group, on the host.
 - ``Lockstep.restore``: every finished output goes back to its original rank (the same point to point
   transfer) and ``rebalance.restore`` orders it there, failing on a lost or duplicated request.
 
@@ -27,7 +28,6 @@ tests/rollout/test_migrate.py). docs/ROLLOUT.md states the costs.
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,69 +35,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_patches.rollout import kv_transfer
 from verl_patches.rollout import rebalance as rb
 
 
-class MigrateError(RuntimeError):
+class MigrateError(kv_transfer.TransferError):
     """The DP ranks disagree or a transfer is malformed; the message names the problem."""
 
 
-def _to_host(obj: Any) -> Any:
-    """Tensors of a state, on the host (the exchange pickles them; gloo carries the bytes)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu")
-    if isinstance(obj, dict):
-        return {k: _to_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_host(v) for v in obj)
-    return obj
-
-
-def transfer(moves: Sequence[rb.Move], payloads: Mapping[Any, Any], group: Any) -> tuple[dict, int]:
-    """Send the payload of every move whose source is this rank, receive those whose destination is.
-
-    ``moves`` must be the same list on every rank of ``group`` (group ranks as src / dst);
-    ``payloads``: request id -> what to send, for this rank's outgoing moves. Returns (request id ->
-    received payload, bytes this rank sent). A rank may both send and receive: every isend / irecv is
-    posted before any wait.
-    """
-    me = dist.get_rank(group)
-    ranks = dist.get_process_group_ranks(group)
-    outgoing: dict[int, list] = {}
-    incoming: set[int] = set()
-    for m in moves:
-        if m.src == m.dst:
-            raise MigrateError(f"move of request {m.request!r} from rank {m.src} to itself")
-        if m.src == me:
-            if m.request not in payloads:
-                raise MigrateError(f"rank {me} is to send request {m.request!r} but does not hold it")
-            outgoing.setdefault(m.dst, []).append((m.request, _to_host(payloads[m.request])))
-        elif m.dst == me:
-            incoming.add(m.src)
-    blobs = {dst: pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) for dst, items in outgoing.items()}
-    sizes_in = {src: torch.zeros(1, dtype=torch.int64) for src in incoming}
-    work = [dist.isend(torch.tensor([len(b)], dtype=torch.int64), ranks[dst], group=group, tag=1)
-            for dst, b in blobs.items()]
-    work += [dist.irecv(t, ranks[src], group=group, tag=1) for src, t in sizes_in.items()]
-    for w in work:
-        w.wait()
-    data_in = {src: torch.empty(int(t.item()), dtype=torch.uint8) for src, t in sizes_in.items()}
-    work = [dist.isend(torch.frombuffer(bytearray(b), dtype=torch.uint8), ranks[dst], group=group, tag=2)
-            for dst, b in blobs.items()]
-    work += [dist.irecv(t, ranks[src], group=group, tag=2) for src, t in data_in.items()]
-    for w in work:
-        w.wait()
-    received: dict = {}
-    for src in sorted(data_in):
-        for rid, payload in pickle.loads(data_in[src].numpy().tobytes()):
-            want = [m for m in moves if m.request == rid and m.dst == me and m.src == src]
-            if not want:
-                raise MigrateError(f"rank {me} received request {rid!r} from rank {src}, which no move sends it")
-            received[rid] = payload
-    missing = [m.request for m in moves if m.dst == me and m.request not in received]
-    if missing:
-        raise MigrateError(f"rank {me} did not receive request(s) {missing[:3]}")
-    return received, sum(len(b) for b in blobs.values())
+def transfer(moves: Sequence[rb.Move], payloads: Mapping[Any, Any], group: Any,
+             kv_group: Any = None) -> tuple[dict, int]:
+    """``kv_transfer.transfer`` (see there), its errors raised as ``MigrateError``."""
+    try:
+        return kv_transfer.transfer(moves, payloads, group, kv_group)
+    except MigrateError:
+        raise
+    except kv_transfer.TransferError as e:
+        raise MigrateError(str(e)) from e
 
 
 @dataclass(frozen=True)
@@ -126,12 +80,15 @@ class LockstepStats:
 @dataclass
 class Lockstep:
     """One rollout's lockstep over the DP ``group`` (every rank of the group calls every method, in
-    the same order). ``buckets``: the captured graph batch sizes; ``capacity``: max_num_seqs per rank."""
+    the same order). ``buckets``: the captured graph batch sizes; ``capacity``: max_num_seqs per rank;
+    ``kv_group``: the process group the moved KV rows go over, device to device (NCCL / HCCL: the same
+    ranks as ``group``; None: ``group`` itself, gloo, with the rows on the host)."""
 
     group: Any
     policy: rb.RebalancePolicy
     buckets: tuple[int, ...]
     capacity: int
+    kv_group: Any = None
     stats: LockstepStats = field(default_factory=LockstepStats)
     original: dict[int, list[int]] = field(default_factory=dict)
 
@@ -141,6 +98,8 @@ class Lockstep:
             raise MigrateError(f"max_num_seqs {self.capacity} exceeds the largest graph batch size {self.buckets[-1]}")
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
+        if self.kv_group is not None:
+            kv_transfer.prepare(self.kv_group)  # a collective: every rank builds its Lockstep together
 
     def begin(self, local: int) -> list[int]:
         """Global request ids of this rank's ``local`` requests (unique over the group, in rank then
@@ -177,7 +136,7 @@ class Lockstep:
         return True, decision.moves
 
     def move(self, moves: Sequence[rb.Move], payloads: Mapping[int, Any]) -> dict[int, Any]:
-        received, sent = transfer(moves, payloads, self.group)
+        received, sent = transfer(moves, payloads, self.group, self.kv_group)
         self.stats.sent_bytes += sent
         return received
 
