@@ -47,7 +47,8 @@ the moves between two steps.
 Refused, each with an error naming it: a request that is waiting, preempted, mid-prefill, carrying
 speculative tokens, multimodal inputs, LoRA, structured output or a KV connector, and one whose text
 is detokenized (``SamplingParams.detokenize``: the detokenizer's stream state does not move; verl's
-rollout sets it False). Stand-in limits: the KV rows go through the host (kv_blocks), a device
+rollout sets it False). The payload's ``"kv"`` entry travels as device tensors over the lockstep's
+KV group (verl_patches/rollout/kv_transfer.py), the rest pickled on the host. Limits: a device
 generator's state is carried by ``get_state`` / ``set_state``, and nothing here has run on a device
 (docs/ROLLOUT.md, "What remains for vLLM on a device").
 """
