@@ -19,8 +19,25 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # The tests start hundreds of local ranks (verl_patches/launch.py:run_distributed): forked from a server
 # that imported torch, megatron-core and vLLM once instead of each importing them (3-13 s of CPU a rank).
 # tests/test_launch.py runs the spawn start (the default) as well.
-os.environ.setdefault("VERL_PATCHES_RANK_START", "forkserver")
-os.environ.setdefault("VERL_PATCHES_RANK_PRELOAD", "torch,torch.distributed,megatron.core,vllm")
+# Only what this machine has: the GPU machines' image has no vLLM (a preload that fails fails the ranks).
+import importlib.util  # noqa: E402
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a missing parent package
+        return False
+
+
+# On the CPU platform only: on a GPU machine megatron-core's import initialises CUDA, which a forked rank
+# cannot use (verl_patches/rank_preload.py refuses that preload); the GPU tests spawn their ranks.
+from verl_patches import accelerator as _accelerator  # noqa: E402
+
+if _accelerator.device_type() == "cpu":
+    os.environ.setdefault("VERL_PATCHES_RANK_START", "forkserver")
+    os.environ.setdefault("VERL_PATCHES_RANK_PRELOAD", ",".join(
+        m for m in ("torch", "torch.distributed", "megatron.core", "vllm") if _installed(m)))
 
 from verl_patches.testing.upstream_env import prepare_cpu_upstream  # noqa: E402
 

@@ -108,3 +108,14 @@ def test_a_taken_port_is_skipped(monkeypatch):
         monkeypatch.setattr(ports, "_LOWEST_PORT", taken)
         with pytest.raises(RuntimeError, match="no 1 consecutive free ports found in 5 tries"):
             rd.free_port_block(1, tries=5)
+
+
+def test_device_ranks_always_spawn(monkeypatch):
+    """Forking from the server is for gloo ranks only: a device runtime cannot be used in a child forked
+    from a process that queried it (checked over NCCL on two GPUs: docs/benchmarks.md)."""
+    monkeypatch.setenv("VERL_PATCHES_RANK_START", "forkserver")
+    for backend in ("nccl", "hccl"):
+        ctx, caller = rd._context(backend)
+        assert ctx.get_start_method() == "spawn" and caller is None
+    ctx, caller = rd._context("gloo")
+    assert ctx.get_start_method() == "forkserver" and set(caller[1]) <= {1, 2}

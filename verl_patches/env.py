@@ -77,8 +77,8 @@ VARIABLES: tuple[Var, ...] = (
         "as stopped and the run ends", "verl_patches/launch.py", low=1.0, high=86400.0, weakens_below=0.0,
         weakens_why="a heartbeat timeout of 0 or less would switch the liveness check of the ranks off"),
     Var("VERL_PATCHES_RANK_START", "choice", "spawn",
-        "how run_distributed starts its ranks: spawn (a fresh interpreter each) or forkserver (forked from one "
-        "server that imported VERL_PATCHES_RANK_PRELOAD once)", "verl_patches/launch.py",
+        "how run_distributed starts its gloo ranks: spawn (a fresh interpreter each) or forkserver (forked from "
+        "one server that imported VERL_PATCHES_RANK_PRELOAD once); device ranks always spawn", "verl_patches/launch.py",
         choices=("spawn", "forkserver")),
     Var("VERL_PATCHES_RANK_PRELOAD", "list", ("torch",),
         "modules the forkserver of run_distributed imports once, before it forks any rank",

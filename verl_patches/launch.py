@@ -75,17 +75,20 @@ def _dump_stacks(ranks: list[Any], which: list[int]) -> None:
     time.sleep(2.0)  # let faulthandler write before the kill
 
 
-def _context() -> tuple[Any, Any]:
+def _context(backend: str) -> tuple[Any, Any]:
     """The multiprocessing context the ranks start from (``VERL_PATCHES_RANK_START``), and what a forked
     rank takes from the caller (``rank_boot.main``): its environment, stdout and stderr (None for a
     spawned rank, which inherits them).
 
-    spawn: a fresh interpreter per rank. forkserver: one server per calling process, started at its first
+    spawn: a fresh interpreter per rank (always, for a device backend). forkserver (gloo ranks): one
+    server per calling process, started at its first
     call, imports ``VERL_PATCHES_RANK_PRELOAD`` once (verl_patches/rank_preload.py) and forks every rank of
     every later call from that state; a rank then takes the caller's environment and standard streams of
     the call, since the server's are those of its own start.
     """
-    if overlay_env.get("VERL_PATCHES_RANK_START") == "spawn":
+    # Device ranks always spawn: torch refuses CUDA in a child forked from a process that queried the device
+    # (even torch.cuda.is_available() does, and megatron-core's import queries it on a GPU machine).
+    if backend != "gloo" or overlay_env.get("VERL_PATCHES_RANK_START") == "spawn":
         return mp.get_context("spawn"), None
     ctx = mp.get_context("forkserver")
     # Read when the server starts (the first call); a later call's preload setting is the server's.
@@ -151,7 +154,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     if not (isinstance(heartbeat, (int, float)) and heartbeat > 0 and startup > 0):
         raise ValueError(f"run_distributed: heartbeat and startup must be positive seconds, got {heartbeat!r}, "
                          f"{startup!r} (0 would switch the liveness check off)")
-    ctx, caller = _context()
+    ctx, caller = _context(backend)
     queue = ctx.SimpleQueue()
     port = free_port()
     beats = ctx.Array("d", world, lock=False)  # 0.0: no beat yet

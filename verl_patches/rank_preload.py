@@ -5,6 +5,8 @@ A spawned rank is a fresh interpreter that imports torch (and, for most ranks of
 and vLLM) on its own: 3 to 13 s of CPU each, paid hundreds of times by the test suite on a 2-core
 machine. A forked rank starts with the server's modules already imported. The server is single-threaded
 Python when it forks (multiprocessing's forkserver), which is what makes forking after these imports safe.
+Only gloo ranks fork (``launch._context``): a device runtime cannot be used in a child forked from a
+process that touched it, and asking torch how many GPUs there are already counts as touching it.
 
 The modules are ``VERL_PATCHES_RANK_PRELOAD`` (default torch). A module that fails to import is recorded
 in ``FAILED`` (the forkserver would drop the error silently) and the launcher names it: the ranks would

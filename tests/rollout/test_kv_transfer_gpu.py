@@ -34,7 +34,7 @@ def _spawn(monkeypatch):
 
 
 def test_nccl_two_ranks_receive_every_moved_requests_rows_bit_for_bit_on_their_gpu():
-    moves = plan(WORLD, 0, per_pair=4)
+    moves = plan(WORLD, 0)  # what exchange_rank plans on every rank
     outs = run_distributed(exchange_rank, WORLD, "nccl", 0, backend="nccl", env=ENV, timeout=240)
     for rank, out in enumerate(outs):
         assert out["device"] == f"cuda:{rank}"
