@@ -177,7 +177,10 @@ def test_peak_host_memory_is_two_layers_plus_a_constant(tmp_path):
     write_hf(tmp_path / "hf", tensors, cfg, shards=2)
     del tensors
     layer = max(sum(math.prod(s) * 2 for s in layer_shapes(cfg, i).values()) for i in range(8))
-    constant = 16 << 20
+    # Allocator arenas and buffers: measured 36-38 MiB above the baseline in all (2 layers of 13 MiB + 10-12
+    # MiB) on an idle 2-core machine, 42.1 MiB once in a clean-checkout CI run (2026-11-27) against the old
+    # 16 MiB constant. 24 MiB still leaves a converter that holds the model (95 MiB) far above the bound.
+    constant = 24 << 20
     bound = 2 * layer + constant
     assert total > bound + 2 * layer, "the model must be large enough for the bound to discriminate"
     r = subprocess.run([sys.executable, str(HERE / "rss_probe.py"), str(tmp_path / "hf"), str(tmp_path / "mc")],
