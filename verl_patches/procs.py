@@ -50,28 +50,7 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
-def _watch_parent(parent_pid: int, interval: float) -> None:
-    while True:
-        time.sleep(interval)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-
-def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL, interval: float = 1.0) -> None:
-    """Make this process end when ``parent_pid`` (its parent) ends, however the parent ended.
-
-    The parent-death signal covers Linux; a daemon thread that polls the parent's pid covers
-    the rest. The parent may already be gone before either is armed: then exit now.
-    """
-    armed = set_parent_death_signal(sig)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-    if not armed:
-        threading.Thread(target=_watch_parent, args=(parent_pid, interval), daemon=True,
-                         name="verl_patches-parent-watch").start()
-
-
-def _watch_pid(pid: int, interval: float) -> None:
+def _watch_owner(pid: int, interval: float) -> None:
     while True:
         time.sleep(interval)
         if not alive(pid):
@@ -79,16 +58,20 @@ def _watch_pid(pid: int, interval: float) -> None:
 
 
 def die_with(owner_pid: int, sig: int = signal.SIGKILL, interval: float = 1.0) -> None:
-    """Make this process end when ``owner_pid`` ends: its parent (``die_with_parent``), or the process that
-    asked a server to start it (a forkserver's child: the parent-death signal then follows the server,
-    which ends with its owner, and a daemon thread polls the owner's pid as well)."""
-    if os.getppid() == owner_pid:
-        die_with_parent(owner_pid, sig, interval)
-        return
-    set_parent_death_signal(sig)
-    if not alive(owner_pid):
+    """Make this process end when ``owner_pid`` ends, however it ended: its parent, or the process that
+    asked a server to start it (a forkserver's child).
+
+    The parent-death signal follows the parent (for a forkserver's child, the server, which ends with its
+    owner). A daemon thread polls the owner's pid where the owner is not the parent, or where the signal
+    is unavailable (not Linux). The owner may already be gone before either is armed: then exit now.
+    """
+    armed = set_parent_death_signal(sig)
+    direct = os.getppid() == owner_pid
+    if not direct and not alive(owner_pid):
         os._exit(1)
-    threading.Thread(target=_watch_pid, args=(owner_pid, interval), daemon=True, name="verl_patches-owner-watch").start()
+    if not (direct and armed):
+        threading.Thread(target=_watch_owner, args=(owner_pid, interval), daemon=True,
+                         name="verl_patches-owner-watch").start()
 
 
 def _children_by_scan(pid: int) -> list[int]:
