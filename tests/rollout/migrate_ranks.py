@@ -82,3 +82,33 @@ def rebalance_rank(rank: int, world: int) -> dict:
     out["lengths"] = [len(p) for p in prompts]
     out["max_tokens"] = [int(p.max_tokens) for p in params]
     return out
+
+
+def thread_check_rank(rank: int, world: int) -> str:
+    """The stand-in's lockstep over a DP group whose ranks run at different torch thread counts (rank r
+    at r + 1): refused by name. The DP group is a gloo group standing in for vLLM's (its cpu_group,
+    world_size and rank_in_group are what the lockstep reads)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state as ps
+
+    from verl_patches.cpu import engine
+    from verl_patches.rollout import rebalance as rb
+
+    group = dist.new_group(list(range(world)), backend="gloo")
+    coord = SimpleNamespace(cpu_group=group, world_size=world, rank_in_group=rank)
+    generator = engine._Generator(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4)), None)
+    setup = SimpleNamespace(policy=rb.RebalancePolicy(enabled=True), stagger=0)
+    original = ps.get_dp_group
+    ps.get_dp_group = lambda: coord
+    try:
+        torch.set_num_threads(1)
+        generator._lockstep(setup)  # the same count everywhere: accepted
+        torch.set_num_threads(rank + 1)
+        try:
+            generator._lockstep(setup)
+        except engine.CpuEngineError as e:
+            return str(e)
+        return "accepted"
+    finally:
+        ps.get_dp_group = original

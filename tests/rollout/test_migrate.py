@@ -21,7 +21,7 @@ from verl_patches.rollout import rebalance as rb
 from verl_patches.rollout.migrate import MigrateError, eager_buckets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
-from migrate_ranks import rebalance_rank, tiny_model, workload  # noqa: E402
+from migrate_ranks import rebalance_rank, thread_check_rank, tiny_model, workload  # noqa: E402
 
 WORLD = 4
 BUCKETS = (1, 2, 4, 8, 16)
@@ -37,28 +37,56 @@ def _params(**kw):
     return SamplingParams(**base)
 
 
-def test_a_rows_logits_do_not_depend_on_its_batch():
+WIDTHS = (1, 3, 8, 17)  # batch rows: a GEMM's blocking (and reduction order) changes with them
+THREADS = (1, 2)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+def test_a_rows_logits_do_not_depend_on_its_batch(threads):
     """Batch invariance of the stand-in's forward, bit for bit: a request's logits at prefill and at
-    every decode step are the same alone and in a left-padded batch with longer and shorter requests.
-    Measured, not assumed: a kernel whose reduction order changed with the batch would fail it."""
+    every decode step, and its KV, are the same alone and in batches of 1, 3, 8 and 17 requests of
+    other lengths, at 1 and 2 threads. It holds by construction (one forward per request,
+    ``engine._forward``); a batched, left-padded forward fails it on CPUs whose BLAS blocks by the
+    batch's shape (an AVX-512 Intel Xeon does, at the first decode step)."""
     from verl_patches.cpu import engine
 
     model = tiny_model()
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(5, 990, (n,), generator=g).tolist() for n in (4, 9, 2, 6)]
-    alone = [engine.RequestState(p, _params(), 0) for p in prompts]
-    together = [engine.RequestState(p, _params(), 0) for p in prompts]
+    prompts = [torch.randint(5, 990, (int(torch.randint(2, 13, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(max(WIDTHS))]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for width in WIDTHS:
+                alone = [engine.RequestState(p, _params(), 0) for p in prompts[:width]]
+                together = [engine.RequestState(p, _params(), 0) for p in prompts[:width]]
+                for step in range(4):
+                    rows = [engine._forward(model, [s])[0] for s in alone]
+                    batch = engine._forward(model, together)
+                    assert batch.shape[0] == width
+                    for r, s in enumerate(alone):
+                        assert torch.equal(rows[r], batch[r]), (width, step, r)
+                        tok = int(torch.argmax(rows[r]))
+                        s.out.append(tok)
+                        together[r].out.append(tok)
+                    for r, (a, b) in enumerate(zip(alone, together)):
+                        assert all(torch.equal(x, y) for la, lb in zip(a.kv, b.kv) for x, y in zip(la, lb)), \
+                            (width, step, r)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_forward_refuses_a_mix_of_prefill_and_decode():
+    from verl_patches.cpu import engine
+
+    model = tiny_model()
+    done, fresh = engine.RequestState([5, 6, 7], _params(), 0), engine.RequestState([8, 9], _params(), 0)
     with torch.no_grad():
-        for step in range(4):
-            rows = [engine._forward(model, [s])[0] for s in alone]
-            batch = engine._forward(model, together)
-            for r, s in enumerate(alone):
-                assert torch.equal(rows[r], batch[r]), (step, r)
-                tok = int(torch.argmax(rows[r]))
-                s.out.append(tok)
-                together[r].out.append(tok)
-            for a, b in zip(alone, together):
-                assert all(torch.equal(x, y) for la, lb in zip(a.kv, b.kv) for x, y in zip(la, lb)), step
+        engine._forward(model, [done])
+        done.out.append(3)
+        with pytest.raises(engine.CpuEngineError, match="mixes prefill and decode"):
+            engine._forward(model, [done, fresh])
 
 
 def test_per_request_sampling_does_not_depend_on_the_other_requests():
@@ -157,6 +185,15 @@ def test_negative_control_a_move_without_the_generator_state_changes_tokens(rank
     differ = sum(a != b for out in ranks for a, b in zip(out["off"]["tokens"], out["no_generator_state"]["tokens"]))
     assert differ > 0
     assert ranks[0]["no_generator_state"]["stats"]["moves"] == ranks[0]["on"]["stats"]["moves"]
+
+
+@pytest.mark.slow
+def test_ranks_at_different_thread_counts_are_refused():
+    """A moved request is computed on another rank: bit for bit only at the same thread count, so the
+    stand-in's lockstep refuses a DP group whose ranks disagree, naming the counts."""
+    messages = run_distributed(thread_check_rank, 2, env={"VLLM_PLUGINS": "verl_patches"}, timeout=240)
+    for message in messages:
+        assert "torch thread counts differ ([1, 2]" in message and "OMP_NUM_THREADS" in message, message
 
 
 def test_the_setting_reaches_the_engine_on_the_cpu_platform_and_is_refused_on_a_device(monkeypatch):

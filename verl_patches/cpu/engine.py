@@ -16,9 +16,9 @@ Each request samples with its own generator: vLLM's per-request seed where Sampl
 is set, else a seed drawn per request, in the original order, from torch's default generator, which
 verl's sharding manager has set to the generation state of the rank's data-parallel group (so the
 tensor-parallel ranks of a group agree, as vLLM's do). Each request keeps its own KV cache and a
-step runs one left-padded batched forward over the running requests, whose result for a request does
-not depend on the others (tests/rollout/test_migrate.py): a request's tokens depend neither on its
-batch nor on its DP rank, which is what lets recipe.rebalance move requests between DP ranks during
+step runs one forward per running request (``_forward``), so a request's result does not depend on
+the others by construction, on any CPU (tests/rollout/test_migrate.py): a request's tokens depend
+neither on its batch nor on its DP rank, which is what lets recipe.rebalance move requests between DP ranks during
 the generation (verl_patches/rollout/migrate.py; the ranks then step in lockstep).
 
 Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture (``enforce_eager``
@@ -266,6 +266,14 @@ class _Generator:
         from verl_patches.rollout.migrate import Lockstep, eager_buckets
 
         coord = ps.get_dp_group()
+        # A moved request goes on computing on another rank: the same arithmetic only at the same
+        # thread count (a kernel may split a reduction by threads), so the group must agree on it.
+        threads: list[Any] = [None] * coord.world_size
+        torch.distributed.all_gather_object(threads, torch.get_num_threads(), group=coord.cpu_group)
+        if len(set(threads)) > 1:
+            raise CpuEngineError(f"recipe.rebalance moves requests between the DP ranks, whose torch thread counts "
+                                 f"differ ({threads}, by rank of vLLM's DP group): set one OMP_NUM_THREADS for "
+                                 f"every worker, or turn rebalance off")
         seqs = int(self.vllm_config.scheduler_config.max_num_seqs)
         # The CPU engine is eager (no graph is captured, whatever torchair_graph_config says): the group
         # steps at its fullest rank's batch, so every batch size is a bucket.
@@ -343,48 +351,47 @@ class RequestState:
 
 
 def _forward(model: torch.nn.Module, batch: list[RequestState]) -> torch.Tensor:
-    """One forward over ``batch``: prefill for requests without KV (all of the batch) or one decode
-    step for requests with KV (all of it), left-padded to the batch's longest. Each request's KV is
-    updated to its own positions; returns the last position's logits [len(batch), vocab]."""
-    from transformers import DynamicCache
+    """One step over ``batch``: prefill for requests without KV (all of the batch) or one decode step
+    for requests with KV (all of it); returns each request's last-position logits [len(batch), vocab].
 
-    n = len(batch)
+    Batch-invariant by construction: every request gets a forward of its own (``_forward_one``, one
+    row, no padding), so the arithmetic a request's logits and KV come from is a function of that
+    request alone: the same operators on the same shapes with the same inputs, whichever requests
+    share the step, how many there are, and on which DP rank it runs. A batched, left-padded forward
+    would not be: BLAS and oneDNN choose their blocking, and with it the order of a reduction, by
+    the matrix's shape (rows in the batch, padded width), and which order they choose differs
+    between CPU models (it held on one AMD EPYC and broke on an AVX-512 Intel Xeon). What is left
+    is the process's thread count, the same in every rank of a run (tests/rollout/test_migrate.py
+    checks the invariance under 1 and 2 threads, for batches of 1, 3, 8 and 17 requests).
+
+    The cost is one forward per request instead of one per step; the tiny model's forward is
+    dominated by per-call overhead, so generation costs about as many forwards as the batch has
+    requests (docs/TINY_RUN.md gives the measured times)."""
     prefill = batch[0].kv is None
     if any((s.kv is None) != prefill for s in batch):
         raise CpuEngineError("a forward mixes prefill and decode requests")
-    if prefill:
-        lens = [len(s.prompt) for s in batch]
-        width = max(lens)
-        ids = torch.zeros((n, width), dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for r, s in enumerate(batch):
-            ids[r, width - lens[r]:] = torch.tensor(s.prompt, dtype=torch.long)
-            mask[r, width - lens[r]:] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        past = None
+    return torch.cat([_forward_one(model, s) for s in batch])
+
+
+def _forward_one(model: torch.nn.Module, state: RequestState) -> torch.Tensor:
+    """One request's forward, alone: its prompt (prefill) or its last token over its own KV (decode).
+    Its KV becomes the request's own positions again; returns the last position's logits [1, vocab]."""
+    from transformers import DynamicCache
+
+    if state.kv is None:
+        ids = torch.tensor([state.prompt], dtype=torch.long)
+        past, start = None, 0
     else:
-        lens = [s.kv[0][0].shape[-2] for s in batch]
-        width = max(lens)
         past = DynamicCache()
-        for layer in range(len(batch[0].kv)):
-            k0, v0 = batch[0].kv[layer]
-            keys = k0.new_zeros((n, k0.shape[0], width, k0.shape[-1]))
-            values = v0.new_zeros((n, v0.shape[0], width, v0.shape[-1]))
-            for r, s in enumerate(batch):
-                keys[r, :, width - lens[r]:] = s.kv[layer][0]
-                values[r, :, width - lens[r]:] = s.kv[layer][1]
-            past.update(keys, values, layer)
-        ids = torch.tensor([[s.out[-1]] for s in batch], dtype=torch.long)
-        mask = torch.zeros((n, width + 1), dtype=torch.long)
-        for r in range(n):
-            mask[r, width - lens[r]:] = 1
-        positions = torch.tensor([[length] for length in lens], dtype=torch.long)
+        for layer, (keys, values) in enumerate(state.kv):
+            past.update(keys.unsqueeze(0), values.unsqueeze(0), layer)
+        ids = torch.tensor([[state.out[-1]]], dtype=torch.long)
+        start = state.kv[0][0].shape[-2]
+    positions = torch.arange(start, start + ids.shape[1], dtype=torch.long).unsqueeze(0)
+    mask = torch.ones((1, start + ids.shape[1]), dtype=torch.long)
     res = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past, use_cache=True)
-    cache, total = res.past_key_values, ids.shape[1] + (0 if prefill else width)
-    for r, s in enumerate(batch):
-        keep = total - (lens[r] + (0 if prefill else 1))
-        s.kv = [(cache[layer][0][r, :, keep:].clone(), cache[layer][1][r, :, keep:].clone())
-                for layer in range(len(cache))]
+    cache = res.past_key_values
+    state.kv = [(cache[layer][0][0].clone(), cache[layer][1][0].clone()) for layer in range(len(cache))]
     return res.logits[:, -1]
 
 
@@ -409,8 +416,8 @@ def _sample_next(state: RequestState, logits: torch.Tensor, eos: Optional[int]) 
 def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any], eos: Optional[int],
             pad: int, seeds: Sequence[int], lockstep: Any = None, arrival: int = 0,
             capacity: Optional[int] = None) -> list[tuple[list[int], str, list[dict[int, Any]]]]:
-    """Sampling with a KV cache per request: each step, one batched forward over the rank's running
-    requests (left-padded; a row's logits do not depend on its neighbours, tests/rollout/test_migrate.py),
+    """Sampling with a KV cache per request: each step, one forward per running request (``_forward``:
+    a request's logits do not depend on its neighbours, by construction),
     each request sampling with its own generator (``seeds``, ``request_seeds``): per-row temperature /
     top-k / top-p / max_tokens / ignore_eos, temperature 0 greedy. Each row also gets its sampled
     tokens' log-probs as vLLM returns them (``sampled_logprobs``): one {token_id: Logprob} per position.
@@ -419,7 +426,7 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any],
     ``arrival`` (0; the test-only stagger delays a DP rank's). With ``lockstep``
     (verl_patches/rollout/migrate.py), every step ends with the DP group's check and the moves it
     plans, and the outputs come back to their original rank and order at the end. ``pad`` is
-    unused: padded positions are masked (kept for the callers' signature)."""
+    unused: no request is padded (kept for the callers' signature)."""
     from collections import deque
 
     from vllm.sequence import Logprob
