@@ -170,10 +170,16 @@ def _update(recompute: bool, data):
     import verl.workers.actor.megatron_actor as ma
 
     policy = Policy()
-    if recompute:  # the separate old-log-prob forward the reuse skips
-        with torch.no_grad():
-            data.batch["old_log_probs"] = policy.log_prob(data.batch["input_ids"], data.batch["responses"])
     actor, seen = _actor(policy, recompute)
+    if recompute:  # the separate old-log-prob forward the reuse skips
+        # Per micro-batch of the update's size (2 rows, in order, as verl's compute_log_prob splits
+        # with the same micro-batch size): the same shapes as the update's own forward, so the same
+        # kernels and reduction order on any CPU.
+        micro = int(actor.config.ppo_micro_batch_size_per_gpu)
+        with torch.no_grad():
+            data.batch["old_log_probs"] = torch.cat([
+                policy.log_prob(ids, resp) for ids, resp in zip(data.batch["input_ids"].split(micro),
+                                                                 data.batch["responses"].split(micro))])
     loader = ma.MegatronPPOActor.make_minibatch_iterator(actor, data)
     metrics = ma.MegatronPPOActor.update_policy(actor, loader)
     seen["metrics"] = metrics
@@ -196,9 +202,10 @@ def _no_device_cache(monkeypatch):
 def test_reuse_gives_the_recomputed_loss_and_gradients(patched):
     ref_loss, ref_stats, ref_grads = _update(True, _batch())
     loss, stats, grads = _update(False, _batch())  # no old_log_probs in the batch at all
-    # Tolerance: exact (rtol=atol=0). On CPU the recomputed old log-prob comes from the identical
-    # forward, so log_prob - old_log_prob is exactly 0 on both paths; on a device the recompute runs
-    # other micro-batch shapes and differs in the last bits, which is the reuse's point.
+    # Tolerance: exact (rtol=atol=0). Here the recomputed old log-prob comes from the same forward on
+    # the same micro-batch shapes (_update), so log_prob - old_log_prob is exactly 0 on both paths, on
+    # any CPU; on a device verl's recompute may run other micro-batch shapes and differ in the last
+    # bits, which is the reuse's point.
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     for g, rg in zip(grads, ref_grads):
         torch.testing.assert_close(g, rg, rtol=0, atol=0)

@@ -18,7 +18,7 @@ import torch
 from tests.helpers import REPO
 from verl_patches.cpu import engine
 
-PROMPTS = [[5, 17, 42, 9], [3, 8], [11, 12, 13, 14, 15, 16]]  # different lengths: left padding
+PROMPTS = [[5, 17, 42, 9], [3, 8], [11, 12, 13, 14, 15, 16]]  # different lengths
 
 
 def _model(dtype):
@@ -54,8 +54,9 @@ def _generator(model):
 
 
 # float32: the cached incremental forward and the full one differ in summation order only (2.6e-6
-# measured). bfloat16 (the tiny run's dtype): identical here (0 measured); the bound leaves room for
-# a different rounding of the two forwards.
+# measured on an AMD EPYC, 4.05e-6 on an AVX-512 Intel Xeon: the kernels choose the order by shape).
+# bfloat16 (the tiny run's dtype): identical here (0 measured); the bound leaves room for a different
+# rounding of the two forwards.
 TOL_BF16 = 1e-2
 
 
@@ -85,9 +86,13 @@ def test_sampled_logprobs_are_log_softmax_of_the_raw_logits(dtype, tol):
             assert (got - tempered).abs().max() > 0.05  # before temperature, as vLLM's V1 sampler
             worst = max(worst, float((got - want).abs().max()))
             ranks = [sample.logprobs[i][t].rank for i, t in enumerate(tokens)]
-            want_ranks = [int((torch.log_softmax(logits[i].float(), -1) > want[i]).sum()) + 1 for i in range(len(tokens))]
             if dtype == torch.float32:  # (bfloat16 ties and near-ties reorder)
-                assert ranks == want_ranks
+                # The rank counts the tokens above the sampled one; a token within the forwards'
+                # difference (tol) of it may fall on either side, so the rank lies in a band.
+                for i in range(len(tokens)):
+                    full = torch.log_softmax(logits[i].float(), -1)
+                    low, high = int((full > want[i] + tol).sum()) + 1, int((full > want[i] - tol).sum()) + 1
+                    assert low <= ranks[i] <= high, (i, ranks[i], low, high)
             assert all(r <= params.top_k for r in ranks)  # top-k sampled
             assert sample.cumulative_logprob == pytest.approx(float(got.sum()), rel=1e-6)
             checked += 1
