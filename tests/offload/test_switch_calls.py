@@ -1,6 +1,9 @@
 """The switch loop's call -> step table (verl_patches/offload/live.py:CALLS) against the wrappers that
 read it and the docs that show it.
 
+The weight-sync patch's docstring lists __enter__ / __exit__ in order as ``sequence()`` renders them
+from the table; the last tests check that the two agree.
+
 The wrappers are the real ones: the Megatron worker's (patch_workers_megatron_workers_switch), the
 sharding manager's part of __enter__ (enter_calls and weight_sync, what recipe_enter runs) and
 vllm.LLM's sleep / wake_up (patch_entrypoints_llm), driven in verl's trainer order on the process's
@@ -24,7 +27,8 @@ from verl_patches.offload import ScheduleError, our_steps
 from verl_patches.offload.live import (CALLS, SHARDING_ENTER, WAKE_TAGS, WEIGHT_SYNC, WORKER, calls_inside,
                                        calls_markdown, reset_live_switch, switch_call, wake_call)
 from verl_patches.patches.verl import patch_workers_megatron_workers_switch as worker_patch
-from verl_patches.patches.verl.patch_workers_sharding_manager_megatron_vllm import enter_calls, weight_sync
+from verl_patches.patches.verl import patch_workers_sharding_manager_megatron_vllm as sharding_patch
+from verl_patches.patches.verl.patch_workers_sharding_manager_megatron_vllm import enter_calls, sequence, weight_sync
 from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR, wrap_sleep, wrap_wake_up
 
 LOAD = f"{WORKER}.load_checkpoint"
@@ -199,3 +203,22 @@ def test_the_design_doc_shows_the_table_from_the_data():
                                        "paste calls_markdown()'s output between the markers:\n" + calls_markdown())
     for c in CALLS:  # a row removed from the data must leave the doc too
         assert f"`{c.name}`" in shown
+
+
+def test_the_weight_sync_patch_docstring_lists_its_calls_from_the_data():
+    doc = sharding_patch.__doc__
+    assert sequence() in doc, ("the weight-sync patch's docstring differs from the sequence the table gives; "
+                               "paste sequence()'s output into it:\n" + sequence())
+    # The calls __enter__ makes are numbered items in the order enter_calls makes them; LLM.sleep's under __exit__.
+    enter, rest = doc.split("__enter__, recipe.reshard_method direct", 1)[1].split("__enter__, recipe.reshard_method "
+                                                                                    "upstream", 1)
+    at = [enter.index(f"\n{i}. `{c.name}`, step") for i, c in enumerate(calls_inside(SHARDING_ENTER), 3)]
+    assert at == sorted(at)
+    assert "\n1. `LLM.sleep`, steps" in rest.split("__exit__", 1)[1]
+    # Rendered from the loop's steps, not restated: a loop that made the KV cache before the reshard lists it first.
+    steps = list(our_steps())
+    kv = next(s for s in steps if s.name == "init_kv_cache")
+    steps.remove(kv)
+    steps.insert([s.name for s in steps].index("alloc_rollout_weights"), kv)
+    moved = sequence(steps)
+    assert moved.index(f"3. `{wake_call('kv_cache')}`") < moved.index(f"5. `{WEIGHT_SYNC}`")

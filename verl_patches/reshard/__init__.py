@@ -15,7 +15,8 @@ from verl_patches import lazy_names
 # verl_patches.reshard.baselines (the two references, for comparison).
 METHOD_DOCS: dict[str, str] = {
     "direct": "ours: direct slice routing, one all-to-all per bucket, no full tensor materialised",
-    "recipe": "the published recipe's reference: per-layer all-gather, then local slicing",
+    "recipe": "the published recipe's reference: experts by a PP broadcast and one AlltoAllV in the expert group; "
+              "dense tensors by a TP all-gather to full size and a PP all-to-all of them to every stage",
     "upstream": "verl 0.4.1's path: every parameter gathered to full size on every rank",
 }
 METHODS: tuple[str, ...] = tuple(METHOD_DOCS)

@@ -1,5 +1,5 @@
-"""Entering rollout runs the switch schedule with our reshard engine writing straight into vLLM's
-parameters.
+"""Entering rollout runs the switch loop's calls, with our reshard engine writing straight into
+vLLM's parameters.
 
 Upstream: verl/workers/sharding_manager/megatron_vllm.py:MegatronVLLMShardingManager.__enter__
 (verl 0.4.1) reloads offloaded actor params, wakes the engine's weights, runs
@@ -8,17 +8,59 @@ vLLM's load_weights, offloads the actor params, wakes the KV cache and swaps the
 never redoes vLLM's post-load processing, so MLA's W_UK_T / W_UV (derived from kv_b_proj once
 at engine build) stay those of the initial weights.
 
-Ours, for recipe.reshard_method direct (default) or recipe, with the rollout built by patch
-verl.vllm_rollout.recipe_engine (which leaves its settings on the engine), makes the calls of the
-switch loop's call -> step table that run inside __enter__ (verl_patches/offload/live.py:CALLS,
-``calls_inside``), in the loop's order: the engine's wake_up of the weights (an allocation, no copy,
-through patch vllm.llm.wake_up_to_onload), the weight sync (reshard from the actor's live parameters
-into them and redo MLA's post-load processing, verl_patches.reshard.binding: one plan for the run,
-every byte once; then the training params leave: without the worker's loop, verl's own offload when
-param_offload is on), the engine's wake_up of the KV cache (created now that the training params
-left); then it swaps the RNG state as upstream does. __exit__ is upstream's: sleep(level=1), the
-engine's sleep row.
-recipe.reshard_method=upstream runs verl's own __enter__ (plus the MLA fix), for comparison.
+What __enter__ and __exit__ do, in order, for a rollout built by patch verl.vllm_rollout.recipe_engine
+(which leaves its settings on the engine; any other rollout runs verl's __enter__ unchanged). The
+calls in backquotes are rows of the switch loop's call -> step table (verl_patches/offload/live.py:
+CALLS), listed in the loop's order with the steps each runs; ``sequence()`` renders this text from
+them and tests/offload/test_switch_calls.py checks that it is here.
+
+__enter__, recipe.reshard_method direct (default) or recipe:
+1. Training params on the device: without the switch loop (no actor attached) and with param_offload
+   on, verl's load_megatron_model_to_gpu; under the loop they are there already.
+2. Plan, on the first switch only: every rank together builds the run's reshard plan
+   (recipe.reshard_method direct or recipe) and checks it against both models' shapes and the
+   experts' placement; it stays on the manager.
+3. `LLM.wake_up(tags=['weights'])`, step `alloc_rollout_weights` (allocate(rollout_weights)): the
+   engine's weights region comes back allocated, no copy (under the switch loop, through patch
+   vllm.llm.wake_up_to_onload); the reshard fills every byte.
+4. `the sharding manager's weight sync`, steps `reshard` (call(reshard)), `offload_train_params`
+   (offload(train_params), empty_cache): the reshard runs the run's plan from the actor's live
+   parameters straight into vLLM's (direct: every byte once, one all-to-all per bucket; recipe: the
+   reference's expert AlltoAllV, dense TP all-gather and PP all-to-all), MLA's post-load processing
+   is redone (W_UK_T / W_UV from the new kv_b_proj), and every recipe.fingerprint_every-th switch
+   the self-check fingerprints every rollout parameter against what the trainer sent and re-derives
+   one layer's MLA tensors (a difference stops the run); then the training params leave the device
+   (without the switch loop: verl's offload_megatron_model_to_cpu when param_offload is on).
+5. `LLM.wake_up(tags=['kv_cache'])`, step `init_kv_cache` (allocate(kv_cache)): the KV cache is
+   allocated in the memory the training params freed.
+6. Report: the switch's figures go into the manager's timing dict (verl_patches/switch_report.py):
+   the reshard's bytes, the ledger's host-link bytes and peak, the self-check's figures, the
+   captured-graph addresses audited, the device's watermarks per step.
+7. RNG: the generation's RNG state is swapped in, as upstream does.
+
+__enter__, recipe.reshard_method upstream (verl's own, for comparison):
+1. verl's __enter__ as shipped: the training params come to the device when param_offload is on.
+2. `LLM.wake_up(tags=['weights'])`, reaches step `alloc_rollout_weights`
+   (allocate(rollout_weights)): as above.
+3. verl's weight sync, which the loop counts as its `reshard` step: per_tensor_generator (PP
+   broadcast, TP all-gather, EP all-gather to full tensors, HF names) into vLLM's load_weights; then
+   verl's offload_megatron_model_to_cpu when param_offload is on.
+4. Ours, when verl asks for the KV cache, if the training params are still on the device (under the
+   switch loop, or param_offload off): MLA's post-load processing redone and the self-check against
+   the direct method's plan. An engine whose wake_up takes no tags gets MLA's redo after verl's
+   __enter__.
+5. `LLM.wake_up(tags=['kv_cache'])`, reaches step `init_kv_cache` (allocate(kv_cache)): under the
+   switch loop the steps before it run first (`offload_train_params`), then the KV cache is
+   allocated.
+6. Report: the self-check's figures and the captured-graph addresses audited only.
+7. RNG: verl's swap.
+
+__exit__ (verl's, not wrapped):
+1. `LLM.sleep`, steps `generate` (call(generate)), `free_kv_cache` (release(kv_cache)),
+   `release_rollout_weights` (release(rollout_weights)): under the switch loop (patch
+   vllm.llm.sleep_to_offload) the generation's step closes and the KV cache, then the rollout
+   weights, are released, no copy to host; without it vLLM's sleep(level=1).
+2. verl's: the actor's modules back to train mode, empty_cache, the training RNG state restored.
 """
 
 from __future__ import annotations
@@ -86,25 +128,6 @@ def _wake(manager: Any, tag: str) -> None:
         manager.inference_engine.wake_up()
 
 
-def switch_figures(stats: Any, ledger: Any, checks: dict[str, float] | None = None) -> dict[str, float]:
-    """The switch's own numbers for the run's report (verl_patches/report.py), sent to the driver in
-    the timing dict verl returns with every generation (averaged over ranks): what this rank received
-    and sent in the reshard, the host-link bytes and resident peak from the switch loop's ledger, and
-    the self-checks' figures (``checks``, from self_check)."""
-    from verl_patches.report import SWITCH_PREFIX
-
-    out = {f"{SWITCH_PREFIX}reshard_recv_bytes": float(stats.recv_bytes),
-           f"{SWITCH_PREFIX}reshard_sent_bytes": float(stats.sent_bytes)}
-    out.update({f"{SWITCH_PREFIX}{k}": float(v) for k, v in (checks or {}).items()})
-    if ledger is not None:
-        # Since the previous switch: the update's onloads, the reference's, and this switch's offloads.
-        last = stash.get(ledger, "moved_reported", 0)
-        out[f"{SWITCH_PREFIX}link_bytes"] = float(ledger.moved_bytes - last)
-        out[f"{SWITCH_PREFIX}ledger_peak_bytes"] = float(ledger.peak_bytes)
-        stash.put(ledger, "moved_reported", ledger.moved_bytes)
-    return out
-
-
 def self_check(manager: Any, session: Any, settings: Any, train: dict, model: Any) -> dict[str, float]:
     """The run's per-switch proof that the rollout holds the trainer's weights (after the reshard and
     MLA's redo, before the training params leave): the weight fingerprint of every rollout parameter
@@ -153,6 +176,7 @@ def upstream_enter(manager: Any, settings: Any, original: Callable[..., Any]) ->
     cache (an instance attribute over LLM.wake_up for the duration of the call)."""
     from verl_patches.report import SWITCH_PREFIX
     from verl_patches.rollout.mla import redo_mla_post_load
+    from verl_patches.switch_report import addresses_checked
 
     engine, model = manager.inference_engine, _model(manager)
     wake_up = engine.wake_up
@@ -172,71 +196,9 @@ def upstream_enter(manager: Any, settings: Any, original: Callable[..., Any]) ->
         del engine.wake_up
     if not ran:  # verl did not wake the KV cache through tags (an engine without them)
         redo_mla_post_load(model, next(model.parameters()).dtype)
-    checks["graph_addresses_checked"] = _addresses_checked(manager)
+    checks["graph_addresses_checked"] = addresses_checked(manager)
     manager.timing.update({f"{SWITCH_PREFIX}{k}": float(v) for k, v in checks.items()})
     return out
-
-
-def _addresses_checked(manager: Any) -> float:
-    """Captured-graph addresses the engine's groups compared since the previous report (graph mode)."""
-    memory = stash.get(manager.inference_engine, "memory")
-    if memory is None or not hasattr(memory, "addresses_checked"):
-        return 0.0
-    total = memory.addresses_checked()
-    last = stash.get(manager, "addresses_reported", 0)
-    stash.put(manager, "addresses_reported", total)
-    return float(total - last)
-
-
-def memory_figures(switch: Any) -> dict[str, float]:
-    """The device's watermarks per step of the switch loop (verl_patches/offload/live.py), for the report:
-    ``switch/mem/<step>/allocated_peak_bytes`` and ``.../reserved_peak_bytes`` for every step of the loop
-    (the latest measurement of each; 0 until a step first ran), and their maxima over what ran since the
-    previous switch, excursions included, as ``switch/device_allocated_peak_bytes`` and
-    ``switch/device_reserved_peak_bytes``. The maximum over ranks is taken here: verl's timing channel
-    then averages equal values. Nothing on the CPU platform (the loop measures no device there); the
-    keys are the same on every rank (the loop's steps), as verl's average needs."""
-    from verl_patches.report import DEVICE_PEAKS, MEM_PREFIX
-
-    if switch is None or not switch.measure_device:
-        return {}
-    ledger = switch.ledger
-    last = stash.get(ledger, "mem_reported", None)
-    fresh: dict[str, tuple[int, int]] = {}
-    for entry in reversed(ledger.entries):
-        if entry is last:
-            break
-        if entry.measured_peak is not None:
-            a, r = fresh.get(entry.step, (0, 0))
-            fresh[entry.step] = (max(a, entry.measured_peak), max(r, entry.measured_reserved_peak or 0))
-    if ledger.entries:
-        stash.put(ledger, "mem_reported", ledger.entries[-1])
-    names = [s.name for s in switch.steps]
-    known = stash.get(switch, "mem_known", None) or {}
-    known.update({k: v for k, v in fresh.items() if k in names})
-    stash.put(switch, "mem_known", known)
-    out = {}
-    for name in names:
-        a, r = known.get(name, (0, 0))
-        out[f"{MEM_PREFIX}{name}/allocated_peak_bytes"] = float(a)
-        out[f"{MEM_PREFIX}{name}/reserved_peak_bytes"] = float(r)
-    out[DEVICE_PEAKS[0]] = float(max((a for a, _ in fresh.values()), default=0))
-    out[DEVICE_PEAKS[1]] = float(max((r for _, r in fresh.values()), default=0))
-    return _max_over_ranks(out)
-
-
-def _max_over_ranks(figures: dict[str, float]) -> dict[str, float]:
-    import torch
-    import torch.distributed as dist
-
-    from verl_patches import accelerator
-
-    if not figures or not dist.is_initialized():
-        return figures
-    keys = sorted(figures)
-    values = torch.tensor([figures[k] for k in keys], dtype=torch.float32, device=accelerator.current_device())
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return dict(zip(keys, values.tolist()))
 
 
 def weight_sync(manager: Any, switch: Any, reshard: Callable[[], Any]) -> Any:
@@ -285,6 +247,7 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     from verl_patches import accelerator
     from verl_patches.reshard.binding import megatron_params, vllm_params
     from verl_patches.rollout.mla import redo_mla_post_load
+    from verl_patches.switch_report import addresses_checked, memory_figures, switch_figures
 
     manager.timing = {}
     # Under the switch loop when the worker attached its actor (verl_patches/offload/live.py).
@@ -313,7 +276,7 @@ def recipe_enter(manager: Any, settings: Any) -> None:
 
         stats = enter_calls(manager, functools.partial(weight_sync, manager, switch, reshard),
                             None if switch is None else switch.steps)
-    checks["graph_addresses_checked"] = _addresses_checked(manager)
+    checks["graph_addresses_checked"] = addresses_checked(manager)
     manager.timing.update(switch_figures(stats, None if switch is None else switch.ledger, checks))
     manager.timing.update(memory_figures(switch))
     _swap_rng_for_generation(manager)
@@ -335,6 +298,89 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
         return out
 
     return __enter__
+
+
+# -- the sequence the module's docstring shows ------------------------------------------------
+
+# What each call of the switch loop's table made inside __enter__ does, by its row (its steps come from the table).
+_ENTER_DOES = {
+    "weights": "the engine's weights region comes back allocated, no copy (under the switch loop, through patch "
+               "vllm.llm.wake_up_to_onload); the reshard fills every byte.",
+    "sync": "the reshard runs the run's plan from the actor's live parameters straight into vLLM's (direct: "
+            "every byte once, one all-to-all per bucket; recipe: the reference's expert AlltoAllV, dense TP "
+            "all-gather and PP all-to-all), MLA's post-load processing is redone (W_UK_T / W_UV from the new "
+            "kv_b_proj), and every recipe.fingerprint_every-th switch the self-check fingerprints every rollout "
+            "parameter against what the trainer sent and re-derives one layer's MLA tensors (a difference stops "
+            "the run); then the training params leave the device (without the switch loop: verl's "
+            "offload_megatron_model_to_cpu when param_offload is on).",
+    "kv_cache": "the KV cache is allocated in the memory the training params freed.",
+}
+
+
+def _numbered(title: str, items: list[str]) -> str:
+    import textwrap
+
+    lines = [title]
+    for i, item in enumerate(items, 1):
+        lines += textwrap.wrap(f"{i}. {item}", width=100, subsequent_indent="   ", break_on_hyphens=False)
+    return "\n".join(lines) + "\n"
+
+
+def sequence(steps: Any = None) -> str:
+    """What __enter__ and __exit__ do, in order, as the module's docstring shows it (tests/offload/
+    test_switch_calls.py checks that the docstring holds this text): the switch loop's calls among them
+    rendered from its call -> step table (verl_patches/offload/live.py:CALLS, ``calls_inside``) in the
+    order of the loop's ``steps`` (default our_steps()), each with the steps it runs and their actions."""
+    from verl_patches.offload.live import SHARDING_ENTER, WEIGHT_SYNC, calls_inside, switch_call, wake_call
+    from verl_patches.offload.schedule import our_steps
+
+    spec = {s.name: s for s in (steps if steps is not None else our_steps())}
+
+    def row(name: str, reached: bool = False) -> str:
+        c = switch_call(name)
+        names = c.reaches if reached else c.steps
+        runs = ", ".join(f"`{s}` ({', '.join(str(a) for a in spec[s].actions)})" for s in names)
+        return f"`{c.name}`, {'reaches ' if reached else ''}step{'s' if len(names) > 1 else ''} {runs}"
+
+    does = {wake_call("weights"): _ENTER_DOES["weights"], WEIGHT_SYNC: _ENTER_DOES["sync"],
+            wake_call("kv_cache"): _ENTER_DOES["kv_cache"]}
+    enter = [
+        "Training params on the device: without the switch loop (no actor attached) and with param_offload on, "
+        "verl's load_megatron_model_to_gpu; under the loop they are there already.",
+        "Plan, on the first switch only: every rank together builds the run's reshard plan "
+        "(recipe.reshard_method direct or recipe) and checks it against both models' shapes and the experts' "
+        "placement; it stays on the manager.",
+        *(f"{row(c.name)}: {does[c.name]}" for c in calls_inside(SHARDING_ENTER, steps)),
+        "Report: the switch's figures go into the manager's timing dict (verl_patches/switch_report.py): the "
+        "reshard's bytes, the ledger's host-link bytes and peak, the self-check's figures, the captured-graph "
+        "addresses audited, the device's watermarks per step.",
+        "RNG: the generation's RNG state is swapped in, as upstream does.",
+    ]
+    upstream = [
+        "verl's __enter__ as shipped: the training params come to the device when param_offload is on.",
+        f"{row(wake_call('weights'), reached=True)}: as above.",
+        "verl's weight sync, which the loop counts as its `reshard` step: per_tensor_generator (PP broadcast, "
+        "TP all-gather, EP all-gather to full tensors, HF names) into vLLM's load_weights; then verl's "
+        "offload_megatron_model_to_cpu when param_offload is on.",
+        "Ours, when verl asks for the KV cache, if the training params are still on the device (under the "
+        "switch loop, or param_offload off): MLA's post-load processing redone and the self-check against the "
+        "direct method's plan. An engine whose wake_up takes no tags gets MLA's redo after verl's __enter__.",
+        f"{row(wake_call('kv_cache'), reached=True)}: under the switch loop the steps before it run first "
+        "(`offload_train_params`), then the KV cache is allocated.",
+        "Report: the self-check's figures and the captured-graph addresses audited only.",
+        "RNG: verl's swap.",
+    ]
+    leave = [
+        f"{row('LLM.sleep')}: under the switch loop (patch vllm.llm.sleep_to_offload) the generation's step "
+        "closes and the KV cache, then the rollout weights, are released, no copy to host; without it vLLM's "
+        "sleep(level=1).",
+        "verl's: the actor's modules back to train mode, empty_cache, the training RNG state restored.",
+    ]
+    return "\n".join([
+        _numbered("__enter__, recipe.reshard_method direct (default) or recipe:", enter),
+        _numbered("__enter__, recipe.reshard_method upstream (verl's own, for comparison):", upstream),
+        _numbered("__exit__ (verl's, not wrapped):", leave),
+    ])
 
 
 PATCHES = [
