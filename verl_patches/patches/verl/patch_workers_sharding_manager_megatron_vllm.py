@@ -45,10 +45,10 @@ __enter__, recipe.reshard_method upstream (verl's own, for comparison):
 3. verl's weight sync, which the loop counts as its `reshard` step: per_tensor_generator (PP
    broadcast, TP all-gather, EP all-gather to full tensors, HF names) into vLLM's load_weights; then
    verl's offload_megatron_model_to_cpu when param_offload is on.
-4. Ours, when verl asks for the KV cache, if the training params are still on the device (under the
-   switch loop, or param_offload off): MLA's post-load processing redone and the self-check against
-   the direct method's plan. An engine whose wake_up takes no tags gets MLA's redo after verl's
-   __enter__.
+4. Ours, when verl asks for the KV cache: MLA's post-load processing redone; then, if the training
+   params are still on the device (under the switch loop, or param_offload off), the self-check
+   against the direct method's plan. An engine whose wake_up takes no tags gets MLA's redo after
+   verl's __enter__.
 5. `LLM.wake_up(tags=['kv_cache'])`, reaches step `init_kv_cache` (allocate(kv_cache)): under the
    switch loop the steps before it run first (`offload_train_params`), then the KV cache is
    allocated.
@@ -158,13 +158,16 @@ def upstream_self_check(manager: Any, settings: Any, model: Any) -> dict[str, fl
     """verl's own reshard (reshard_method=upstream) checked like ours, against the direct method's
     plan. Run when verl's __enter__ asks for the KV cache: its weights are loaded and the training
     params still resident (under the switch loop the KV cache's step first runs offload_train_params;
-    without the loop, only when verl's param offload is off). {} when they are not resident."""
+    without the loop, only when verl's param offload is off). MLA's post-load processing is redone in
+    every case; the self-check's figures are {} when the training params are not resident."""
     from verl_patches.reshard.binding import megatron_params, vllm_params
     from verl_patches.rollout.mla import redo_mla_post_load
 
+    # MLA's redo needs only vLLM's new kv_b_proj: always, before the self-check, which needs the
+    # training params too.
+    redo_mla_post_load(model, next(model.parameters()).dtype)
     if stash.get(manager, "actor_memory") is None and manager.offload_param:
         return {}
-    redo_mla_post_load(model, next(model.parameters()).dtype)
     train = megatron_params(manager.actor_module)
     session = getattr(manager, SESSION_ATTR, None) or _build_session(manager, settings, train, vllm_params(model),
                                                                      method="direct")
@@ -362,8 +365,8 @@ def sequence(steps: Any = None) -> str:
         "verl's weight sync, which the loop counts as its `reshard` step: per_tensor_generator (PP broadcast, "
         "TP all-gather, EP all-gather to full tensors, HF names) into vLLM's load_weights; then verl's "
         "offload_megatron_model_to_cpu when param_offload is on.",
-        "Ours, when verl asks for the KV cache, if the training params are still on the device (under the "
-        "switch loop, or param_offload off): MLA's post-load processing redone and the self-check against the "
+        "Ours, when verl asks for the KV cache: MLA's post-load processing redone; then, if the training params "
+        "are still on the device (under the switch loop, or param_offload off), the self-check against the "
         "direct method's plan. An engine whose wake_up takes no tags gets MLA's redo after verl's __enter__.",
         f"{row(wake_call('kv_cache'), reached=True)}: under the switch loop the steps before it run first "
         "(`offload_train_params`), then the KV cache is allocated.",
