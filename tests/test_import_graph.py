@@ -1,7 +1,8 @@
 """The package's import graph: no cycles inside `verl_patches`, production code never imports
 `verl_patches.testing` (the test-only helpers depend on production code, not the other way round),
 every edge points down (core/ is handed the patch records, nothing outside patches/ imports a patch
-module), the recipe's settings are read through one module, and the import map's floors.
+module), the recipe's settings are read through one module, the recipe's patch folders hold no CPU
+platform record (those live under patches/cpu/), and the import map's floors.
 
 The graph is read from the source with `ast`, so it sees imports inside functions too (a lazy
 import that only hides a cycle is still a cycle). Imports under `if TYPE_CHECKING:` are not edges.
@@ -265,6 +266,25 @@ def test_nothing_outside_patches_imports_a_patch_module():
                     bad.append(f"{mod} imports {t}" + (f" ({', '.join(sorted(names))})" if names else ""))
     assert not bad, "imports into a patch module from outside patches/ (move the name below both):\n" + "\n".join(bad)
 
+
+
+RECIPE_FOLDERS = ("megatron", "mindspeed", "verl", "vllm", "vllm_ascend")
+
+
+def test_the_recipe_folders_hold_the_recipe_changes_only():
+    """patches/<upstream>/ shows the recipe's changes: a record that applies only on the CPU platform lives
+    under patches/cpu/<upstream>/ (and only such records do), and every module of either is in the catalogue."""
+    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import CPU_MODULES, CPU_PACKAGE, PATCH_MODULES, RECIPE_MODULES
+
+    bad = sorted(f"{p.id} ({p.replacement.split(':')[0]})" for p in load_registry(PATCH_MODULES)
+                 if p.replacement.startswith(CPU_PACKAGE + ".") != (p.platforms == ("cpu",)))
+    assert not bad, "CPU-only records outside patches/cpu/, or others inside it:\n" + "\n".join(bad)
+    listed = _patch_modules() - {f"{PACKAGE}.patches.{f}" for f in RECIPE_FOLDERS + ("cpu",)} \
+        - {f"{CPU_PACKAGE}.{f}" for f in RECIPE_FOLDERS + ("torch",)}
+    assert listed == set(PATCH_MODULES)
+    assert all(m.split(".")[2] in RECIPE_FOLDERS for m in RECIPE_MODULES)
+    assert all(m.startswith(CPU_PACKAGE + ".") for m in CPU_MODULES)
 
 def _names_the_recipe_section(tree: ast.AST) -> list[int]:
     """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.settings."""
