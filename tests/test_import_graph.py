@@ -2,7 +2,8 @@
 `verl_patches.testing` (the test-only helpers depend on production code, not the other way round),
 every edge points down (core/ is handed the patch records, nothing outside patches/ imports a patch
 module), the recipe's settings are read through one module, the recipe's patch folders hold no CPU
-platform record (those live under patches/cpu/), and the import map's floors.
+platform record (those live under patches/cpu/), the rollout's long tail is a wing of its own
+(rollout/long_tail/, reached by its named users only), and the import map's floors.
 
 The graph is read from the source with `ast`, so it sees imports inside functions too (a lazy
 import that only hides a cycle is still a cycle). Imports under `if TYPE_CHECKING:` are not edges.
@@ -286,6 +287,21 @@ def test_the_recipe_folders_hold_the_recipe_changes_only():
     assert all(m.split(".")[2] in RECIPE_FOLDERS for m in RECIPE_MODULES)
     assert all(m.startswith(CPU_PACKAGE + ".") for m in CPU_MODULES)
 
+
+LONG_TAIL = f"{PACKAGE}.rollout.long_tail"
+# Who imports the long tail's wing: the CPU generation stand-in that runs the rebalance, and the rollout
+# patch that reads recipe.rebalance (and refuses it on a device). The rollout-plan verb names
+# rollout.long_tail.planner:main in verl_patches/cli.py, a string, not an import.
+LONG_TAIL_USERS = {f"{PACKAGE}.cpu.engine", f"{PACKAGE}.patches.verl.patch_workers_rollout_vllm_rollout_spmd"}
+
+
+def test_the_long_tail_is_a_wing_of_its_own():
+    """rollout/ holds the recipe's rollout; the rebalance (policy, planner, mechanism, KV transfer, the move
+    inside vLLM) is rollout/long_tail/, which no module of rollout/ imports and only its named users reach."""
+    users = {mod for mod, edges in import_graph().items() if not mod.startswith(LONG_TAIL)
+             for t in edges if t.startswith(LONG_TAIL)}
+    assert users == LONG_TAIL_USERS, f"modules outside {LONG_TAIL} that import it: {sorted(users)}"
+
 def _names_the_recipe_section(tree: ast.AST) -> list[int]:
     """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.settings."""
     from verl_patches import settings
@@ -315,7 +331,7 @@ def test_one_settings_module_is_imported_by_every_reader():
     settings, the launch-time validator and the run report import it, and no other module spells the
     section's path to look it up itself."""
     graph = import_graph()
-    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.rebalance",
+    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
                f"{PACKAGE}.patches.verl.patch_utils_tracking"}
     assert {r for r in readers if f"{PACKAGE}.settings" not in graph[r]} == set()
     bad = []

@@ -17,9 +17,9 @@ is set, else a seed drawn per request, in the original order, from torch's defau
 verl's sharding manager has set to the generation state of the rank's data-parallel group (so the
 tensor-parallel ranks of a group agree, as vLLM's do). Each request keeps its own KV cache and a
 step runs one left-padded batched forward over the running requests, whose result for a request does
-not depend on the others (tests/rollout/test_migrate.py): a request's tokens depend neither on its
+not depend on the others (tests/rollout/long_tail/test_migrate.py): a request's tokens depend neither on its
 batch nor on its DP rank, which is what lets recipe.rebalance move requests between DP ranks during
-the generation (verl_patches/rollout/migrate.py; the ranks then step in lockstep).
+the generation (verl_patches/rollout/long_tail/migrate.py; the ranks then step in lockstep).
 
 Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture (``enforce_eager``
 must be True), the KV cache is allocated and bound but transformers uses its own cache for the
@@ -226,7 +226,7 @@ class _Generator:
     def generate(self, prompts: list[list[int]], params: Sequence[Any], rebalance: Any = None) -> list:
         """vLLM's RequestOutputs for ``prompts``. ``rebalance`` (a ``RebalanceSetup``, patch
         verl.vllm_rollout.recipe_engine; None: off): decode in lockstep with the other ranks of vLLM's
-        DP group and move unfinished requests between them (verl_patches/rollout/migrate.py)."""
+        DP group and move unfinished requests between them (verl_patches/rollout/long_tail/migrate.py)."""
         from vllm.outputs import CompletionOutput, RequestOutput
 
         model = self._load_hf()
@@ -263,7 +263,7 @@ class _Generator:
         test-only stagger (recipe.rebalance_cpu_stagger)."""
         from vllm.distributed import parallel_state as ps
 
-        from verl_patches.rollout.migrate import Lockstep, eager_buckets
+        from verl_patches.rollout.long_tail.migrate import Lockstep, eager_buckets
 
         coord = ps.get_dp_group()
         seqs = int(self.vllm_config.scheduler_config.max_num_seqs)
@@ -410,14 +410,14 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any],
             pad: int, seeds: Sequence[int], lockstep: Any = None, arrival: int = 0,
             capacity: Optional[int] = None) -> list[tuple[list[int], str, list[dict[int, Any]]]]:
     """Sampling with a KV cache per request: each step, one batched forward over the rank's running
-    requests (left-padded; a row's logits do not depend on its neighbours, tests/rollout/test_migrate.py),
+    requests (left-padded; a row's logits do not depend on its neighbours, tests/rollout/long_tail/test_migrate.py),
     each request sampling with its own generator (``seeds``, ``request_seeds``): per-row temperature /
     top-k / top-p / max_tokens / ignore_eos, temperature 0 greedy. Each row also gets its sampled
     tokens' log-probs as vLLM returns them (``sampled_logprobs``): one {token_id: Logprob} per position.
 
     At most ``capacity`` requests run at once (vLLM's max_num_seqs), admitted in order from step
     ``arrival`` (0; the test-only stagger delays a DP rank's). With ``lockstep``
-    (verl_patches/rollout/migrate.py), every step ends with the DP group's check and the moves it
+    (verl_patches/rollout/long_tail/migrate.py), every step ends with the DP group's check and the moves it
     plans, and the outputs come back to their original rank and order at the end. ``pad`` is
     unused: padded positions are masked (kept for the callers' signature)."""
     from collections import deque
