@@ -1,7 +1,9 @@
 """The package's import graph: no cycles inside `verl_patches`, production code never imports
 `verl_patches.testing` (the test-only helpers depend on production code, not the other way round),
 every edge points down (core/ is handed the patch records, nothing outside patches/ imports a patch
-module), the recipe's settings are read through one module, and the import map's floors.
+module), the recipe's settings are read through one module, the recipe's patch folders hold no CPU
+platform record (those live under patches/cpu/), the rollout's long tail is a wing of its own
+(rollout/long_tail/, reached by its named users only), and the import map's floors.
 
 The graph is read from the source with `ast`, so it sees imports inside functions too (a lazy
 import that only hides a cycle is still a cycle). Imports under `if TYPE_CHECKING:` are not edges.
@@ -266,6 +268,40 @@ def test_nothing_outside_patches_imports_a_patch_module():
     assert not bad, "imports into a patch module from outside patches/ (move the name below both):\n" + "\n".join(bad)
 
 
+
+RECIPE_FOLDERS = ("megatron", "mindspeed", "verl", "vllm", "vllm_ascend")
+
+
+def test_the_recipe_folders_hold_the_recipe_changes_only():
+    """patches/<upstream>/ shows the recipe's changes: a record that applies only on the CPU platform lives
+    under patches/cpu/<upstream>/ (and only such records do), and every module of either is in the catalogue."""
+    from verl_patches.core.registry import load_registry
+    from verl_patches.patches import CPU_MODULES, CPU_PACKAGE, PATCH_MODULES, RECIPE_MODULES
+
+    bad = sorted(f"{p.id} ({p.replacement.split(':')[0]})" for p in load_registry(PATCH_MODULES)
+                 if p.replacement.startswith(CPU_PACKAGE + ".") != (p.platforms == ("cpu",)))
+    assert not bad, "CPU-only records outside patches/cpu/, or others inside it:\n" + "\n".join(bad)
+    listed = _patch_modules() - {f"{PACKAGE}.patches.{f}" for f in RECIPE_FOLDERS + ("cpu",)} \
+        - {f"{CPU_PACKAGE}.{f}" for f in RECIPE_FOLDERS + ("torch",)}
+    assert listed == set(PATCH_MODULES)
+    assert all(m.split(".")[2] in RECIPE_FOLDERS for m in RECIPE_MODULES)
+    assert all(m.startswith(CPU_PACKAGE + ".") for m in CPU_MODULES)
+
+
+LONG_TAIL = f"{PACKAGE}.rollout.long_tail"
+# Who imports the long tail's wing: the CPU generation stand-in that runs the rebalance, and the rollout
+# patch that reads recipe.rebalance (and refuses it on a device). The rollout-plan verb names
+# rollout.long_tail.planner:main in verl_patches/cli.py, a string, not an import.
+LONG_TAIL_USERS = {f"{PACKAGE}.cpu.engine", f"{PACKAGE}.patches.verl.patch_workers_rollout_vllm_rollout_spmd"}
+
+
+def test_the_long_tail_is_a_wing_of_its_own():
+    """rollout/ holds the recipe's rollout; the rebalance (policy, planner, mechanism, KV transfer, the move
+    inside vLLM) is rollout/long_tail/, which no module of rollout/ imports and only its named users reach."""
+    users = {mod for mod, edges in import_graph().items() if not mod.startswith(LONG_TAIL)
+             for t in edges if t.startswith(LONG_TAIL)}
+    assert users == LONG_TAIL_USERS, f"modules outside {LONG_TAIL} that import it: {sorted(users)}"
+
 def _names_the_recipe_section(tree: ast.AST) -> list[int]:
     """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.settings."""
     from verl_patches import settings
@@ -295,7 +331,7 @@ def test_one_settings_module_is_imported_by_every_reader():
     settings, the launch-time validator and the run report import it, and no other module spells the
     section's path to look it up itself."""
     graph = import_graph()
-    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.rebalance",
+    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
                f"{PACKAGE}.patches.verl.patch_utils_tracking"}
     assert {r for r in readers if f"{PACKAGE}.settings" not in graph[r]} == set()
     bad = []

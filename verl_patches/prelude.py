@@ -11,7 +11,7 @@ from verl_patches import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
 from verl_patches.core.record import Patch
-from verl_patches.patches import load_catalogue
+from verl_patches.patches import in_application_order, load_catalogue
 
 
 def disabled_ids() -> set[str]:
@@ -20,12 +20,13 @@ def disabled_ids() -> set[str]:
 
 
 def patches_for(phase: str, registry: list[Patch] | None = None, device_type: str | None = None) -> list[Patch]:
-    """The patches this process applies: its phase, its accelerator, not disabled."""
+    """The patches this process applies, in the order it applies them (the CPU platform's first, then
+    the catalogue's order): its phase, its accelerator, not disabled."""
     from verl_patches import accelerator
 
     off = disabled_ids()
     dev = device_type or accelerator.device_type()
-    return [p for p in (registry if registry is not None else load_catalogue())
+    return [p for p in in_application_order(registry if registry is not None else load_catalogue())
             if phase in p.phases and p.id not in off and p.applies_on(dev)]
 
 

@@ -30,7 +30,7 @@ from typing import Any, TextIO
 SWITCH_PREFIX = "switch/"
 _TIMED_SWITCH = "timing_s/" + SWITCH_PREFIX
 # The generation's own figures, through the same channel (the rollout's rebalance: rollout/rebalance_*,
-# verl_patches/rollout/migrate.py); moved to ``rollout/...``.
+# verl_patches/rollout/long_tail/migrate.py); moved to ``rollout/...``.
 ROLLOUT_PREFIX = "rollout/"
 _TIMED_ROLLOUT = "timing_s/" + ROLLOUT_PREFIX
 

@@ -58,8 +58,8 @@ KEYS: dict[str, Key] = {
                                      "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
     "tensorboard_dir": Key(str, None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's "
                                       "default, tensorboard_log/<project>/<experiment> under the driver's directory"),
-    # The rollout's long-tail rebalance (docs/ROLLOUT.md): the policy (verl_patches/rollout/rebalance.py, also
-    # read by the planner) and the mechanism (verl_patches/rollout/migrate.py), which only the CPU
+    # The rollout's long-tail rebalance (docs/ROLLOUT.md): the policy (verl_patches/rollout/long_tail/rebalance.py, also
+    # read by the planner) and the mechanism (verl_patches/rollout/long_tail/migrate.py), which only the CPU
     # generation stand-in runs yet: on vLLM's engine (NPU, GPU) the rollout refuses rebalance: True.
     "rebalance": Key(bool, False, "move unfinished requests between DP ranks so the DP group drops to a smaller "
                                   "captured graph bucket (the CPU generation stand-in only: vLLM's engine on a "

@@ -11,7 +11,7 @@ from tests.fixtures import fixture_patches as fx
 from verl_patches.core import apply as A
 from verl_patches.core.record import Patch, PatchDefinitionError
 from verl_patches.core.registry import check_catalogue
-from verl_patches.patches import load_catalogue
+from verl_patches.patches import in_application_order, load_catalogue
 
 
 def _rec(pid: str, **over) -> Patch:
@@ -28,6 +28,17 @@ def test_the_real_catalogue_is_consistent_and_every_record_has_a_feature():
     chains = [ps for ps in by_target.values() if len(ps) > 1]
     assert chains and all(set(q.id for q in ps[:-1]) <= set(ps[-1].after + ps[-1].requires) for ps in chains)
 
+
+
+def test_the_catalogue_lists_the_recipe_first_and_the_prelude_applies_the_cpu_platform_first():
+    """The CPU platform's records (patches/cpu/) come after the recipe's in the catalogue and before them
+    in the application order; each group keeps its order, and requires / after hold in both orders."""
+    patches = load_catalogue()
+    cpu = [p.id for p in patches if p.platforms == ("cpu",)]
+    assert cpu and [p.id for p in patches][-len(cpu):] == cpu
+    applied = in_application_order(patches)
+    assert [p.id for p in applied] == cpu + [p.id for p in patches if p.id not in cpu]
+    check_catalogue(applied)
 
 @pytest.mark.parametrize("records,expected", [
     ([_rec("a", feature="no_such_feature")], "feature 'no_such_feature' is not one of"),

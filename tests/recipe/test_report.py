@@ -71,7 +71,7 @@ def test_a_step_gets_its_line_its_record_and_the_summary(tmp_path):
 
 
 def test_the_generations_rebalance_figures_are_moved_out_of_timing():
-    # The rollout's rebalance figures come through the switch's channel (verl_patches/rollout/migrate.py).
+    # The rollout's rebalance figures come through the switch's channel (verl_patches/rollout/long_tail/migrate.py).
     moved = RunReport(total_steps=1, out=io.StringIO()).step({**STEP, "timing_s/rollout/rebalance_moves": 8.0}, 1)
     assert moved["rollout/rebalance_moves"] == 8.0 and "timing_s/rollout/rebalance_moves" not in moved
 

@@ -8,7 +8,7 @@ per step, the summary, the plots; within a budget of lines), its curves are in t
 files and PNGs, and everything else is in the logs it names. B's steps must equal A's bit for bit: that is resume ==
 uninterrupted, upstream reshard == direct reshard and rebalance == none at once (any fault alone
 breaks it; the run's reshard-only comparison from a fresh start is in docs/TINY_RUN.md); the
-rebalance's own exactness test over 4 DP ranks is tests/rollout/test_migrate.py.
+rebalance's own exactness test over 4 DP ranks is tests/rollout/long_tail/test_migrate.py.
 
 On the CPU platform generation is the declared stand-in (verl_patches/cpu/engine.py: transformers'
 DeepseekV3 over the tensors the reshard wrote into vLLM's parameters); everything else is upstream.

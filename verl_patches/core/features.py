@@ -1,13 +1,12 @@
 """The recipe's features: every patch record belongs to exactly one (``Patch.feature``).
 
-docs/PATCHES.md is rendered by feature, in this order; the one-line summaries are what a
-reader sees above each group.
+docs/PATCHES.md is rendered by feature, in this order (the recipe's, then the CPU platform's); the
+one-line summaries are what a reader sees above each group.
 """
 
 from __future__ import annotations
 
 FEATURES: dict[str, str] = {
-    "cpu_platform": "Host stand-ins for what has no CPU implementation upstream (CPU platform only).",
     "model_layout": "DeepSeek-V3 on Megatron: the recipe's config, uneven pipeline stages, optimizer settings.",
     "reshard": "Train-to-rollout weight resharding into vLLM's own parameters.",
     "switch": "The train/rollout switch: offload, onload and release in one schedule.",
@@ -21,6 +20,8 @@ FEATURES: dict[str, str] = {
     "reward": "The recipe's reward functions.",
     "observability": "The recipe's per-step report.",
     "self_check": "Every step proves itself: the rollout's weights against the trainer's, captured addresses.",
+    # Last: not the recipe's (verl_patches/patches/cpu/).
+    "cpu_platform": "Host stand-ins for what has no CPU implementation upstream (CPU platform only).",
 }
 
 

@@ -17,9 +17,10 @@ is set, else a seed drawn per request, in the original order, from torch's defau
 verl's sharding manager has set to the generation state of the rank's data-parallel group (so the
 tensor-parallel ranks of a group agree, as vLLM's do). Each request keeps its own KV cache and a
 step runs one forward per running request (``_forward``), so a request's result does not depend on
-the others by construction, on any CPU (tests/rollout/test_migrate.py): a request's tokens depend
-neither on its batch nor on its DP rank, which is what lets recipe.rebalance move requests between DP ranks during
-the generation (verl_patches/rollout/migrate.py; the ranks then step in lockstep).
+the others by construction, on any CPU (tests/rollout/long_tail/test_migrate.py): a request's tokens
+depend neither on its batch nor on its DP rank, which is what lets recipe.rebalance move requests
+between DP ranks during the generation (verl_patches/rollout/long_tail/migrate.py; the ranks then
+step in lockstep).
 
 Stand-in limits, stated: no prefix cache, no chunked prefill, no graph capture (``enforce_eager``
 must be True), the KV cache is allocated and bound but transformers uses its own cache for the
@@ -226,7 +227,7 @@ class _Generator:
     def generate(self, prompts: list[list[int]], params: Sequence[Any], rebalance: Any = None) -> list:
         """vLLM's RequestOutputs for ``prompts``. ``rebalance`` (a ``RebalanceSetup``, patch
         verl.vllm_rollout.recipe_engine; None: off): decode in lockstep with the other ranks of vLLM's
-        DP group and move unfinished requests between them (verl_patches/rollout/migrate.py)."""
+        DP group and move unfinished requests between them (verl_patches/rollout/long_tail/migrate.py)."""
         from vllm.outputs import CompletionOutput, RequestOutput
 
         model = self._load_hf()
@@ -263,7 +264,7 @@ class _Generator:
         test-only stagger (recipe.rebalance_cpu_stagger)."""
         from vllm.distributed import parallel_state as ps
 
-        from verl_patches.rollout.migrate import Lockstep, eager_buckets
+        from verl_patches.rollout.long_tail.migrate import Lockstep, eager_buckets
 
         coord = ps.get_dp_group()
         # A moved request goes on computing on another rank: the same arithmetic only at the same
@@ -361,8 +362,9 @@ def _forward(model: torch.nn.Module, batch: list[RequestState]) -> torch.Tensor:
     would not be: BLAS and oneDNN choose their blocking, and with it the order of a reduction, by
     the matrix's shape (rows in the batch, padded width), and which order they choose differs
     between CPU models (it held on one AMD EPYC and broke on an AVX-512 Intel Xeon). What is left
-    is the process's thread count, the same in every rank of a run (tests/rollout/test_migrate.py
-    checks the invariance under 1 and 2 threads, for batches of 1, 3, 8 and 17 requests).
+    is the process's thread count, which the rebalance's lockstep requires to be the same on every
+    rank of the DP group (``_lockstep``). tests/rollout/long_tail/test_migrate.py checks the
+    invariance at 1 and 2 threads, for batches of 1, 3, 8 and 17 requests.
 
     The cost is one forward per request instead of one per step; the tiny model's forward is
     dominated by per-call overhead, so generation costs about as many forwards as the batch has
@@ -424,7 +426,7 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any],
 
     At most ``capacity`` requests run at once (vLLM's max_num_seqs), admitted in order from step
     ``arrival`` (0; the test-only stagger delays a DP rank's). With ``lockstep``
-    (verl_patches/rollout/migrate.py), every step ends with the DP group's check and the moves it
+    (verl_patches/rollout/long_tail/migrate.py), every step ends with the DP group's check and the moves it
     plans, and the outputs come back to their original rank and order at the end. ``pad`` is
     unused: no request is padded (kept for the callers' signature)."""
     from collections import deque

@@ -1,27 +1,17 @@
 """The patch catalogue: one module per upstream module patched, grouped by upstream package.
 
-Each listed module defines ``PATCHES``, a list of records; the registry reads them in this
-order, which is also the order the prelude applies them in. The catalogue hands its modules to the
-registry (verl_patches/core/registry.py), which names none itself: :func:`load_catalogue`.
+Each listed module defines ``PATCHES``, a list of records. The recipe's own patches come first
+(``RECIPE_MODULES``, one folder per upstream package: megatron/, verl/, vllm/, vllm_ascend/,
+mindspeed/), then the CPU platform's (``CPU_MODULES``, under cpu/: stand-ins so the loop runs on a
+host, applied only there). The registry reads them in that order (``PATCH_MODULES``) and checks each
+record's ``requires`` / ``after`` in it; the prelude applies the CPU platform's first, each group in
+its own order (:func:`in_application_order`). The catalogue hands its modules to the registry
+(verl_patches/core/registry.py), which names none itself: :func:`load_catalogue`.
 """
 
 from __future__ import annotations
 
-PATCH_MODULES: tuple[str, ...] = (
-    # CPU platform stand-ins first (platforms=("cpu",)): what has no host implementation upstream.
-    "verl_patches.patches.torch.patch_cuda",
-    "verl_patches.patches.torch.patch_cuda_random",
-    "verl_patches.patches.verl.patch_utils_device",
-    "verl_patches.patches.verl.patch_utils_debug_performance",
-    "verl_patches.patches.vllm.patch_model_executor_models_registry",
-    "verl_patches.patches.verl.patch_models_mcore_model_initializer",
-    "verl_patches.patches.megatron.patch_core_tensor_parallel_random",
-    "verl_patches.patches.megatron.patch_core_fp8_utils",
-    "verl_patches.patches.megatron.patch_core_transformer_moe_moe_utils",
-    "verl_patches.patches.megatron.patch_core_transformer_moe_token_dispatcher",
-    "verl_patches.patches.megatron.patch_core_transformer_moe_shared_experts",
-    "verl_patches.patches.megatron.patch_core_pipeline_parallel_schedules",
-    "verl_patches.patches.megatron.patch_core_optimizer",
+RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_utils_reward_score",
     "verl_patches.patches.verl.patch_utils_model",
     "verl_patches.patches.verl.patch_utils_tracking",
@@ -64,14 +54,47 @@ PATCH_MODULES: tuple[str, ...] = (
     "verl_patches.patches.mindspeed.patch_arguments",
 )
 
+# The CPU platform (platforms=("cpu",) only): what has no host implementation upstream.
+CPU_PACKAGE = "verl_patches.patches.cpu"
+CPU_MODULES: tuple[str, ...] = (
+    f"{CPU_PACKAGE}.torch.patch_cuda",
+    f"{CPU_PACKAGE}.torch.patch_cuda_random",
+    f"{CPU_PACKAGE}.verl.patch_utils_device",
+    f"{CPU_PACKAGE}.verl.patch_utils_debug_performance",
+    f"{CPU_PACKAGE}.vllm.patch_model_executor_models_registry",
+    f"{CPU_PACKAGE}.verl.patch_models_mcore_model_initializer",
+    f"{CPU_PACKAGE}.megatron.patch_core_tensor_parallel_random",
+    f"{CPU_PACKAGE}.megatron.patch_core_fp8_utils",
+    f"{CPU_PACKAGE}.megatron.patch_core_transformer_moe_moe_utils",
+    f"{CPU_PACKAGE}.megatron.patch_core_transformer_moe_token_dispatcher",
+    f"{CPU_PACKAGE}.megatron.patch_core_transformer_moe_shared_experts",
+    f"{CPU_PACKAGE}.megatron.patch_core_pipeline_parallel_schedules",
+    f"{CPU_PACKAGE}.megatron.patch_core_optimizer",
+    f"{CPU_PACKAGE}.vllm.patch_entrypoints_llm",
+)
+
+PATCH_MODULES: tuple[str, ...] = RECIPE_MODULES + CPU_MODULES
+
+
+def in_application_order(patches: list) -> list:
+    """``patches`` (catalogue order) in the order the prelude applies them: the CPU platform's first
+    (its stand-ins are in place before anything runs through torch.cuda, verl's device helpers or
+    Megatron's RNG tracker), then every other record; each group keeps its catalogue order."""
+    def is_cpu(p) -> bool:
+        return p.replacement.startswith(CPU_PACKAGE + ".")
+
+    return [p for p in patches if is_cpu(p)] + [p for p in patches if not is_cpu(p)]
+
 
 def load_catalogue() -> list:
     """Every patch record of the catalogue, plus the modules named by VERL_PATCHES_EXTRA_MODULES (a site's
     own patches; tests use it for fixtures), checked by the registry."""
     from verl_patches import env
-    from verl_patches.core.registry import load_registry
+    from verl_patches.core.registry import check_catalogue, load_registry
 
-    return load_registry(PATCH_MODULES + env.get("VERL_PATCHES_EXTRA_MODULES"))
+    records = load_registry(PATCH_MODULES + env.get("VERL_PATCHES_EXTRA_MODULES"))
+    check_catalogue(in_application_order(records))  # requires / after hold in the order they are applied in too
+    return records
 
 
 def get_patch(patch_id: str):

@@ -66,14 +66,14 @@ def _engine_kwargs(config: Any) -> dict:
 
 
 def _attach_rebalance(engine: Any, config: Any) -> None:
-    """recipe.rebalance* onto the engine for the generation (verl_patches/rollout/migrate.py). Only the
+    """recipe.rebalance* onto the engine for the generation (verl_patches/rollout/long_tail/migrate.py). Only the
     CPU generation stand-in (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside
-    vLLM's engine (verl_patches/rollout/vllm_move.run_engine, ready to replace LLM._run_engine's loop)
+    vLLM's engine (verl_patches/rollout/long_tail/vllm_move.run_engine, ready to replace LLM._run_engine's loop)
     has not run, so rebalance: True is refused there rather than silently ignored."""
     from verl_patches import accelerator, settings as overlay_settings
     from verl_patches.core import stash
-    from verl_patches.rollout.migrate import RebalanceSetup
-    from verl_patches.rollout.rebalance import RebalancePolicy
+    from verl_patches.rollout.long_tail.migrate import RebalanceSetup
+    from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
     from verl_patches.rollout.settings import RECIPE_KEY
 
     recipe = config.get(RECIPE_KEY, None)
@@ -83,10 +83,10 @@ def _attach_rebalance(engine: Any, config: Any) -> None:
     if device != "cpu" and (policy.enabled or stagger):
         raise ValueError(f"rollout.{RECIPE_KEY}.rebalance is implemented for the CPU generation stand-in only; vLLM's "
                          f"engine on {device} cannot move a request between DP ranks yet: the move inside vLLM's engine "
-                         "(verl_patches/rollout/vllm_move.py) is tested on CPU against vLLM's classes, but its device "
-                         "path (KV transfer device to device over HCCL / NCCL, the NZ cache layout under TorchAir, "
-                         "batch-invariant kernels) has not run anywhere (docs/ROLLOUT.md): set rebalance: False and "
-                         "rebalance_cpu_stagger: 0")
+                         "(verl_patches/rollout/long_tail/vllm_move.py) is tested on CPU against vLLM's classes, "
+                         "but its device path (KV transfer device to device over HCCL / NCCL, the NZ cache layout "
+                         "under TorchAir, batch-invariant kernels) has not run anywhere (docs/ROLLOUT.md): set "
+                         "rebalance: False and rebalance_cpu_stagger: 0")
     if stagger and not policy.enabled:
         raise ValueError(f"rollout.{RECIPE_KEY}.rebalance_cpu_stagger={stagger} forces an imbalance for rebalance to "
                          "move: it needs rebalance: True")

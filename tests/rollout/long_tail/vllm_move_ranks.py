@@ -166,7 +166,7 @@ class Runner:
                 tok = int(ib.token_ids_cpu[i, p])
                 for layer, c in enumerate(self.kv_caches):
                     c[blocks[p // BLOCK], p % BLOCK] = kv_row(layer, tok, p)
-            from verl_patches.rollout.kv_blocks import read_rows
+            from verl_patches.rollout.long_tail.kv_blocks import read_rows
 
             logits.append(logits_from_rows(read_rows(self.kv_caches, blocks, end)))
         out = self.sampler(torch.stack(logits), ib.sampling_metadata)
@@ -185,7 +185,7 @@ class Engine:
         from vllm.v1.engine.output_processor import OutputProcessor
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from verl_patches.rollout.vllm_move import EngineParts
+        from verl_patches.rollout.long_tail.vllm_move import EngineParts
 
         cfg = vllm_config(d, blocks, scheduler)
         kv_cfg = kv_cache_config(blocks)
@@ -265,7 +265,7 @@ def summary(outputs: list) -> list:
 def move_rank(rank: int, world: int, root: str) -> dict:
     """Per scheduler: the workload without and with the rebalance (run_engine over a Lockstep on a
     gloo group), with the KV and the pools checked at every move."""
-    from verl_patches.rollout import vllm_move
+    from verl_patches.rollout.long_tail import vllm_move
 
     d = model_dir(Path(root) / f"rank{rank}")
     from verl_patches.core.apply import apply_all
@@ -284,10 +284,10 @@ def move_rank(rank: int, world: int, root: str) -> dict:
 
 def _runs(d, rank, group, kind, take_out, put_in) -> dict:
     """The workload on ``kind`` of scheduler: without, then with the rebalance (KV and pools checked at every move)."""
-    from verl_patches.rollout import rebalance as rb
-    from verl_patches.rollout import vllm_move
-    from verl_patches.rollout.kv_blocks import read_rows
-    from verl_patches.rollout.migrate import Lockstep
+    from verl_patches.rollout.long_tail import rebalance as rb
+    from verl_patches.rollout.long_tail import vllm_move
+    from verl_patches.rollout.long_tail.kv_blocks import read_rows
+    from verl_patches.rollout.long_tail.migrate import Lockstep
 
     out: dict = {"kv_checks": [], "pool_checks": [], "moved_samples": 0}
     off = Engine(d, scheduler=kind)

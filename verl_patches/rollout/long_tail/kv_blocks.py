@@ -10,7 +10,7 @@ platform's engine allocates the same, verl_patches/cpu/engine.py) one tensor per
 ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``: a request's token t sits in row
 ``t % block_size`` of its block ``t // block_size``. A move carries
 ``layers x tokens x (kv_lora_rank + qk_rope_head_dim) x dtype bytes``. Device tensors stay where they
-are: the rows are gathered on the cache's device, and verl_patches/rollout/kv_transfer.py carries them
+are: the rows are gathered on the cache's device, and verl_patches/rollout/long_tail/kv_transfer.py carries them
 to the destination's device over a device process group.
 """
 

@@ -1,6 +1,6 @@
 """Moving one running request between the DP ranks' vLLM V1 engines, between two engine steps: the
-scheduler, worker and output side of a rebalance move (verl_patches/rollout/migrate.py decides and
-carries; verl_patches/rollout/kv_blocks.py moves the KV rows). Written against vLLM 0.9.1's own
+scheduler, worker and output side of a rebalance move (verl_patches/rollout/long_tail/migrate.py decides and
+carries; verl_patches/rollout/long_tail/kv_blocks.py moves the KV rows). Written against vLLM 0.9.1's own
 classes, which it reads and writes by their fields:
 
 - scheduler (``vllm/v1/core/sched/scheduler.py:Scheduler``): ``requests``, ``running``,
@@ -48,7 +48,7 @@ Refused, each with an error naming it: a request that is waiting, preempted, mid
 speculative tokens, multimodal inputs, LoRA, structured output or a KV connector, and one whose text
 is detokenized (``SamplingParams.detokenize``: the detokenizer's stream state does not move; verl's
 rollout sets it False). The payload's ``"kv"`` entry travels as device tensors over the lockstep's
-KV group (verl_patches/rollout/kv_transfer.py), the rest pickled on the host. Limits: a device
+KV group (verl_patches/rollout/long_tail/kv_transfer.py), the rest pickled on the host. Limits: a device
 generator's state is carried by ``get_state`` / ``set_state``, and nothing here has run on a device
 (docs/ROLLOUT.md, "What remains for vLLM on a device").
 """
@@ -61,7 +61,7 @@ from typing import Any, Optional
 
 import torch
 
-from verl_patches.rollout import kv_blocks
+from verl_patches.rollout.long_tail import kv_blocks
 
 
 class MoveError(RuntimeError):

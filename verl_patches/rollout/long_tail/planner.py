@@ -12,7 +12,7 @@ whatever rank it runs on, so the model jumps from one end-of-sequence event to t
 stops when its last response ends (the EOS agreement of the DP group). Admitting a sequence costs its
 prompt's prefill, moving one costs the prefill of its prompt and generated tokens on its new rank
 (re-computing its KV: an upper bound for a mechanism that moves the KV), each as the slowest rank's
-share. At every event the rebalance policy of verl_patches/rollout/rebalance.py (imported: the same
+share. At every event the rebalance policy of verl_patches/rollout/long_tail/rebalance.py (imported: the same
 code) is asked whether to move requests, and its plan is applied.
 
 Inputs: a response-length distribution (parametric, a recorded sample, or a run's metrics.jsonl whose
@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from verl_patches.rollout import rebalance as rb
+from verl_patches.rollout.long_tail import rebalance as rb
 
 MAX_SEQUENCES = 1_000_000
 MAX_LEN = 1_048_576

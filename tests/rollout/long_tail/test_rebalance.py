@@ -1,4 +1,4 @@
-"""The long-tail rebalance policy (verl_patches/rollout/rebalance.py): the bucket each DP rank needs,
+"""The long-tail rebalance policy (verl_patches/rollout/long_tail/rebalance.py): the bucket each DP rank needs,
 the smallest reachable bucket and the fewest moves that reach it (checked against a brute force over
 every redistribution of the requests, on small cases drawn by hypothesis), the threshold, the restore
 map, determinism, and the setting's reader. Pure Python; nothing stands in for anything."""
@@ -13,7 +13,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 from omegaconf import OmegaConf
 
 from verl_patches import settings
-from verl_patches.rollout import rebalance as rb
+from verl_patches.rollout.long_tail import rebalance as rb
 from verl_patches.settings import problems as recipe_problems
 
 ON = rb.RebalancePolicy(enabled=True)

@@ -1,7 +1,7 @@
 """The rollout's long-tail rebalance MECHANISM: move unfinished requests between the DP ranks of one
 rollout while they generate, and put every output back on its original rank, in its original order.
 
-The policy (which requests, from where to where) is verl_patches/rollout/rebalance.py, imported: the
+The policy (which requests, from where to where) is verl_patches/rollout/long_tail/rebalance.py, imported: the
 same code the planner runs. This module is the lockstep around it, device-agnostic and engine-agnostic:
 
 - ``Lockstep``: at every check (every decode step of the DP group), the ranks all-gather their
@@ -9,7 +9,7 @@ same code the planner runs. This module is the lockstep around it, device-agnost
   ``rebalance.judge`` on the same counts; only when it says rebalance do they all-gather the running
   request ids with their weights (the tokens whose state would move) and all compute the same
   ``rebalance.decide`` plan. No coordinator: identical inputs give identical plans.
-- ``transfer`` (verl_patches/rollout/kv_transfer.py): the moved requests' states go point to point
+- ``transfer`` (verl_patches/rollout/long_tail/kv_transfer.py): the moved requests' states go point to point
   per (source, destination) pair, every isend / irecv posted before any wait, so no order deadlocks.
   A state is the engine's own dict (``RequestState``'s ``pack`` in the CPU stand-in, ``vllm_move``'s
   payload): prompt ids, generated ids, log-probs so far, the request's sampling generator state and
@@ -23,7 +23,7 @@ Exactness is the engine's part: a moved request must compute on its new rank exa
 have computed at home. That needs its own sampling generator (vLLM's per-request seed, or one drawn
 per request from the rank's stream in original order) and a forward whose result for one request
 does not depend on the other requests of the batch (checked for the CPU stand-in in
-tests/rollout/test_migrate.py). docs/ROLLOUT.md states the costs.
+tests/rollout/long_tail/test_migrate.py). docs/ROLLOUT.md states the costs.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_patches.rollout import kv_transfer
-from verl_patches.rollout import rebalance as rb
+from verl_patches.rollout.long_tail import kv_transfer
+from verl_patches.rollout.long_tail import rebalance as rb
 
 
 class MigrateError(kv_transfer.TransferError):

@@ -1,4 +1,4 @@
-"""The moved requests' KV rows as buffers over a process group (verl_patches/rollout/kv_transfer.py), on
+"""The moved requests' KV rows as buffers over a process group (verl_patches/rollout/long_tail/kv_transfer.py), on
 the host: gloo ranks, the same code NCCL / HCCL run (test_kv_transfer_gpu.py runs NCCL where there are
 GPUs). Single process: packing, the layout checks, the payload walk. Four gloo ranks: random moves,
 received rows equal to the sent ones bit for bit, errors named."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from verl_patches.launch import run_distributed
-from verl_patches.rollout import kv_transfer
-from verl_patches.rollout.kv_transfer import TransferError
+from verl_patches.rollout.long_tail import kv_transfer
+from verl_patches.rollout.long_tail.kv_transfer import TransferError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
 from kv_transfer_ranks import LAYERS, errors_rank, exchange_rank, plan  # noqa: E402

@@ -1,4 +1,4 @@
-"""The rebalance mechanism (verl_patches/rollout/migrate.py) with the CPU generation stand-in
+"""The rebalance mechanism (verl_patches/rollout/long_tail/migrate.py) with the CPU generation stand-in
 (verl_patches/cpu/engine.py): moving unfinished requests between DP ranks mid-generation changes no
 token and no log-prob of any request.
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from verl_patches.launch import run_distributed
-from verl_patches.rollout import rebalance as rb
-from verl_patches.rollout.migrate import MigrateError, eager_buckets
+from verl_patches.rollout.long_tail import rebalance as rb
+from verl_patches.rollout.long_tail.migrate import MigrateError, eager_buckets
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
 from migrate_ranks import rebalance_rank, thread_check_rank, tiny_model, workload  # noqa: E402
@@ -115,7 +115,7 @@ def test_seeds_follow_vllm_per_request_seed_or_the_ranks_stream_in_order():
 
 
 def test_bad_buckets_and_capacities_are_named():
-    from verl_patches.rollout.migrate import Lockstep
+    from verl_patches.rollout.long_tail.migrate import Lockstep
 
     assert eager_buckets(4) == (1, 2, 3, 4)
     with pytest.raises(MigrateError, match="max_num_seqs must be a positive integer"):

@@ -1,11 +1,11 @@
 """A running request moved between two vLLM 0.9.1 V1 engines between two steps
-(verl_patches/rollout/vllm_move.py), against vLLM's real Scheduler, KVCacheManager, Request,
+(verl_patches/rollout/long_tail/vllm_move.py), against vLLM's real Scheduler, KVCacheManager, Request,
 InputBatch / CachedRequestState (updated by the real GPUModelRunner._update_states), Sampler and
 OutputProcessor: with the rebalance every request's tokens and log-probs equal the run without it,
 every output returns to its original rank and order, the KV arrives bit for bit and the source's
 pool gets its blocks back; malformed moves are errors naming the problem.
 
-Stand-ins, declared (tests/rollout/vllm_move_ranks.py says exactly what): the forward (no kernels on
+Stand-ins, declared (tests/rollout/long_tail/vllm_move_ranks.py says exactly what): the forward (no kernels on
 CPU: deterministic KV rows per token written into the request's real blocks, logits from all of its
 rows read back), the model runner's shell around the real ``_update_states``, and the step and
 request fan-out of EngineCore / LLMEngine written out; the DP group is a gloo group of 4 processes.
@@ -60,7 +60,7 @@ def _baseline(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", SCHEDULERS)
 def test_a_request_moved_between_two_engines_generates_what_it_would_have(tmp_path, kind):
-    from verl_patches.rollout import vllm_move as vm
+    from verl_patches.rollout.long_tail import vllm_move as vm
 
     d, a = _two_steps(tmp_path, kind)
     b = Engine(d, scheduler=kind)
@@ -92,7 +92,7 @@ def test_a_request_moved_between_two_engines_generates_what_it_would_have(tmp_pa
 
 @pytest.mark.parametrize("kind", SCHEDULERS)
 def test_negative_control_without_the_generator_state_the_tokens_change(tmp_path, kind):
-    from verl_patches.rollout import vllm_move as vm
+    from verl_patches.rollout.long_tail import vllm_move as vm
 
     d, a = _two_steps(tmp_path, kind)
     b = Engine(d, scheduler=kind)
@@ -107,7 +107,7 @@ def test_negative_control_without_the_generator_state_the_tokens_change(tmp_path
 
 @pytest.mark.parametrize("kind", SCHEDULERS)
 def test_malformed_moves_are_named_and_change_nothing(tmp_path, kind):
-    from verl_patches.rollout import vllm_move as vm
+    from verl_patches.rollout.long_tail import vllm_move as vm
 
     d, a = _two_steps(tmp_path, kind)
     with pytest.raises(vm.MoveError, match="request 'nope' is unknown to this rank's scheduler"):
@@ -147,7 +147,7 @@ def test_malformed_moves_are_named_and_change_nothing(tmp_path, kind):
 
 
 def test_a_multiprocess_engine_core_is_named():
-    from verl_patches.rollout import vllm_move as vm
+    from verl_patches.rollout.long_tail import vllm_move as vm
 
     with pytest.raises(vm.MoveError, match="engine core is not in this process"):
         vm.EngineParts.of_llm_engine(SimpleNamespace(engine_core=SimpleNamespace(), output_processor=None))

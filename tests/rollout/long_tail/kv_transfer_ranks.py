@@ -1,5 +1,5 @@
 """Per-rank bodies for test_kv_transfer.py and test_kv_transfer_gpu.py (next to them): spawned processes
-import them by name. torch and verl_patches.rollout.kv_transfer only (the GPU test's machine has no vLLM)."""
+import them by name. torch and verl_patches.rollout.long_tail.kv_transfer only (the GPU test's machine has no vLLM)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from verl_patches.rollout import kv_transfer
+from verl_patches.rollout.long_tail import kv_transfer
 
 LAYERS = 3
 WIDTH = 576  # DeepSeek-V3's MLA row: kv_lora_rank 512 + qk_rope_head_dim 64

@@ -1,5 +1,5 @@
 """A request's KV moved between two ranks' paged caches through vLLM 0.9.1's real KVCacheManager and
-Request (verl_patches/rollout/kv_blocks.py): the rows arrive bit for bit in other blocks, the source's
+Request (verl_patches/rollout/long_tail/kv_blocks.py): the rows arrive bit for bit in other blocks, the source's
 blocks go back to its pool, and a full pool or a bad layout is an error naming it.
 
 Stand-in, declared: the cache tensors are host tensors in vLLM's MLA layout (the worker's, which on a
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_patches.rollout import kv_blocks as kb
+from verl_patches.rollout.long_tail import kv_blocks as kb
 
 LAYERS, BLOCK, WIDTH, BLOCKS = 3, 4, 40, 12  # width: kv_lora_rank 32 + rope 8 (the tiny model's)
 

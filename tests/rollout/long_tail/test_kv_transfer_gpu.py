@@ -1,4 +1,4 @@
-"""The moved requests' KV rows device to device over NCCL (verl_patches/rollout/kv_transfer.py), two
+"""The moved requests' KV rows device to device over NCCL (verl_patches/rollout/long_tail/kv_transfer.py), two
 ranks, one GPU each: the random moves of test_kv_transfer.py with the rows on the GPUs arrive bit for
 bit, as tensors on the destination's GPU (views of the received device buffer: no host copy), and a
 timed line (bytes, seconds, GB/s), for information only.

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def tiny_model(layers: int = 2):
@@ -51,8 +51,8 @@ def rebalance_rank(rank: int, world: int) -> dict:
     """The same workload three times: without rebalance, with it, and with it but a move that drops the
     sampling generator's state (the negative control). Tokens and log-probs per request, and the stats."""
     from verl_patches.cpu import engine
-    from verl_patches.rollout import rebalance as rb
-    from verl_patches.rollout.migrate import Lockstep
+    from verl_patches.rollout.long_tail import rebalance as rb
+    from verl_patches.rollout.long_tail.migrate import Lockstep
 
     model = tiny_model()
     prompts, params = workload(rank)
