@@ -93,7 +93,7 @@ def thread_check_rank(rank: int, world: int) -> str:
     from vllm.distributed import parallel_state as ps
 
     from verl_patches.cpu import engine
-    from verl_patches.rollout import rebalance as rb
+    from verl_patches.rollout.long_tail import rebalance as rb
 
     group = dist.new_group(list(range(world)), backend="gloo")
     coord = SimpleNamespace(cpu_group=group, world_size=world, rank_in_group=rank)
