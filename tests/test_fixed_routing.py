@@ -59,7 +59,7 @@ def test_on_in_the_random_init_runs_and_off_with_real_weights(name, on):
     from verl_patches import settings
 
     cfg = RC.compose(name)
-    assert settings.from_trainer(cfg, "fixed_routing") is on
+    assert settings.from_trainer(cfg).fixed_routing is on
     assert bool(cfg.actor_rollout_ref.actor.load_weight) is not on
 
 

@@ -22,11 +22,11 @@ def test_defaults_come_from_one_table_and_absent_sections_take_them():
 def test_from_a_dictconfig_as_verl_builds_it():
     cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"recipe": {
         "offload": False, "reshard_method": "upstream", "fixed_routing": "???"}}}})
-    assert settings.from_trainer(cfg, "offload") is False
-    assert settings.from_worker(cfg.actor_rollout_ref, "offload") is False
-    assert settings.from_rollout(cfg.actor_rollout_ref.rollout, "reshard_method") == "upstream"
-    assert settings.from_trainer(cfg, "tensor_cache") is True  # absent: the default
-    assert settings.from_trainer(cfg, "fixed_routing") is False  # '???' (to be set by the run): the default
+    assert settings.from_trainer(cfg).offload is False
+    assert settings.from_worker(cfg.actor_rollout_ref).offload is False
+    assert settings.from_rollout(cfg.actor_rollout_ref.rollout).reshard_method == "upstream"
+    assert settings.from_trainer(cfg).tensor_cache is True  # absent: the default
+    assert settings.from_trainer(cfg).fixed_routing is False  # '???' (to be set by the run): the default
 
 
 @pytest.mark.parametrize("key,value,expected", [

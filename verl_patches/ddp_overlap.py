@@ -56,11 +56,13 @@ class DdpOverlap:
     @classmethod
     def from_worker(cls, worker_config: Any) -> "DdpOverlap":
         """From a worker's config (verl's actor_rollout_ref section)."""
-        return cls(**{k: settings.from_worker(worker_config, k) for k in KEYS})
+        recipe = settings.from_worker(worker_config)
+        return cls(**{k: getattr(recipe, k) for k in KEYS})
 
     @classmethod
     def from_trainer(cls, config: Any) -> "DdpOverlap":
-        return cls(**{k: settings.from_trainer(config, k) for k in KEYS})
+        recipe = settings.from_trainer(config)
+        return cls(**{k: getattr(recipe, k) for k in KEYS})
 
 
 def ddp_config_values(overlap: DdpOverlap, *, use_distributed_optimizer: Any, num_chunks: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def configure_from_worker_config(worker_config) -> bool:
     from verl_patches import settings
 
     try:
-        configure(settings.from_worker(worker_config, "fixed_routing"))
+        configure(settings.from_worker(worker_config).fixed_routing)
     except settings.SettingsError as e:
         raise FixedRoutingError(str(e)) from None
     return enabled()

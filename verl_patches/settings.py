@@ -1,7 +1,13 @@
-"""The recipe's own settings: every key of ``actor_rollout_ref.rollout.recipe`` with its type and its
-default, written once, and one reader that every patch, the launchers' checks and the config
-composition use. Booleans are read one way: a real true/false, anything else is an error naming
-the key (a quoted "false" in YAML is a string, and truthy).
+"""The recipe's own settings: every key of ``actor_rollout_ref.rollout.recipe`` with its type, its
+default and its rules, written once (``KEYS``, ``VLLM_DP``), and one reader that every patch, the
+launchers' checks and the config composition use. Booleans are read one way: a real true/false,
+anything else is an error naming the key (a quoted "false" in YAML is a string, and truthy).
+
+A patch reads the section once, as the run's typed, frozen ``RecipeSettings`` (``build``,
+``from_worker``, ``from_trainer``, ``from_rollout``): every key an attribute of that name, absent keys
+their default, every problem of the section named at once. The rollout's settings
+(verl_patches/rollout/settings.py) hold it, and travel to the sharding manager and the generation
+under one stash key (``rollout_settings``, on vLLM's LLM).
 
 Three things are called "recipe" in this repository; they are different:
 - the *recipe section*: this YAML section (``actor_rollout_ref.rollout.recipe``), read here;
@@ -13,9 +19,11 @@ Three things are called "recipe" in this repository; they are different:
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
-from typing import Any, Mapping
+import math
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Mapping, Optional
 
+from verl_patches.megatron_args import RecipeMegatron, RecipeMegatronError, parse as parse_megatron
 from verl_patches.reshard import METHODS
 
 SECTION = "actor_rollout_ref.rollout.recipe"  # in the trainer's config
@@ -76,12 +84,12 @@ KEYS: dict[str, Key] = {
 }
 
 
-# The keys of the ``vllm_dp`` section (read by verl_patches/rollout/settings.py, which holds the defaults).
+# The keys of the ``vllm_dp`` section (verl_patches/rollout/dp_domain.py turns them into the DP domain).
 VLLM_DP: dict[str, Key] = {
     "dp_size": Key(int, None, "vLLM DP ranks per instance; null: every rank of an instance", minimum=1),
-    "instances": Key(int, None, "independent vLLM instances (default 1)", minimum=1),
-    "master_port_base": Key(int, None, "the first instance's DP master port", minimum=1, maximum=65535),
-    "port_stride": Key(int, None, "port distance between instances", minimum=1),
+    "instances": Key(int, 1, "independent vLLM instances", minimum=1),
+    "master_port_base": Key(int, 29600, "the first instance's DP master port", minimum=1, maximum=65535),
+    "port_stride": Key(int, 4, "port distance between instances", minimum=1),
 }
 # The type of each key: a type, a tuple of allowed values, a nested section, or "megatron"
 # (checked by verl_patches.megatron_args.parse).
@@ -113,7 +121,7 @@ def _problem(spec: Key, value: Any, here: str) -> str | None:
     if kind is str:
         return None if isinstance(value, str) else f"{here} must be a string (a path), got {_describe(value)}"
     if kind is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
             return f"{here} must be a positive number, got {_describe(value)}"
         if spec.minimum is not None and value < spec.minimum:
             return f"{here} must be >= {spec.minimum}, got {value}"
@@ -154,12 +162,10 @@ def _unknown(key: Any, known: Mapping[str, Any], here: str) -> str:
 
 
 def _megatron_problems(value: Any, here: str) -> list[str]:
-    from verl_patches.megatron_args import RecipeMegatronError, parse
-
     if not isinstance(value, Mapping):
         return [f"{here} must be a mapping, got {_describe(value)}"]
     try:
-        parse(value)
+        parse_megatron(value)
     except RecipeMegatronError as e:
         return [str(e)]
     return []
@@ -248,21 +254,67 @@ def read(section: Any, key: str, where: str = SECTION, check: bool = True) -> An
     return KEYS[key].default if value is None else value
 
 
+def problem(key: str, value: Any, here: str) -> Optional[str]:
+    """What is wrong with ``value`` for the recipe key ``key``, named ``here`` (a command-line option,
+    say), or None: the key's own rules, for a reader that takes the value from elsewhere. None is a
+    missing value there, refused for a key whose default is not None."""
+    if value is None and KEYS[key].default is not None:
+        return f"{here} must be set (default {KEYS[key].default!r}), got None"
+    return _problem(KEYS[key], value, here)
+
+
+def _annotation(key: Key) -> Any:
+    kind = key.kind if key.kind in (bool, int, float, str) else (str if isinstance(key.kind, tuple) else Any)
+    return kind if key.default is not None else Optional[kind]
+
+
+def _with_defaults(table: Mapping[str, Key], values: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: spec.default if values.get(name) in (None, "???") else values[name] for name, spec in table.items()}
+
+
+VllmDp = make_dataclass(
+    "VllmDp", [(name, _annotation(spec), field(default=spec.default)) for name, spec in VLLM_DP.items()],
+    frozen=True, namespace={"__doc__": "recipe.vllm_dp, typed, with VLLM_DP's defaults."})
+
+RecipeSettings = make_dataclass(
+    "RecipeSettings",
+    [(name, _annotation(spec), field(default=spec.default)) for name, spec in KEYS.items() if spec.kind != "section"]
+    + [("vllm_dp", VllmDp, field(default_factory=VllmDp)),
+       ("megatron", RecipeMegatron, field(default_factory=RecipeMegatron))],
+    frozen=True,
+    namespace={"__doc__": "The recipe section of one run, typed and frozen: one attribute per key of KEYS (its "
+                          "default where the section has none), ``vllm_dp`` (VllmDp) and ``megatron`` (the "
+                          "parsed RecipeMegatron, verl_patches/megatron_args.py). Built by ``build``."})
+
+
+def build(section: Any, where: str = SECTION) -> Any:
+    """The recipe section ``section`` (a DictConfig, a mapping or None) as the run's RecipeSettings; every
+    problem of the section in one SettingsError, each named by its key path under ``where``."""
+    found = problems(section, where)
+    if found:
+        raise SettingsError("; ".join(found))
+    section = plain(section) or {}
+    scalars = _with_defaults({k: v for k, v in KEYS.items() if v.kind != "section"}, section)
+    megatron = section.get("megatron")
+    return RecipeSettings(**scalars, vllm_dp=VllmDp(**_with_defaults(VLLM_DP, section.get("vllm_dp") or {})),
+                          megatron=parse_megatron(None if megatron in (None, "???") else dict(megatron)))
+
+
 def trainer_section(config: Any) -> Any:
     """The recipe section of the trainer's whole config (None where there is none)."""
     return _lookup(config, SECTION)
 
 
-def from_worker(worker_config: Any, key: str) -> Any:
-    """``key`` read from a worker's config (verl's actor_rollout_ref section)."""
-    return read(_lookup(worker_config, SECTION_IN_WORKER), key)
+def from_worker(worker_config: Any) -> Any:
+    """The RecipeSettings of a worker's config (verl's actor_rollout_ref section)."""
+    return build(_lookup(worker_config, SECTION_IN_WORKER))
 
 
-def from_trainer(config: Any, key: str) -> Any:
-    """``key`` read from the trainer's whole config."""
-    return read(trainer_section(config), key)
+def from_trainer(config: Any) -> Any:
+    """The RecipeSettings of the trainer's whole config."""
+    return build(trainer_section(config))
 
 
-def from_rollout(rollout_config: Any, key: str) -> Any:
-    """``key`` read from the rollout's config (actor_rollout_ref.rollout)."""
-    return read(_lookup(rollout_config, SECTION_IN_ROLLOUT), key, where=SECTION)
+def from_rollout(rollout_config: Any) -> Any:
+    """The RecipeSettings of the rollout's config (actor_rollout_ref.rollout)."""
+    return build(_lookup(rollout_config, SECTION_IN_ROLLOUT))

@@ -16,7 +16,7 @@ def _cfg(**recipe):
 
 def test_plain_verl_config_gets_the_recipes_defaults():
     s = RolloutSettings.from_config(OmegaConf.create({"tensor_model_parallel_size": 2}), 256)
-    assert (s.offload, s.dp_sync_on_device) == (True, True)
+    assert (s.recipe.offload, s.recipe.dp_sync_on_device) == (True, True)
     assert (s.dp.dp_size, s.dp.tp_size, s.dp.instances, s.dp.master_port_base) == (128, 2, 1, 29600)
     assert s.max_num_batched_tokens == 8192 and s.enable_chunked_prefill
 
@@ -24,7 +24,7 @@ def test_plain_verl_config_gets_the_recipes_defaults():
 def test_yaml_values_win_and_missing_dp_size_is_derived():
     s = RolloutSettings.from_config(_cfg(offload=False, dp_sync_on_device=False,
                                          vllm_dp={"dp_size": "???", "instances": 2, "master_port_base": 31000}), 256)
-    assert (s.offload, s.dp_sync_on_device) == (False, False)
+    assert (s.recipe.offload, s.recipe.dp_sync_on_device) == (False, False)
     assert (s.dp.dp_size, s.dp.instances, s.dp.master_port_base) == (64, 2, 31000)
     assert s.max_num_batched_tokens == 1024
 

@@ -9,7 +9,8 @@ from typing import Any
 PREFIX = "_verl_patches_"
 # key -> what it holds and on which object
 KEYS: dict[str, str] = {
-    "rollout_settings": "the rollout's RolloutSettings, on vLLM's LLM (read by the sharding manager)",
+    "rollout_settings": "the rollout's RolloutSettings (the run's RecipeSettings within), on vLLM's LLM (read by "
+                        "the sharding manager and the generation)",
     "memory": "the rollout's offload-engine memory, on vLLM's LLM (sleep / wake_up route to it)",
     "reshard": "the reshard session (plan, binding), on verl's sharding manager",
     "moved_reported": "bytes moved already reported by the switch metrics, on the actor's memory",
@@ -26,7 +27,6 @@ KEYS: dict[str, str] = {
     "step": "the trainer's global step of the generation under way, on verl's sharding manager",
     "addresses_reported": "captured-graph addresses checked already reported, on verl's sharding manager",
     "update_probe": "the next update's rollout-mismatch / entropy probe (UpdateProbe), on verl's MegatronPPOActor",
-    "rebalance": "the rollout's RebalanceSetup (recipe.rebalance*) or None, on vLLM's LLM (read by its generate)",
     "timing": "verl's sharding manager's timing dict of the generation under way, on vLLM's LLM (the "
               "generation adds its rollout/... figures)",
 }

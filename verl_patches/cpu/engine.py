@@ -158,7 +158,7 @@ def llm_generate(self, prompts: Any = None, sampling_params: Any = None, prompt_
     params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(token_ids)
     from verl_patches.core import stash
 
-    outputs = self._cpu_generator.generate(token_ids, params, rebalance=stash.get(self, "rebalance"))
+    outputs = self._cpu_generator.generate(token_ids, params, rebalance=rebalance_setup(self))
     # Into the sharding manager's timing dict (verl's channel from the generation workers to the
     # driver's metrics), which patch verl.sharding_manager.reshard leaves on the engine.
     timing = stash.get(self, "timing")
@@ -166,6 +166,21 @@ def llm_generate(self, prompts: Any = None, sampling_params: Any = None, prompt_
         for key, value in self._cpu_generator.last_figures.items():
             timing[key] = timing.get(key, 0.0) + value
     return outputs
+
+
+def rebalance_setup(llm: Any) -> Any:
+    """The rebalance the generation runs (a ``RebalanceSetup``), or None when it is off: from the rollout
+    settings the rollout patch left on vLLM's LLM (recipe.rebalance*; verl_patches/rollout/settings.py)."""
+    from verl_patches.core import stash
+    from verl_patches.rollout.settings import STASH_KEY
+
+    rollout = stash.get(llm, STASH_KEY)
+    if rollout is None or not rollout.recipe.rebalance:
+        return None
+    from verl_patches.rollout.long_tail.migrate import RebalanceSetup
+    from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
+
+    return RebalanceSetup(RebalancePolicy.from_settings(rollout.recipe), rollout.recipe.rebalance_cpu_stagger)
 
 
 class _Generator:

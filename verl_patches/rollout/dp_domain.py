@@ -12,16 +12,18 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
+from verl_patches import settings
 from verl_patches.ports import overlaps_ephemeral, taken_ports
 
 logger = logging.getLogger(__name__)
 
-# How many consecutive ports one DP group may consume. vLLM 0.9.1 takes the next port from
+# recipe.vllm_dp's defaults, declared with its keys (verl_patches/settings.py: VLLM_DP). The port
+# stride is how many consecutive ports one DP group may consume. vLLM 0.9.1 takes the next port from
 # ParallelConfig.get_next_dp_init_port twice per engine (init_distributed_environment, then
 # the engine's stateless DP group); vLLM-Ascend's replacement returns VLLM_DP_MASTER_PORT
 # every time. Four leaves room for one extra rendezvous without overlapping the next group.
-DEFAULT_PORT_STRIDE = 4
-DEFAULT_MASTER_PORT_BASE = 29600  # the recipe's recipe.vllm_dp.master_port_base
+DEFAULT_PORT_STRIDE = settings.VLLM_DP["port_stride"].default
+DEFAULT_MASTER_PORT_BASE = settings.VLLM_DP["master_port_base"].default
 MAX_PORT = 65535
 
 # The rollout patch publishes the domain's shape here so vLLM-side code (the parallel-state

@@ -28,14 +28,14 @@ class _Engine:
     """Stand-in for vLLM's LLM as verl's manager sees it: the model runner path and wake_up / sleep."""
 
     def __init__(self, model: Any, settings: Any, events: list[str]) -> None:
-        from verl_patches.rollout.settings import ENGINE_ATTR
+        from verl_patches.rollout.settings import STASH_KEY
 
         runner = SimpleNamespace(model=model)
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
             driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))))
         self.events = events
         if settings is not None:
-            setattr(self, ENGINE_ATTR, settings)
+            stash.put(self, STASH_KEY, settings)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.events.append(f"wake_up:{','.join(tags or [])}")

@@ -198,24 +198,33 @@ def test_ranks_at_different_thread_counts_are_refused():
 
 def test_the_setting_reaches_the_engine_on_the_cpu_platform_and_is_refused_on_a_device(monkeypatch):
     """recipe.rebalance is run by the CPU stand-in only: on a device vLLM's engine cannot move a
-    request yet, so True is refused at the rollout's construction instead of doing nothing."""
+    request yet, so True is refused at the rollout's construction instead of doing nothing. On the CPU
+    platform the generation takes it from the rollout settings the rollout leaves on vLLM's LLM (one
+    stash key)."""
     from types import SimpleNamespace
 
     from verl_patches.core import stash
-    from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import _attach_rebalance
+    from verl_patches.cpu.engine import rebalance_setup
+    from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import _check_rebalance
+    from verl_patches.rollout.settings import STASH_KEY, RolloutSettings
 
-    engine = SimpleNamespace()
+    def engine_with(recipe):
+        engine = SimpleNamespace()
+        rollout = RolloutSettings.from_config({"recipe": recipe, "tensor_model_parallel_size": 1}, 2)
+        _check_rebalance(rollout.recipe)
+        stash.put(engine, STASH_KEY, rollout)
+        return engine
+
     monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")
-    _attach_rebalance(engine, {"recipe": {"rebalance": True, "rebalance_cpu_stagger": 3}})
-    setup = stash.get(engine, "rebalance")
+    setup = rebalance_setup(engine_with({"rebalance": True, "rebalance_cpu_stagger": 3}))
     assert setup.policy.enabled and setup.stagger == 3
-    _attach_rebalance(engine, {"recipe": {}})
-    assert stash.get(engine, "rebalance") is None  # off by default
+    assert rebalance_setup(engine_with({})) is None  # off by default
+    assert rebalance_setup(SimpleNamespace()) is None  # a rollout the recipe did not build
     with pytest.raises(ValueError, match="needs rebalance: True"):
-        _attach_rebalance(engine, {"recipe": {"rebalance_cpu_stagger": 3}})
+        engine_with({"rebalance_cpu_stagger": 3})
     for device in ("npu", "cuda"):
         monkeypatch.setenv("VERL_PATCHES_DEVICE", device)
         with pytest.raises(ValueError, match=f"CPU generation stand-in only; vLLM's engine on {device} .*"
                                              "device path .* has not run anywhere"):
-            _attach_rebalance(engine, {"recipe": {"rebalance": True}})
-        _attach_rebalance(engine, {"recipe": {"rebalance": False}})  # off is fine everywhere
+            engine_with({"rebalance": True})
+        engine_with({"rebalance": False})  # off is fine everywhere

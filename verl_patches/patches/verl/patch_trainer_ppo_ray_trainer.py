@@ -128,7 +128,7 @@ def wrap_fit_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
 def tensor_cache_on(config: Any) -> bool:
     from verl_patches import settings
 
-    return settings.from_trainer(config, "tensor_cache")
+    return settings.from_trainer(config).tensor_cache
 
 
 def check_tensor_cache_config(trainer: Any) -> None:

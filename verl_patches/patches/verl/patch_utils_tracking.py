@@ -50,11 +50,10 @@ def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
         # Upstream's __del__ reads self.logger: a setting refused below must not add an AttributeError to it.
         self.logger = {}
         # Read (and checked) before verl builds its loggers: a wrong setting stops the run here.
-        metrics_file = settings.read(recipe, "metrics_file")
-        tb_dir = settings.read(recipe, "tensorboard_dir")
+        run = settings.build(recipe)
+        metrics_file, tb_dir = run.metrics_file, run.tensorboard_dir
         devices = int(_get(config, "trainer", "nnodes") or 1) * int(_get(config, "trainer", "n_gpus_per_node") or 1)
-        cards = Cards.of(devices, _get(config, "trainer", "device"), accelerator.device_type(),
-                         settings.read(recipe, "devices_per_card"))
+        cards = Cards.of(devices, _get(config, "trainer", "device"), accelerator.device_type(), run.devices_per_card)
         backends = [default_backend] if isinstance(default_backend, str) else list(default_backend)
         if tb_dir:
             os.environ["TENSORBOARD_DIR"] = str(tb_dir)

@@ -45,7 +45,7 @@ VERL_OFFLOAD_ATTRS = ("_is_offload_param", "_is_offload_grad", "_is_offload_opti
 def offload_on(config: Any) -> bool:
     from verl_patches import settings
 
-    return settings.from_worker(config, "offload")
+    return settings.from_worker(config).offload
 
 
 def swap_optimizer_active(config: Any) -> bool:
@@ -56,10 +56,8 @@ def swap_optimizer_active(config: Any) -> bool:
     import sys
 
     from verl_patches import settings
-    from verl_patches.megatron_args import parse
 
-    section = settings.plain(settings.from_worker(config, "megatron"))
-    return parse(section).swap_optimizer and "mindspeed" in sys.modules
+    return settings.from_worker(config).megatron.swap_optimizer and "mindspeed" in sys.modules
 
 
 
@@ -85,13 +83,12 @@ def check_optimizer_offload(config: Any) -> None:
     host and move it each step, each behind the other's back: asking for both is refused by name, whether
     or not MindSpeed is loaded in this process."""
     from verl_patches import settings
-    from verl_patches.megatron_args import parse
     from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
 
     optim = config.get("actor", {}).get("optim", None) if hasattr(config, "get") else None
     if optim is None or offload_settings(optim) is None:
         return
-    if parse(settings.plain(settings.from_worker(config, "megatron"))).swap_optimizer:
+    if settings.from_worker(config).megatron.swap_optimizer:
         raise OptimizerOffloadError(
             "actor.optim.optimizer_cpu_offload=True (megatron-core's HybridDeviceOptimizer keeps the optimizer "
             f"state on the host) cannot combine with {SWAP_OPTIMIZER_FLAG}=True (MindSpeed's swap optimizer moves "

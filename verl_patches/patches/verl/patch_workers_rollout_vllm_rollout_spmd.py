@@ -65,20 +65,18 @@ def _engine_kwargs(config: Any) -> dict:
     return kwargs
 
 
-def _attach_rebalance(engine: Any, config: Any) -> None:
-    """recipe.rebalance* onto the engine for the generation (verl_patches/rollout/long_tail/migrate.py). Only the
-    CPU generation stand-in (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside
-    vLLM's engine (verl_patches/rollout/long_tail/vllm_move.run_engine, ready to replace LLM._run_engine's loop)
-    has not run, so rebalance: True is refused there rather than silently ignored."""
-    from verl_patches import accelerator, settings as overlay_settings
-    from verl_patches.core import stash
-    from verl_patches.rollout.long_tail.migrate import RebalanceSetup
+def _check_rebalance(recipe: Any) -> None:
+    """recipe.rebalance* (``recipe``: the run's RecipeSettings), which the generation reads from the rollout
+    settings (verl_patches/rollout/long_tail/migrate.py). Only the CPU generation stand-in
+    (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside vLLM's engine
+    (verl_patches/rollout/long_tail/vllm_move.run_engine, ready to replace LLM._run_engine's loop) has not
+    run, so rebalance: True is refused there rather than silently ignored."""
+    from verl_patches import accelerator
     from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
     from verl_patches.rollout.settings import RECIPE_KEY
 
-    recipe = config.get(RECIPE_KEY, None)
-    policy = RebalancePolicy.from_recipe(recipe)
-    stagger = overlay_settings.read(recipe, "rebalance_cpu_stagger")
+    policy = RebalancePolicy.from_settings(recipe)
+    stagger = recipe.rebalance_cpu_stagger
     device = accelerator.device_type()
     if device != "cpu" and (policy.enabled or stagger):
         raise ValueError(f"rollout.{RECIPE_KEY}.rebalance is implemented for the CPU generation stand-in only; vLLM's "
@@ -90,7 +88,6 @@ def _attach_rebalance(engine: Any, config: Any) -> None:
     if stagger and not policy.enabled:
         raise ValueError(f"rollout.{RECIPE_KEY}.rebalance_cpu_stagger={stagger} forces an imbalance for rebalance to "
                          "move: it needs rebalance: True")
-    stash.put(engine, "rebalance", RebalanceSetup(policy, stagger) if policy.enabled else None)
 
 
 def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config, **kwargs) -> None:
@@ -109,17 +106,17 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
     self.config = config
     world = dist.get_world_size()
     settings = RolloutSettings.from_config(config, world)
-    self.recipe_settings = settings
+    _check_rebalance(settings.recipe)
     tp = settings.dp.tp_size
     if tp > world:
         raise ValueError(f"rollout.tensor_model_parallel_size={tp} exceeds the world size {world}")
-    if not settings.offload and not config.enforce_eager and config.free_cache_engine:
+    if not settings.recipe.offload and not config.enforce_eager and config.free_cache_engine:
         # Upstream's rule for its own path: vLLM's sleep cannot free a cache graphs were captured on.
         raise ValueError("rollout.free_cache_engine=True needs rollout.enforce_eager=True without recipe.offload")
 
     # Before vLLM builds its ParallelConfig (inside LLM below), which reads VLLM_DP_* then.
     self.dp_domain = setup_dp_domain(settings.dp, get_ip())
-    os.environ[FLAG_ENV] = "1" if settings.dp_sync_on_device else "0"
+    os.environ[FLAG_ENV] = "1" if settings.recipe.dp_sync_on_device else "0"
     if kwargs.get("train_tp") is not None:
         # verl's older Megatron path builds vLLM's groups before the engine; vLLM's own function.
         from vllm.distributed import parallel_state as vllm_ps
@@ -133,14 +130,14 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
     # Graph mode with offload: weights and KV cache go into address-stable regions (refused without a backend).
     from verl_patches.rollout.graph_safe import arm_for_build
 
-    arm_for_build(enforce_eager=bool(config.enforce_eager), offload=settings.offload)
+    arm_for_build(enforce_eager=bool(config.enforce_eager), offload=settings.recipe.offload)
     engine_kwargs = _engine_kwargs(config)
     # Upstream hard-codes prefix caching on; the recipe's engine_kwargs may turn it off (the reference did).
     prefix_caching = engine_kwargs.pop("enable_prefix_caching", True)
     # Looked up on verl's module at call time, where verl imported it.
     self.inference_engine = upstream.LLM(
         model=model_path,
-        enable_sleep_mode=not settings.offload,
+        enable_sleep_mode=not settings.recipe.offload,
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
         dtype=config.dtype,
@@ -160,12 +157,12 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
         **engine_kwargs,
     )
 
-    # For the sharding manager, which receives the engine only (patch verl.sharding_manager.reshard).
-    from verl_patches.rollout.settings import ENGINE_ATTR
+    # For the sharding manager, which receives the engine only (patch verl.sharding_manager.reshard),
+    # and the generation (the rebalance settings).
+    from verl_patches.rollout.settings import STASH_KEY
 
-    setattr(self.inference_engine, ENGINE_ATTR, settings)
-    _attach_rebalance(self.inference_engine, config)
-    if settings.offload:
+    stash.put(self.inference_engine, STASH_KEY, settings)
+    if settings.recipe.offload:
         from verl_patches.patches.vllm.patch_entrypoints_llm import attach_engine_memory
         from verl_patches.rollout.engine_memory import VllmEngineMemory
 

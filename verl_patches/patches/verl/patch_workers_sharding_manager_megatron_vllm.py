@@ -78,9 +78,9 @@ SESSION_ATTR = stash.attr("reshard")
 
 
 def _settings(manager: Any) -> Any:
-    from verl_patches.rollout.settings import ENGINE_ATTR
+    from verl_patches.rollout.settings import STASH_KEY
 
-    return getattr(manager.inference_engine, ENGINE_ATTR, None)
+    return stash.get(manager.inference_engine, STASH_KEY)
 
 
 def _model(manager: Any) -> Any:
@@ -101,7 +101,7 @@ def _build_session(manager: Any, settings: Any, train: dict, roll: dict, method:
         hf, rollout=RolloutLayout(tp=dp.tp_size, dp=dp.dp_size, instances=dp.instances),
         tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(), layers=settings.num_layer_list, train=train, roll=roll,
-        rank=dist.get_rank(), method=method or settings.reshard_method)
+        rank=dist.get_rank(), method=method or settings.recipe.reshard_method)
     check_expert_placement(_model(manager), session.plan.placements, session.rank)
     setattr(manager, SESSION_ATTR, session)
     s = session.plan.ranks[session.rank]
@@ -143,7 +143,7 @@ def self_check(manager: Any, session: Any, settings: Any, train: dict, model: An
     step = stash.get(manager, "step")
     roll = vllm_params(model)
     faults.inject_after_reshard(step, session.rank, roll)
-    every = settings.fingerprint_every
+    every = settings.recipe.fingerprint_every
     out = {"fingerprint_passed": 0.0, "fingerprint_params": 0.0, "fingerprint_s": 0.0, "fingerprint_bytes": 0.0}
     if every and session.switches % every == 0:
         res = session.verify(train, roll, step=step)
@@ -291,7 +291,7 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
         settings = _settings(self)
         if settings is None:  # a rollout not built by the recipe's constructor: upstream throughout
             return original(self)
-        if settings.reshard_method == "upstream":
+        if settings.recipe.reshard_method == "upstream":
             out = upstream_enter(self, settings, original)
         else:
             out = recipe_enter(self, settings)

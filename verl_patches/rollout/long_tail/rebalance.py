@@ -62,23 +62,24 @@ class RebalancePolicy:
     max_imbalance: float | None = settings.KEYS["rebalance_max_imbalance"].default
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise RebalanceError(f"rebalance must be true or false, got {self.enabled!r}")
-        if not isinstance(self.min_bucket_drop, int) or isinstance(self.min_bucket_drop, bool) \
-                or self.min_bucket_drop < 1:
-            raise RebalanceError(f"rebalance_min_bucket_drop must be an integer >= 1, got {self.min_bucket_drop!r}")
-        m = self.max_imbalance
-        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not m >= 1.0
-                              or m == float("inf")):
-            raise RebalanceError(f"rebalance_max_imbalance must be a finite number >= 1 or null, got {m!r}")
+        # The keys' own rules (verl_patches/settings.py), for a policy built from anything else (the planner).
+        for key, value in (("rebalance", self.enabled), ("rebalance_min_bucket_drop", self.min_bucket_drop),
+                           ("rebalance_max_imbalance", self.max_imbalance)):
+            problem = settings.problem(key, value, key)
+            if problem:
+                raise RebalanceError(problem)
+
+    @classmethod
+    def from_settings(cls, recipe: Any) -> "RebalancePolicy":
+        """From the run's RecipeSettings (verl_patches/settings.py)."""
+        return cls(enabled=recipe.rebalance, min_bucket_drop=recipe.rebalance_min_bucket_drop,
+                   max_imbalance=recipe.rebalance_max_imbalance)
 
     @classmethod
     def from_recipe(cls, section: Any) -> "RebalancePolicy":
-        """From the recipe section (a DictConfig, a mapping or None), through the one typed reader."""
+        """From the recipe section (a DictConfig, a mapping or None), read as the run's RecipeSettings."""
         try:
-            return cls(enabled=settings.read(section, "rebalance"),
-                       min_bucket_drop=settings.read(section, "rebalance_min_bucket_drop"),
-                       max_imbalance=settings.read(section, "rebalance_max_imbalance"))
+            return cls.from_settings(settings.build(section))
         except settings.SettingsError as e:
             raise RebalanceError(str(e)) from None
 
