@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_patches import ddp_overlap as D
-from verl_patches import settings
+from verl_patches.config import settings
 
 
 def _worker(**recipe):

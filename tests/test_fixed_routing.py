@@ -56,7 +56,7 @@ def test_the_switch_comes_from_the_run_config_and_rejects_non_booleans(switch):
 def test_on_in_the_random_init_runs_and_off_with_real_weights(name, on):
     # The reference timed its random-init run (250 TPS/card) with the experts forced balanced; with
     # real weights the routing is what is trained (docs/RECIPE.md, "Fixed routing").
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     cfg = RC.compose(name)
     assert settings.from_trainer(cfg, "fixed_routing") is on

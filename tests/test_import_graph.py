@@ -303,8 +303,8 @@ def test_the_long_tail_is_a_wing_of_its_own():
     assert users == LONG_TAIL_USERS, f"modules outside {LONG_TAIL} that import it: {sorted(users)}"
 
 def _names_the_recipe_section(tree: ast.AST) -> list[int]:
-    """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.settings."""
-    from verl_patches import settings
+    """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.config.settings."""
+    from verl_patches.config import settings
 
     paths = {settings.SECTION, settings.SECTION_IN_WORKER}
     lines = []
@@ -327,17 +327,17 @@ def _names_the_recipe_section(tree: ast.AST) -> list[int]:
 
 
 def test_one_settings_module_is_imported_by_every_reader():
-    """The recipe section is found and its types checked in verl_patches/settings.py only: the rollout's
+    """The recipe section is found and its types checked in verl_patches/config/settings.py only: the rollout's
     settings, the launch-time validator and the run report import it, and no other module spells the
     section's path to look it up itself."""
     graph = import_graph()
     readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
                f"{PACKAGE}.patches.verl.patch_utils_tracking"}
-    assert {r for r in readers if f"{PACKAGE}.settings" not in graph[r]} == set()
+    assert {r for r in readers if f"{PACKAGE}.config.settings" not in graph[r]} == set()
     bad = []
     for path in sorted((REPO / PACKAGE).rglob("*.py")):
         mod = _module_name(path, REPO)
-        if mod != f"{PACKAGE}.settings":
+        if mod != f"{PACKAGE}.config.settings":
             bad += [f"{mod}:{line}" for line in _names_the_recipe_section(ast.parse(path.read_text(), str(path)))]
-    assert not bad, "the recipe section looked up outside verl_patches/settings.py (use settings.read / " \
+    assert not bad, "the recipe section looked up outside verl_patches/config/settings.py (use settings.read / " \
                     "settings.problems / settings.trainer_section):\n" + "\n".join(bad)

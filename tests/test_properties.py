@@ -429,7 +429,7 @@ def test_recipe_config_properties():
     does: it accepts (exit 0) only values the settings table accepts, and otherwise exits non-zero
     naming the key; never a traceback."""
     from verl_patches import recipe_config as RC
-    from verl_patches import settings as S
+    from verl_patches.config import settings as S
 
     trainer_keys = ["trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",
                     "actor_rollout_ref.actor.optim.lr", "data.train_batch_size", "trainer.resume_from_path",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from verl_patches import settings
+from verl_patches.config import settings
 from verl_patches.core.lock import REPO_ROOT
 from verl_patches.findings import finish
 
@@ -136,7 +136,7 @@ def _check_token_budgets(rep: Report, cfg, max_len: int) -> None:
                       f"split (use_dynamic_bsz) needs room for one; raise it to at least {-(-max_len // cp)}")
 
 
-_select = settings.select  # a composed config's key (one lookup: verl_patches/settings.py)
+_select = settings.select  # a composed config's key (one lookup: verl_patches/config/settings.py)
 
 
 def _tree_paths(node: Any, prefix: str, known: set[str], free: set[str]) -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from verl_patches.rollout.settings import RolloutSettings
-from verl_patches.settings import SCHEMA as RECIPE_SCHEMA
-from verl_patches.settings import plain
-from verl_patches.settings import problems as recipe_problems
+from verl_patches.config.settings import SCHEMA as RECIPE_SCHEMA
+from verl_patches.config.settings import plain
+from verl_patches.config.settings import problems as recipe_problems
 
 
 @pytest.mark.parametrize("name", ["deepseekv3_256die_random_init", "deepseekv3_256die_true_weight"])

@@ -31,7 +31,7 @@ REPORT_ATTR = stash.attr("report")
 
 
 def _get(cfg: Any, *path: str) -> Any:
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     return settings.lookup(cfg, ".".join(path))
 
@@ -39,7 +39,7 @@ def _get(cfg: Any, *path: str) -> Any:
 def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self, project_name, experiment_name, default_backend="console", config=None):
-        from verl_patches import settings
+        from verl_patches.config import settings
 
         recipe = settings.trainer_section(config)
         if recipe is None:

@@ -3,7 +3,7 @@
 Upstream: verl/workers/megatron_workers.py:ActorRolloutRefWorker._build_model_optimizer builds the actor
 with verl.utils.megatron_utils.get_model, which receives no config. We wrap it: while it runs for
 the actor, ``recipe.overlap_grad_reduce`` / ``recipe.overlap_param_gather`` (read from the worker's
-config by verl_patches/settings.py) are held in a context variable that patch verl.ddp_overlap.get_model
+config by verl_patches/config/settings.py) are held in a context variable that patch verl.ddp_overlap.get_model
 (patch_utils_megatron_utils_ddp_overlap.py) reads. Both off, or another role: nothing is held and
 get_model runs as upstream has it.
 """

@@ -24,7 +24,7 @@ COMPILE_FLAG = "actor_rollout_ref.rollout.recipe.rollout_torch_compile"
 
 
 def rollout_compile_on(config: Any) -> bool:
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     return settings.from_worker(config, "rollout_torch_compile")
 

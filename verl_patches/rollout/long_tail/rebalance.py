@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from verl_patches import settings
+from verl_patches.config import settings
 
 
 class RebalanceError(ValueError):
