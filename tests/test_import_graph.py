@@ -216,11 +216,23 @@ def test_the_import_map_has_its_floors():
     assert top + 1 <= MAX_FLOORS, f"the import map has {top + 1} floors (at most {MAX_FLOORS}): " + " -> ".join(chain)
 
 
+# The wings: folders that group modules by what they are for (configuration and settings; local processes
+# and the launchers' checks; reporting, plots and the console; the floor every part stands on). A wing is a
+# folder, not a layer: its __init__ imports nothing, and each of its modules is a part of the package map on
+# its own, as it was when it lay at the root. Every other folder (core/, patches/, reshard/, rollout/, ...)
+# is one part.
+WINGS = ("base", "config", "launch", "reporting")
+
+
+def _part(m: str) -> str:
+    parts = m.split(".")
+    return ".".join(parts[:3] if len(parts) > 2 and parts[1] in WINGS else parts[:2])
+
+
 def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The graph of the package's top-level parts (verl_patches.core, verl_patches.patches, ... and the
-    top-level modules), every import counted, function-level ones too."""
-    def part(m: str) -> str:
-        return ".".join(m.split(".")[:2])
+    """The graph of the package's parts (verl_patches.core, verl_patches.patches, ..., each module of a wing
+    and the root's modules), every import counted, function-level ones too."""
+    part = _part
 
     out: dict[str, set[str]] = {}
     for mod, edges in graph.items():
@@ -331,7 +343,7 @@ def test_one_settings_module_is_imported_by_every_reader():
     settings, the launch-time validator and the run report import it, and no other module spells the
     section's path to look it up itself."""
     graph = import_graph()
-    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
+    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.config.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
                f"{PACKAGE}.patches.verl.patch_utils_tracking"}
     assert {r for r in readers if f"{PACKAGE}.config.settings" not in graph[r]} == set()
     bad = []

@@ -39,7 +39,7 @@ def configure_from_worker_config(worker_config) -> bool:
 
 
 def enabled() -> bool:
-    from verl_patches import env
+    from verl_patches.config import env
 
     return bool(env.get(ENV))
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_patches import env as overlay_env
+from verl_patches.config import env as overlay_env
 from verl_patches import procs, rank_boot
 from verl_patches.ports import free_port_block
 

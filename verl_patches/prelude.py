@@ -7,7 +7,7 @@ to verl's worker module, which every Ray worker imports), vLLM's general-plugin 
 
 from __future__ import annotations
 
-from verl_patches import env
+from verl_patches.config import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
 from verl_patches.core.record import Patch

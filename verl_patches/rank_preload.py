@@ -29,7 +29,7 @@ def _load() -> tuple[tuple[str, ...], dict[str, str]]:
     # Nothing may escape: an exception here would end the forkserver, and the caller would see only
     # a broken pipe. Failures are named to the ranks instead.
     try:
-        from verl_patches import env
+        from verl_patches.config import env
 
         names = env.get("VERL_PATCHES_RANK_PRELOAD")
     except Exception as e:  # noqa: BLE001

@@ -32,8 +32,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from verl_patches import megatron_args as ma
-from verl_patches import recipe_config as RC
+from verl_patches.config import megatron_args as ma
+from verl_patches.config import recipe_config as RC
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "RECIPE.md"

@@ -154,7 +154,7 @@ def _unknown(key: Any, known: Mapping[str, Any], here: str) -> str:
 
 
 def _megatron_problems(value: Any, here: str) -> list[str]:
-    from verl_patches.megatron_args import RecipeMegatronError, parse
+    from verl_patches.config.megatron_args import RecipeMegatronError, parse
 
     if not isinstance(value, Mapping):
         return [f"{here} must be a mapping, got {_describe(value)}"]

@@ -391,7 +391,7 @@ def _main(argv: list[str]) -> int:
           flush=True)
     from verl_patches.launch import run_distributed
 
-    from verl_patches import env as overlay_env
+    from verl_patches.config import env as overlay_env
 
     heartbeat = a.heartbeat_timeout or overlay_env.get("VERL_PATCHES_HEARTBEAT_TIMEOUT_S")
     # The ranks left waiting in a collective for a stopped one get as long as the heartbeat (at most 30 s).

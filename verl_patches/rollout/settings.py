@@ -67,7 +67,7 @@ class RolloutSettings:
         if tokens < 1:
             raise ValueError(f"rollout.max_num_batched_tokens must be positive, got {tokens}")
         method = settings.read(recipe, "reshard_method")
-        from verl_patches.megatron_args import parse as parse_megatron
+        from verl_patches.config.megatron_args import parse as parse_megatron
 
         section = _get(recipe, "megatron", None)
         layers = parse_megatron(dict(section) if section is not None else None).num_layer_list or ()

@@ -97,7 +97,7 @@ def build(cfg: dict, *, seed: int, lr: float, fraction: float | None, overlap: b
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from verl_patches.optim_offload import apply_offload, offload_settings
+    from verl_patches.config.optim_offload import apply_offload, offload_settings
     from verl_patches.testing.live_models import build_megatron_deepseek
 
     torch.manual_seed(seed)  # megatron-core's CPU initialisation draws from it: every variant starts equal

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from verl_patches import megatron_args as ma
+from verl_patches.config import megatron_args as ma
 from verl_patches.patches.verl.patch_single_controller_base_megatron_worker import check_weight_loading
 from verl_patches.launch import run_distributed
 

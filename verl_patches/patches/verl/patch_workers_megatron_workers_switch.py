@@ -56,7 +56,7 @@ def swap_optimizer_active(config: Any) -> bool:
     import sys
 
     from verl_patches.config import settings
-    from verl_patches.megatron_args import parse
+    from verl_patches.config.megatron_args import parse
 
     section = settings.plain(settings.from_worker(config, "megatron"))
     return parse(section).swap_optimizer and "mindspeed" in sys.modules
@@ -85,7 +85,7 @@ def check_optimizer_offload(config: Any) -> None:
     host and move it each step, each behind the other's back: asking for both is refused by name, whether
     or not MindSpeed is loaded in this process."""
     from verl_patches.config import settings
-    from verl_patches.megatron_args import parse
+    from verl_patches.config.megatron_args import parse
     from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
 
     optim = config.get("actor", {}).get("optim", None) if hasattr(config, "get") else None
