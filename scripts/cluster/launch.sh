@@ -112,7 +112,7 @@ PY
   return "$rc"
 }
 
-# What the head reads before anything starts (verl_patches/launch_checks.py, one checker for the dry
+# What the head reads before anything starts (verl_patches/launch/cluster_checks.py, one checker for the dry
 # run and the real run): RAY_PORT free on MASTER_ADDR, MODEL_PATH's config.json, the data files and,
 # for a real-weight run (LAUNCH_CKPT_DIR), a complete checkpoint of that config's model.
 launch_check_head() {
@@ -120,7 +120,7 @@ launch_check_head() {
   local ckpt=()
   if [[ -n "${LAUNCH_CKPT_DIR:-}" ]]; then ckpt=(--ckpt "$LAUNCH_CKPT_DIR"); fi
   MODEL_PATH="$MODEL_PATH" TRAIN_FILES="$TRAIN_FILES" VAL_FILES="$VAL_FILES" MASTER_ADDR="$MASTER_ADDR" \
-    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch_checks head "${ckpt[@]}"
+    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch.cluster_checks head "${ckpt[@]}"
 }
 
 launch_main() {
@@ -243,7 +243,7 @@ launch_start() {
   else
     exec {out}> >(tee -a "$log")
   fi
-  "$PYTHON" -m verl_patches.procs exec -- "${TRAINER_CMD[@]}" >&"$out" 2>&1 &
+  "$PYTHON" -m verl_patches.launch.procs exec -- "${TRAINER_CMD[@]}" >&"$out" 2>&1 &
   local trainer_pid=$!
   exec {out}>&-
   BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")

@@ -80,7 +80,7 @@ def transformer_configs(configs):
 
     # The config records only (the module also holds the update's entropy record, which needs the actor's).
     ROUTING = [p for p in PATCHES if p.target.endswith(":hf_to_mcore_config")]
-    from verl_patches.launch import free_port
+    from verl_patches.launch.local_ranks import free_port
 
     hf = AutoConfig.for_model(**RC.load_model_config(RC.DEFAULT_MODEL_CONFIG))
     ours = not dist.is_initialized()

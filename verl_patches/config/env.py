@@ -74,15 +74,15 @@ VARIABLES: tuple[Var, ...] = (
         weakens_why="a timeout of 0 or less would score every answer that needs math-verify 0.0"),
     Var("VERL_PATCHES_HEARTBEAT_TIMEOUT_S", "float", 120.0,
         "seconds a local rank of the preflight (run_distributed) may go without a heartbeat before it is named "
-        "as stopped and the run ends", "verl_patches/launch.py", low=1.0, high=86400.0, weakens_below=0.0,
+        "as stopped and the run ends", "verl_patches/launch/local_ranks.py", low=1.0, high=86400.0, weakens_below=0.0,
         weakens_why="a heartbeat timeout of 0 or less would switch the liveness check of the ranks off"),
     Var("VERL_PATCHES_RANK_START", "choice", "spawn",
         "how run_distributed starts its gloo ranks: spawn (a fresh interpreter each) or forkserver (forked from "
-        "one server that imported VERL_PATCHES_RANK_PRELOAD once); device ranks always spawn", "verl_patches/launch.py",
+        "one server that imported VERL_PATCHES_RANK_PRELOAD once); device ranks always spawn", "verl_patches/launch/local_ranks.py",
         choices=("spawn", "forkserver")),
     Var("VERL_PATCHES_RANK_PRELOAD", "list", ("torch",),
         "modules the forkserver of run_distributed imports once, before it forks any rank",
-        "verl_patches/rank_preload.py"),
+        "verl_patches/launch/rank_preload.py"),
     Var("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB", "float", None,
         "host memory (GB) the offload pool leaves free (default: min(4 GiB, 5% of the host))",
         "verl_patches/offload/pool.py", low=0.0, high=1 << 20),

@@ -347,7 +347,7 @@ def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from verl_patches.procs import Terminated
+    from verl_patches.launch.procs import Terminated
 
     try:
         return _main(argv)
@@ -357,7 +357,7 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, TimeoutError) as e:
         # A rank failed, hung or stopped answering (run_distributed names it); the module is imported by
         # then (not before: --help imports no torch).
-        launch = sys.modules.get("verl_patches.launch")
+        launch = sys.modules.get("verl_patches.launch.local_ranks")
         if isinstance(e, TimeoutError) or (launch is not None and isinstance(e, launch.DistributedFailure)):
             print(f"preflight FAILED: {e}", file=sys.stderr)
             return 1
@@ -389,7 +389,7 @@ def _main(argv: list[str]) -> int:
     print(f"preflight: {world} local processes, backend {a.backend}, model {a.model}, "
           f"train {opts.train}, rollout {opts.rollout}, methods {', '.join(opts.methods)}, steps {opts.steps}",
           flush=True)
-    from verl_patches.launch import run_distributed
+    from verl_patches.launch.local_ranks import run_distributed
 
     from verl_patches.config import env as overlay_env
 

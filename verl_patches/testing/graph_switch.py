@@ -138,7 +138,7 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
     from verl_patches.reshard.placements import build_placements
     from verl_patches.reshard.planner import build_plan
     from verl_patches.rollout.mla import rewrite_in_place
-    from verl_patches.launch import free_port
+    from verl_patches.launch.local_ranks import free_port
 
     cfg = json.loads(MODEL.read_text())
     device = accelerator.set_device(0)

@@ -54,7 +54,7 @@ def ensure_process_group(device: str) -> None:
 
     if dist.is_initialized():
         return
-    from verl_patches.launch import free_port
+    from verl_patches.launch.local_ranks import free_port
 
     port = free_port()
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",

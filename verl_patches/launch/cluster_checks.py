@@ -1,11 +1,11 @@
 """The launchers' checks of their inputs: ONE function each, called by the dry run and by the real
 bring-up alike (scripts/cluster/launch.sh), so both reject the same things with the same message.
 
-``python -m verl_patches.launch_checks env``: the values every node reads (ports, ranks, counts,
+``python -m verl_patches.launch.cluster_checks env``: the values every node reads (ports, ranks, counts,
 timeouts, DEVICE, LAUNCH_CONSOLE and the overlay's own ``VERL_PATCHES_*`` variables, verl_patches/config/env.py);
 a setting that weakens a check is refused (a timeout of 0, fault injection outside the test launcher) or,
 where it is the user's explicit choice (VERL_PATCHES_OFF, VERL_PATCHES_DISABLE), said as a warning.
-``python -m verl_patches.launch_checks head [--ckpt DIR]``: what only the head reads: its Ray port
+``python -m verl_patches.launch.cluster_checks head [--ckpt DIR]``: what only the head reads: its Ray port
 free, the model's config.json, the data files and, for a real-weight run, a complete checkpoint of
 the model that config.json describes (its embedding shape and its layer count).
 Each prints one ``error: ...`` line per problem on stderr and exits 2 when there is one.
@@ -173,7 +173,7 @@ def head_problems(environ: Mapping[str, str] | None = None, ckpt: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_patches.launch_checks", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m verl_patches.launch.cluster_checks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("env", "head"))
     p.add_argument("--ckpt", default=None, help="the real-weight run's checkpoint (DIST_CKPT_PATH)")
