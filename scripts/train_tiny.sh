@@ -14,7 +14,7 @@
 # generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/.
 #
 # The console after the environment build: a banner (what runs, where everything goes), one line
-# per phase, the run report's line per step and its summary (verl_patches/report.py), then the plots
+# per phase, the run report's line per step and its summary (verl_patches/reporting/report.py), then the plots
 # (python -m verl_patches plot). Everything else goes to the logs the banner names
 # (LAUNCH_CONSOLE=steps of scripts/cluster/launch.sh; LAUNCH_CONSOLE=full shows it all).
 set -euo pipefail

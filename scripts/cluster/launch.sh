@@ -8,7 +8,7 @@
 # LOG_DIR/trainer.log. LAUNCH_CONSOLE=steps (scripts/train_tiny.sh) keeps the console to what a
 # person reads: the bring-up, the checks and Ray's messages go to LOG_DIR/launch.log, the trainer's
 # whole output to LOG_DIR/trainer.log, and the console gets one line per phase, the run report's
-# lines (python -m verl_patches.console) and, on a failure, the end of the log that says why.
+# lines (python -m verl_patches.reporting.console) and, on a failure, the end of the log that says why.
 
 # Run instead of sourced: say how it is used, define nothing, run nothing.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
@@ -238,7 +238,7 @@ launch_start() {
   local log="${LOG_DIR}/trainer.log" out filter_pid=""
   launch_say "Ray head up with ${NNODES} x ${DEVICES_PER_NODE} $(bringup_resource_name); starting the trainer; its whole output: ${log}"
   if [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then
-    exec {out}> >("$PYTHON" -m verl_patches.console "$log" >&3 2>&4)
+    exec {out}> >("$PYTHON" -m verl_patches.reporting.console "$log" >&3 2>&4)
     filter_pid=$!
   else
     exec {out}> >(tee -a "$log")

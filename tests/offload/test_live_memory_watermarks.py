@@ -1,5 +1,5 @@
 """The device-memory watermarks of the switch loop (verl_patches/offload/live.py) and the figures the
-sharding manager sends to the run's report (memory_figures in verl_patches/switch_report.py).
+sharding manager sends to the run's report (memory_figures in verl_patches/reporting/switch_report.py).
 
 The allocator's statistics need a device: here a stand-in allocator (the only fake; it counts what
 the test says each phase allocates) takes the place of torch.cuda / torch.npu behind
@@ -11,8 +11,8 @@ import pytest
 
 from tests.offload.test_live_switch import ACTOR, REF, ROLLOUT, attached, training_step
 from verl_patches import accelerator
-from verl_patches.report import DEVICE_PEAKS, MEM_PREFIX
-from verl_patches.switch_report import memory_figures
+from verl_patches.reporting.report import DEVICE_PEAKS, MEM_PREFIX
+from verl_patches.reporting.switch_report import memory_figures
 
 GEN_PEAK, UPDATE_PEAK, BASE = 7_000, 5_000, 1_000
 

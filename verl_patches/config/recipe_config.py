@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from verl_patches.config import settings
 from verl_patches.core.lock import REPO_ROOT
-from verl_patches.findings import finish
+from verl_patches.reporting.findings import finish
 
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
@@ -457,7 +457,7 @@ def model_rules(rep: Report, cfg, model: dict) -> None:
 
 
 def card_rules(rep: Report, recipe: dict, world: int | None, nnodes: int | None, per_node: int | None) -> None:
-    """perf/tps_per_card divides by whole cards (verl_patches/report.py: Cards); checked here, before a run."""
+    """perf/tps_per_card divides by whole cards (verl_patches/reporting/report.py: Cards); checked here, before a run."""
     per_card = recipe.get("devices_per_card")
     if world is not None and isinstance(per_card, int) and not isinstance(per_card, bool):
         rep.check(per_card >= 1 and world % per_card == 0,

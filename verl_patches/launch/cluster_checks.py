@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Mapping
 
 from verl_patches.config import env as overlay_env
-from verl_patches.findings import finish
+from verl_patches.reporting.findings import finish
 
 POSITIVE_INTS = ("NNODES", "DEVICES_PER_NODE", "WAIT_TIMEOUT_S", "STOP_GRACE_S")
 CHOICES = {"DEVICE": ("npu", "cuda", "cpu"), "ROLE": ("head", "worker"), "LAUNCH_CONSOLE": ("full", "steps")}

@@ -60,7 +60,7 @@ def test_the_reference_long_tail_is_reproduced_in_direction_and_size():
 
 
 def test_the_tiny_runs_recorded_lengths_give_no_tail(capsys):
-    """The tiny run's metrics.jsonl (its format: verl_patches/report.py; this file is a tiny run's own
+    """The tiny run's metrics.jsonl (its format: verl_patches/reporting/report.py; this file is a tiny run's own
     output, 6 steps on the CPU): every response ran to the 16-token cap (clip ratio 1.0), so the DP
     ranks finish together, there is no tail, and one graph with no rebalance is the recommendation."""
     rc, out, err = run_cli(capsys, "--lengths", str(TINY_METRICS), "--dp", "2", "--prompts", "8", "--n", "4",

@@ -1,6 +1,6 @@
 """The run's report: verl's tracker prints one line per step, refuses non-finite metrics, keeps a JSONL
 record, adds the throughput per card, flushes tensorboard every step and ends with a summary
-(verl_patches/report.py).
+(verl_patches/reporting/report.py).
 
 Upstream: verl/utils/tracking.py:Tracking. RayPPOTrainer.fit builds one Tracking with the resolved
 config and calls ``log(metrics, step)`` once per step and once for the validation before training;
@@ -45,7 +45,7 @@ def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
         if recipe is None:
             return original(self, project_name, experiment_name, default_backend, config)
         from verl_patches import accelerator
-        from verl_patches.report import Cards, RunReport
+        from verl_patches.reporting.report import Cards, RunReport
 
         # Upstream's __del__ reads self.logger: a setting refused below must not add an AttributeError to it.
         self.logger = {}
