@@ -78,7 +78,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def _device(name: str):
     import torch
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     if name == "auto":
         return torch.device(accelerator.device_type() if accelerator.device_type() != "cpu" else "cpu")
@@ -100,7 +100,7 @@ def _timed(fn, repeats: int, sync) -> float:
 def measure(device, gib: float, repeats: int) -> dict[str, float]:
     import torch
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.reshard.checksum import tensor_checksum, view_checksum
 
     sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)
@@ -131,7 +131,7 @@ def _entropy_tp1(logits):
 def measure_mismatch(device, tokens: int, vocab: int, repeats: int) -> dict[str, float]:
     import torch
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.mismatch import UpdateProbe, chunked_entropy
 
     sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)

@@ -32,7 +32,7 @@ def _installed(name: str) -> bool:
 
 # On the CPU platform only: on a GPU machine megatron-core's import initialises CUDA, which a forked rank
 # cannot use (verl_patches/launch/rank_preload.py refuses that preload); the GPU tests spawn their ranks.
-from verl_patches import accelerator as _accelerator  # noqa: E402
+from verl_patches.base import accelerator as _accelerator  # noqa: E402
 
 if _accelerator.device_type() == "cpu":
     os.environ.setdefault("VERL_PATCHES_RANK_START", "forkserver")

@@ -41,7 +41,7 @@ def test_every_python_reader_goes_through_env():
 
 
 def test_choices_agree_with_the_readers():
-    from verl_patches.accelerator import DEVICE_TYPES
+    from verl_patches.base.accelerator import DEVICE_TYPES
     from verl_patches.core.record import PHASES
     from verl_patches.offload.stable import CHOICES
 
@@ -92,7 +92,8 @@ def test_bad_values_name_the_variable(name, raw):
 
 
 def test_readers_use_the_table(monkeypatch):
-    from verl_patches import accelerator, fixed_routing, prelude
+    from verl_patches.base import accelerator
+    from verl_patches import fixed_routing, prelude
     from verl_patches.core.phase import current_phase
 
     monkeypatch.setenv("VERL_PATCHES_DEVICE", "tpu")

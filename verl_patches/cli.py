@@ -21,7 +21,7 @@ DELEGATED = {
 
 
 def _platform_default() -> str:
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     return accelerator.device_type()
 

@@ -22,7 +22,7 @@ def disabled_ids() -> set[str]:
 def patches_for(phase: str, registry: list[Patch] | None = None, device_type: str | None = None) -> list[Patch]:
     """The patches this process applies, in the order it applies them (the CPU platform's first, then
     the catalogue's order): its phase, its accelerator, not disabled."""
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     off = disabled_ids()
     dev = device_type or accelerator.device_type()

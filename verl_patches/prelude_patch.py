@@ -12,7 +12,7 @@ from verl_patches.prelude import apply_prelude
 APPLIED: list[str] = apply_prelude()
 
 if APPLIED:
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.core.phase import current_phase
 
     print(f"verl_patches: applied {len(APPLIED)} patch(es) for the {current_phase()} phase on the "

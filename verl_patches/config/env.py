@@ -88,7 +88,7 @@ VARIABLES: tuple[Var, ...] = (
         "verl_patches/offload/pool.py", low=0.0, high=1 << 20),
     Var("VERL_PATCHES_DEVICE", "choice", "",
         "forces the accelerator (default: the first of npu, cuda, cpu available)",
-        "verl_patches/accelerator.py", choices=("npu", "cuda", "cpu")),
+        "verl_patches/base/accelerator.py", choices=("npu", "cuda", "cpu")),
     Var("VERL_PATCHES_PHASE", "choice", "",
         "forces the process phase the prelude applies patches for (default: detected)",
         "verl_patches/core/phase.py", choices=("driver", "worker", "engine_core")),

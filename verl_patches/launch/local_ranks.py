@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., An
     try:
         rank_boot.check_preload()
         if backend != "gloo":
-            from verl_patches import accelerator
+            from verl_patches.base import accelerator
 
             accelerator.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)

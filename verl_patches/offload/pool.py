@@ -11,7 +11,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.config import env as overlay_env
 
 GiB = 1 << 30

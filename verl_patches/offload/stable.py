@@ -23,7 +23,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.config import env as overlay_env
 
 ENV = "VERL_PATCHES_STABLE_MEMORY"

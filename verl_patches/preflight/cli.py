@@ -404,7 +404,7 @@ def _main(argv: list[str]) -> int:
 def _main_torchrun(a: argparse.Namespace, t0: float) -> int:
     import torch.distributed as dist
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     accelerator.set_device(int(os.environ["LOCAL_RANK"]))

@@ -89,7 +89,7 @@ def max_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     if not figures or not dist.is_initialized():
         return figures

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny_deepseek_v3.json"
 

@@ -574,7 +574,7 @@ def real_optimizer_continuation(rank: int, world: int, steps: int = 3) -> dict:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.offload import OffloadEngine
     from verl_patches.offload.live import LiveSwitch
     from verl_patches.offload.megatron_memory import ActorMemory, inner_optimizers

@@ -107,7 +107,8 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
                             override_transformer_config, trust_remote_code)
         from megatron.core import parallel_state as mpu
 
-        from verl_patches import accelerator, fixed_routing
+        from verl_patches.base import accelerator
+        from verl_patches import fixed_routing
         from verl_patches.config import megatron_args as ma
         from verl_patches.patches.megatron.patch_core_transformer_transformer_block import LAYER_LIST_ATTR
 

@@ -44,7 +44,7 @@ def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
         recipe = settings.trainer_section(config)
         if recipe is None:
             return original(self, project_name, experiment_name, default_backend, config)
-        from verl_patches import accelerator
+        from verl_patches.base import accelerator
         from verl_patches.reporting.report import Cards, RunReport
 
         # Upstream's __del__ reads self.logger: a setting refused below must not add an AttributeError to it.

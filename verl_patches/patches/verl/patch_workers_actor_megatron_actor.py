@@ -169,7 +169,7 @@ def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_policy(self, dataloader):
         if not reusing(self.config):
             return original(self, dataloader)
-        from verl_patches import accelerator
+        from verl_patches.base import accelerator
         from verl_patches.mismatch import MismatchError
         from verl_patches.patches.verl.patch_trainer_ppo_core_algos import reusing_old_log_prob
 

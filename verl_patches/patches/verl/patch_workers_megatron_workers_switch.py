@@ -133,7 +133,7 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _empty_cache() -> None:
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     accelerator.empty_cache()
 

@@ -70,7 +70,7 @@ def _attach_rebalance(engine: Any, config: Any) -> None:
     CPU generation stand-in (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside
     vLLM's engine (verl_patches/rollout/long_tail/vllm_move.run_engine, ready to replace LLM._run_engine's loop)
     has not run, so rebalance: True is refused there rather than silently ignored."""
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.config import settings as overlay_settings
     from verl_patches.core import stash
     from verl_patches.rollout.long_tail.migrate import RebalanceSetup

@@ -214,7 +214,7 @@ def weight_sync(manager: Any, switch: Any, reshard: Callable[[], Any]) -> Any:
         return switch.run_call(WEIGHT_SYNC, reshard)
     from verl.utils.megatron_utils import offload_megatron_model_to_cpu
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     stats = reshard()
     if manager.offload_param:
@@ -247,7 +247,7 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     from verl.utils.debug.performance import simple_timer
     from verl.utils.megatron_utils import load_megatron_model_to_gpu
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.reshard.binding import megatron_params, vllm_params
     from verl_patches.rollout.mla import redo_mla_post_load
     from verl_patches.reporting.switch_report import addresses_checked, memory_figures, switch_figures
