@@ -93,7 +93,8 @@ def test_bad_values_name_the_variable(name, raw):
 
 def test_readers_use_the_table(monkeypatch):
     from verl_patches.base import accelerator
-    from verl_patches import fixed_routing, prelude
+    from verl_patches.train import fixed_routing
+    from verl_patches import prelude
     from verl_patches.core.phase import current_phase
 
     monkeypatch.setenv("VERL_PATCHES_DEVICE", "tpu")

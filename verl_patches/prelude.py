@@ -34,8 +34,8 @@ def apply_prelude(phase: str | None = None) -> list[str]:
     """Apply this phase's patches; return the ids newly applied (empty when already done)."""
     if env.get("VERL_PATCHES_OFF"):
         return []
-    # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/compile_context.py).
-    from verl_patches.compile_context import save_real_compile
+    # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/rollout/compile_context.py).
+    from verl_patches.rollout.compile_context import save_real_compile
 
     save_real_compile()
     return apply_all(patches_for(phase or current_phase()))

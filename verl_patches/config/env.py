@@ -103,7 +103,7 @@ VARIABLES: tuple[Var, ...] = (
         "verl_patches/core/lock.py"),
     Var("VERL_PATCHES_FIXED_ROUTING", "bool", False,
         "balanced fixed MoE routing in the rollout (exported from recipe.fixed_routing)",
-        "verl_patches/fixed_routing.py"),
+        "verl_patches/train/fixed_routing.py"),
     Var("VERL_PATCHES_DP_SYNC_ON_DEVICE", "bool", True,
         "vLLM's DP-group agreement on the device (exported from recipe.dp_sync_on_device)",
         "verl_patches/rollout/dp_sync.py"),

@@ -1,4 +1,4 @@
-"""verl_patches.compile_context: the real torch.compile inside the block, exactly the previous object after
+"""verl_patches.rollout.compile_context: the real torch.compile inside the block, exactly the previous object after
 it (also on exception, and when nothing had replaced it). The replacement here is a stand-in for
 MindSpeed's dummy_compile (MindSpeed needs torch_npu, which cannot import off Ascend)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_patches import compile_context as cc
+from verl_patches.rollout import compile_context as cc
 
 
 def mindspeed_dummy_compile(*args, **kwargs):  # what MindSpeed registers as torch.compile: a call-through

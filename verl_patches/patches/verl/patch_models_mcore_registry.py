@@ -39,7 +39,7 @@ def _with_entropy(logits_processor: Callable[..., Any]) -> Callable[..., Any]:
     def logits_processor_with_entropy(logits, *args, **kwargs):
         from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy
 
-        from verl_patches.mismatch import chunked_entropy
+        from verl_patches.train.mismatch import chunked_entropy
 
         # Before the processor: megatron-core's vocab_parallel_cross_entropy turns fp32 logits into
         # their softmax in place (Float16Module hands the last stage fp32 logits).

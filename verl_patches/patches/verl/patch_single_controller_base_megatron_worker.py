@@ -5,7 +5,7 @@ which the actor / reference build calls once, after the parallel groups exist an
 model or optimizer is built. We wrap it (only when the worker's config has
 rollout.recipe.megatron, i.e. ActorRolloutRefWorker):
 - before: parse the section (verl_patches.config.megatron_args); set recipe.fixed_routing for the router
-  patches (verl_patches/fixed_routing.py); refuse uneven stages together with verl's
+  patches (verl_patches/train/fixed_routing.py); refuse uneven stages together with verl's
   HF-weight loader or HF saver (both assume equal stages); merge the values TransformerConfig has
   a field for under the user's override_transformer_config; on Ascend hand MindSpeed its
   arguments (moe_tp_extend_ep, swap_optimizer, use_flash_attn, use_fused_rotary_pos_emb,
@@ -108,7 +108,7 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
         from megatron.core import parallel_state as mpu
 
         from verl_patches.base import accelerator
-        from verl_patches import fixed_routing
+        from verl_patches.train import fixed_routing
         from verl_patches.config import megatron_args as ma
         from verl_patches.patches.megatron.patch_core_transformer_transformer_block import LAYER_LIST_ATTR
 

@@ -29,7 +29,7 @@ OVERLAP: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("verl_pa
 def wrap_build_model_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _build_model_optimizer(self, *args, **kwargs):
-        from verl_patches.ddp_overlap import DdpOverlap
+        from verl_patches.train.ddp_overlap import DdpOverlap
 
         overlap = DdpOverlap.from_worker(self.config) if self._is_actor else None
         token = OVERLAP.set(overlap if overlap is not None and overlap.on else None)

@@ -198,7 +198,7 @@ def pending_communication(chunks: Iterable[Any]) -> list[str]:
                 out.append(f"{where}: a parameter all-gather is in flight")
             elif _gathers_in_forward(chunk) and not group.param_gather_dispatched:
                 out.append(f"{where}: parameters not gathered since the last optimizer step "
-                           "(verl_patches.ddp_overlap.complete_param_gather was not run)")
+                           "(verl_patches.train.ddp_overlap.complete_param_gather was not run)")
     return out
 
 
