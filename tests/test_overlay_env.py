@@ -94,7 +94,7 @@ def test_bad_values_name_the_variable(name, raw):
 def test_readers_use_the_table(monkeypatch):
     from verl_patches.base import accelerator
     from verl_patches.train import fixed_routing
-    from verl_patches import prelude
+    from verl_patches import entry_points
     from verl_patches.core.phase import current_phase
 
     monkeypatch.setenv("VERL_PATCHES_DEVICE", "tpu")
@@ -106,7 +106,7 @@ def test_readers_use_the_table(monkeypatch):
     monkeypatch.setenv("VERL_PATCHES_FIXED_ROUTING", "true")
     assert fixed_routing.enabled() is True
     monkeypatch.setenv("VERL_PATCHES_OFF", "yes")
-    assert prelude.apply_prelude("driver") == []
+    assert entry_points.apply_prelude("driver") == []
 
 
 def test_nothing_set_nothing_reported():

@@ -1,4 +1,6 @@
-"""Apply the patches of the current process phase; the entry points that reach every process.
+"""The entry points that reach every process, and what they run: apply the patches of the current
+process phase (``apply_prelude``). Importing this module applies nothing (``prelude_patch`` is the one
+module whose import does).
 
 Three ways in, all idempotent: ``from verl_patches import prelude_patch`` (the line users add
 to verl's worker module, which every Ray worker imports), vLLM's general-plugin entry point
@@ -47,5 +49,5 @@ def vllm_plugin() -> None:
 
 
 def ray_setup_hook() -> None:
-    """For ``ray.init(runtime_env={"worker_process_setup_hook": "verl_patches.prelude.ray_setup_hook"})``."""
+    """For ``ray.init(runtime_env={"worker_process_setup_hook": "verl_patches.entry_points.ray_setup_hook"})``."""
     apply_prelude()
