@@ -303,12 +303,12 @@ def test_the_recipe_folders_hold_the_recipe_changes_only():
 LONG_TAIL = f"{PACKAGE}.rollout.long_tail"
 # Who imports the long tail's wing: the CPU generation stand-in that runs the rebalance, and the rollout
 # patch that reads recipe.rebalance (and refuses it on a device). The rollout-plan verb names
-# rollout.long_tail.planner:main in verl_patches/cli.py, a string, not an import.
+# rollout.long_tail.simulator:main in verl_patches/cli.py, a string, not an import.
 LONG_TAIL_USERS = {f"{PACKAGE}.cpu.engine", f"{PACKAGE}.patches.verl.patch_workers_rollout_vllm_rollout_spmd"}
 
 
 def test_the_long_tail_is_a_wing_of_its_own():
-    """rollout/ holds the recipe's rollout; the rebalance (policy, planner, mechanism, KV transfer, the move
+    """rollout/ holds the recipe's rollout; the rebalance (policy, simulator, mechanism, KV transfer, the move
     inside vLLM) is rollout/long_tail/, which no module of rollout/ imports and only its named users reach."""
     users = {mod for mod, edges in import_graph().items() if not mod.startswith(LONG_TAIL)
              for t in edges if t.startswith(LONG_TAIL)}

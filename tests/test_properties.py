@@ -34,7 +34,7 @@ from tests.tools.synth_dsv3 import random_bf16, tiny_config, write_hf
 from verl_patches.config import env
 from verl_patches.data import check as data_check
 from verl_patches.reshard import cli as plan_cli
-from verl_patches.rollout.long_tail import planner as rollout_planner
+from verl_patches.rollout.long_tail import simulator as rollout_planner  # the name its derandomized tests hash
 from verl_patches.tools import fp8_to_bf16, hf_to_mcore, mcore_to_hf
 
 # Never a hang: one example may take a minute at most (hypothesis fails it otherwise), one test

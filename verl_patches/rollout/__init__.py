@@ -5,6 +5,6 @@ MLA's derived tensors (``mla``), the real ``torch.compile`` for the rollout unde
 (``compile_context``) and the rollout's settings (``settings``).
 
 Plain torch / torch.distributed; the patch modules under verl_patches/patches/ bind them to vLLM and verl.
-The long tail's rebalance (policy, planner, move mechanism, KV transfer) is its own wing, ``long_tail/``:
+The long tail's rebalance (policy, simulator, move mechanism, KV transfer) is its own wing, ``long_tail/``:
 the CPU generation stand-in runs it, vLLM's engine on a device refuses it today (docs/ROLLOUT.md).
 """

@@ -3,7 +3,7 @@ unfinished requests to move between DP ranks so that the whole DP group can drop
 
 Pure functions, no vLLM: the mechanism that moves requests (verl_patches/rollout/long_tail/migrate.py, run by the
 CPU generation stand-in; not inside vLLM's engine on a device yet) and ``python -m verl_patches
-rollout-plan`` (verl_patches/rollout/long_tail/planner.py) both run this same code. docs/ROLLOUT.md explains the
+rollout-plan`` (verl_patches/rollout/long_tail/simulator.py) both run this same code. docs/ROLLOUT.md explains the
 tail, the policy and the mechanism.
 
 Why the group, not a rank: the DP ranks of one vLLM instance step in lockstep (MoE all-to-all), and

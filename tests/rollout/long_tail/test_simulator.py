@@ -1,4 +1,4 @@
-"""The rollout planner (python -m verl_patches rollout-plan, verl_patches/rollout/long_tail/planner.py): the
+"""The rollout simulator (python -m verl_patches rollout-plan, verl_patches/rollout/long_tail/simulator.py): the
 reference's published long-tail figures reproduced in direction and rough size from stated inputs, the
 tiny run's own recorded lengths, the length sources, the model's invariants (hypothesis), and the CLI's
 named errors. Fast: each model run here takes well under a second on one core."""
@@ -14,7 +14,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from tests.helpers import REPO
 from verl_patches.cli import main as cli_main
-from verl_patches.rollout.long_tail import planner as P
+from verl_patches.rollout.long_tail import simulator as P
 from verl_patches.rollout.long_tail import rebalance as rb
 
 TINY_METRICS = REPO / "tests" / "fixtures" / "rollout" / "tiny_run_metrics.jsonl"
