@@ -33,9 +33,10 @@ __enter__, recipe.reshard_method direct (default) or recipe:
    (without the switch loop: verl's offload_megatron_model_to_cpu when param_offload is on).
 5. `LLM.wake_up(tags=['kv_cache'])`, step `init_kv_cache` (allocate(kv_cache)): the KV cache is
    allocated in the memory the training params freed.
-6. Report: the switch's figures go into the manager's timing dict (verl_patches/reporting/switch_report.py):
-   the reshard's bytes, the ledger's host-link bytes and peak, the self-check's figures, the
-   captured-graph addresses audited, the device's watermarks per step.
+6. Report: the switch's figures go into the manager's timing dict
+   (verl_patches/reporting/switch_report.py): the reshard's bytes, the ledger's host-link bytes and
+   peak, the self-check's figures, the captured-graph addresses audited, the device's watermarks per
+   step.
 7. RNG: the generation's RNG state is swapped in, as upstream does.
 
 __enter__, recipe.reshard_method upstream (verl's own, for comparison):
