@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from verl_patches import accelerator  # noqa: E402
+from verl_patches.base import accelerator  # noqa: E402
 from verl_patches.offload.stable import stable_memory  # noqa: E402
 from verl_patches.offload import (HostBufferPool, MemoryLedger, OffloadEngine, Region, TensorGroup,  # noqa: E402
                                   baseline, ours)

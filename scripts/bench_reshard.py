@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_patches import accelerator  # noqa: E402
+from verl_patches.base import accelerator  # noqa: E402
 from verl_patches.reshard.baselines import recipe_stats, upstream_stats  # noqa: E402
 from verl_patches.reshard.executor import execute  # noqa: E402
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout  # noqa: E402

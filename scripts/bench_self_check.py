@@ -2,7 +2,7 @@
 """What the run's self-checks cost: the weight fingerprint (verl_patches/reshard/checksum.py), its
 throughput on this device beside a plain copy (the memory-bandwidth reference) and its share of a switch
 at the reference scale worked out on paper from the reshard plan's bytes; and what the rollout-vs-train
-mismatch adds to an update (verl_patches/mismatch.py): the entropy pass over the logits, per GiB of
+mismatch adds to an update (verl_patches/train/mismatch.py): the entropy pass over the logits, per GiB of
 logits, and on paper per step at the reference scale.
 
     python scripts/bench_self_check.py                       # the device here, DeepSeek-V3 at 256 dies
@@ -78,7 +78,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def _device(name: str):
     import torch
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     if name == "auto":
         return torch.device(accelerator.device_type() if accelerator.device_type() != "cpu" else "cpu")
@@ -100,7 +100,7 @@ def _timed(fn, repeats: int, sync) -> float:
 def measure(device, gib: float, repeats: int) -> dict[str, float]:
     import torch
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.reshard.checksum import tensor_checksum, view_checksum
 
     sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)
@@ -131,8 +131,8 @@ def _entropy_tp1(logits):
 def measure_mismatch(device, tokens: int, vocab: int, repeats: int) -> dict[str, float]:
     import torch
 
-    from verl_patches import accelerator
-    from verl_patches.mismatch import UpdateProbe, chunked_entropy
+    from verl_patches.base import accelerator
+    from verl_patches.train.mismatch import UpdateProbe, chunked_entropy
 
     sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)
     logits = torch.randn(tokens, vocab, device=device, dtype=torch.float32)

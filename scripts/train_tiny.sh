@@ -14,7 +14,7 @@
 # generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/.
 #
 # The console after the environment build: a banner (what runs, where everything goes), one line
-# per phase, the run report's line per step and its summary (verl_patches/report.py), then the plots
+# per phase, the run report's line per step and its summary (verl_patches/reporting/report.py), then the plots
 # (python -m verl_patches plot). Everything else goes to the logs the banner names
 # (LAUNCH_CONSOLE=steps of scripts/cluster/launch.sh; LAUNCH_CONSOLE=full shows it all).
 set -euo pipefail
@@ -57,9 +57,9 @@ export VAL_FILES="$TINY_ASSETS/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:
 export WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}" LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-steps}"
 # A Ray of its own: a free port between Ray's own worker ports (10002-19999) and the kernel's
 # ephemeral range, a short private temp dir (Ray's socket paths are limited to 107 characters).
-RAY_PORT="${RAY_PORT:-$("$PY" -c 'from verl_patches.ports import free_port_block; print(free_port_block(1, low=20000))')}"
+RAY_PORT="${RAY_PORT:-$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(1, low=20000))')}"
 RAY_TEMP_DIR="${RAY_TEMP_DIR:-$(mktemp -d /tmp/ray_tiny.XXXXXX)}"
-VLLM_DP_PORT="$("$PY" -c 'from verl_patches.ports import free_port_block; print(free_port_block(8, low=20000))')"
+VLLM_DP_PORT="$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(8, low=20000))')"
 export RAY_PORT RAY_TEMP_DIR VLLM_PLUGINS="${VLLM_PLUGINS:-verl_patches}" RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 
 # shellcheck source=scripts/cluster/bringup.sh

@@ -16,7 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # megatron-core's import applies torch.compile, which makes torch pre-fork inductor compile
 # workers in every process; the tests compile nothing, and on 2 cores those pools hurt.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-# The tests start hundreds of local ranks (verl_patches/launch.py:run_distributed): forked from a server
+# The tests start hundreds of local ranks (verl_patches/launch/local_ranks.py:run_distributed): forked from a server
 # that imported torch, megatron-core and vLLM once instead of each importing them (3-13 s of CPU a rank).
 # tests/test_launch.py runs the spawn start (the default) as well.
 # Only what this machine has: the GPU machines' image has no vLLM (a preload that fails fails the ranks).
@@ -31,8 +31,8 @@ def _installed(name: str) -> bool:
 
 
 # On the CPU platform only: on a GPU machine megatron-core's import initialises CUDA, which a forked rank
-# cannot use (verl_patches/rank_preload.py refuses that preload); the GPU tests spawn their ranks.
-from verl_patches import accelerator as _accelerator  # noqa: E402
+# cannot use (verl_patches/launch/rank_preload.py refuses that preload); the GPU tests spawn their ranks.
+from verl_patches.base import accelerator as _accelerator  # noqa: E402
 
 if _accelerator.device_type() == "cpu":
     os.environ.setdefault("VERL_PATCHES_RANK_START", "forkserver")

@@ -74,7 +74,7 @@ def rank_pids(parent: int) -> list[int]:
     """The ranks ``run_distributed`` started under process ``parent``: spawned interpreters
     (multiprocessing's spawn_main, not its resource tracker), or children of its forkserver
     (VERL_PATCHES_RANK_START=forkserver; the server itself is not a rank)."""
-    from verl_patches import procs
+    from verl_patches.launch import procs
 
     def cmdline(pid: int) -> bytes:
         try:

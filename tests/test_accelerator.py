@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.helpers import run_py
-from verl_patches import accelerator as acc
+from verl_patches.base import accelerator as acc
 
 
 def test_cpu_resolution_here(monkeypatch):
@@ -41,7 +41,7 @@ def test_importable_without_torch_npu_and_does_not_import_it():
     r = run_py("""
 import importlib.util, sys
 assert importlib.util.find_spec("torch_npu") is None
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 assert accelerator.device_type() in ("cpu", "cuda")
 assert "torch_npu" not in sys.modules
 print("OK")
@@ -66,7 +66,7 @@ torch.npu = types.SimpleNamespace(
     Stream=lambda: "npu-stream", Event=lambda: "npu-event", device_count=lambda: 16,
     get_device_name=lambda i: "Ascend910_9392")
 sys.modules["torch_npu"] = types.ModuleType("torch_npu")
-from verl_patches import accelerator as acc
+from verl_patches.base import accelerator as acc
 assert acc.device_type() == "npu" and acc.dist_backend() == "hccl"
 assert acc.device_module() is torch.npu
 assert acc.set_device(5) == torch.device("npu", 5) and ("set", 5) in calls

@@ -67,7 +67,7 @@ def _main(target: str) -> Callable[[list[str]], int]:
 CLI = "verl_patches.cli"
 PREFLIGHT = "verl_patches.preflight.cli"
 PLAN = "verl_patches.reshard.cli"
-RECIPE = "verl_patches.recipe_config"
+RECIPE = "verl_patches.config.recipe_config"
 PREPARE = "verl_patches.data.prepare"
 CHECK = "verl_patches.data.check"
 HF2MC = "verl_patches.tools.hf_to_mcore"

@@ -1,4 +1,4 @@
-"""The recipe's DDP overlap settings (verl_patches/ddp_overlap.py): read one way, turned into megatron-core's
+"""The recipe's DDP overlap settings (verl_patches/train/ddp_overlap.py): read one way, turned into megatron-core's
 DistributedDataParallelConfig with what it needs, and refused by name where they cannot work. The
 multi-process proof on real megatron-core is tests/patches/verl/test_ddp_overlap.py."""
 
@@ -10,8 +10,8 @@ import types
 import pytest
 from omegaconf import OmegaConf
 
-from verl_patches import ddp_overlap as D
-from verl_patches import settings
+from verl_patches.train import ddp_overlap as D
+from verl_patches.config import settings
 
 
 def _worker(**recipe):
@@ -129,7 +129,7 @@ def test_pending_communication_names_each_unsettled_bucket():
     problems = D.pending_communication([chunk])
     assert problems == ["chunk 0 bucket group 0: a gradient reduce is in flight (finish_grad_sync not reached)",
                         "chunk 0 bucket group 0: parameters not gathered since the last optimizer step "
-                        "(verl_patches.ddp_overlap.complete_param_gather was not run)"]
+                        "(verl_patches.train.ddp_overlap.complete_param_gather was not run)"]
     with pytest.raises(D.DdpOverlapError, match="moving: megatron-core's overlapped DDP communication is not settled"):
         D.check_settled([chunk], "moving")
     group.grad_reduce_handle, group.param_gather_dispatched = None, True

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.core.test_call_shapes import standin_from_signature
-from verl_patches import fixed_routing as fr
-from verl_patches import recipe_config as RC
+from verl_patches.train import fixed_routing as fr
+from verl_patches.config import recipe_config as RC
 from verl_patches.core import apply as ap
 from verl_patches.patches.megatron import patch_core_transformer_moe_router as mrouter
 from verl_patches.patches.vllm import patch_model_executor_layers_fused_moe_layer as vmoe
@@ -56,7 +56,7 @@ def test_the_switch_comes_from_the_run_config_and_rejects_non_booleans(switch):
 def test_on_in_the_random_init_runs_and_off_with_real_weights(name, on):
     # The reference timed its random-init run (250 TPS/card) with the experts forced balanced; with
     # real weights the routing is what is trained (docs/RECIPE.md, "Fixed routing").
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     cfg = RC.compose(name)
     assert settings.from_trainer(cfg).fixed_routing is on

@@ -3,7 +3,10 @@
 every edge points down (core/ is handed the patch records, nothing outside patches/ imports a patch
 module), the recipe's settings are read through one module, the recipe's patch folders hold no CPU
 platform record (those live under patches/cpu/), the rollout's long tail is a wing of its own
-(rollout/long_tail/, reached by its named users only), and the import map's floors.
+(rollout/long_tail/, reached by its named users only), and the import map's floors. The root holds its five
+entry modules only; the rest lives in engines (one part each) or wings (folders by purpose: base/, config/,
+launch/, reporting/), whose layers are pinned here: the floor imports nothing above it, no module imports a
+command, launch/ has named users, no engine imports reporting/, and README's layout table names every folder.
 
 The graph is read from the source with `ast`, so it sees imports inside functions too (a lazy
 import that only hides a cycle is still a cycle). Imports under `if TYPE_CHECKING:` are not edges.
@@ -200,7 +203,7 @@ def test_floors_of_a_small_graph_and_the_import_time_graph_skips_function_bodies
 # The import map's height (import-time graph): 8 floors, before and after issue 28. The top chain is
 # the reshard engine's (preflight.rehearse -> reshard.executor -> baselines -> planner -> placements ->
 # deepseek_v3_names -> layouts -> model); moving the constants out of the patch modules took away the
-# edges that put recipe_config.py and tiny/ above the patches, but those were function-level imports,
+# edges that put config/recipe_config.py and tiny/ above the patches, but those were function-level imports,
 # which this graph does not hold (the package-level graph below does). A new module above the top is a
 # design change: raise it here with the reason.
 MAX_FLOORS = 8
@@ -216,11 +219,23 @@ def test_the_import_map_has_its_floors():
     assert top + 1 <= MAX_FLOORS, f"the import map has {top + 1} floors (at most {MAX_FLOORS}): " + " -> ".join(chain)
 
 
+# The wings: folders that group modules by what they are for (configuration and settings; local processes
+# and the launchers' checks; reporting, plots and the console; the floor every part stands on). A wing is a
+# folder, not a layer: its __init__ imports nothing, and each of its modules is a part of the package map on
+# its own, as it was when it lay at the root. Every other folder (core/, patches/, reshard/, rollout/, ...)
+# is one part.
+WINGS = ("base", "config", "launch", "reporting")
+
+
+def _part(m: str) -> str:
+    parts = m.split(".")
+    return ".".join(parts[:3] if len(parts) > 2 and parts[1] in WINGS else parts[:2])
+
+
 def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
-    """The graph of the package's top-level parts (verl_patches.core, verl_patches.patches, ... and the
-    top-level modules), every import counted, function-level ones too."""
-    def part(m: str) -> str:
-        return ".".join(m.split(".")[:2])
+    """The graph of the package's parts (verl_patches.core, verl_patches.patches, ..., each module of a wing
+    and the root's modules), every import counted, function-level ones too."""
+    part = _part
 
     out: dict[str, set[str]] = {}
     for mod, edges in graph.items():
@@ -233,6 +248,89 @@ def test_the_package_map_has_no_cycle():
     imported the catalogue), patches/, cpu/, preflight/ and rollout/ formed one cycle."""
     cycles = find_cycles(_package_graph(import_graph()))
     assert not cycles, "cycles between the parts of verl_patches:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# The root: the package, ``python -m verl_patches`` and its CLI, the entry points that reach every process
+# (vLLM's general plugin, Ray's setup hook) and prelude_patch, the one line users add to verl's worker module.
+# Everything else lives in a folder: an engine or a wing.
+ROOT_MODULES = {"__init__", "__main__", "cli", "entry_points", "prelude_patch"}
+
+
+def test_the_root_holds_only_its_entry_modules():
+    found = {p.stem for p in (REPO / PACKAGE).glob("*.py")}
+    assert found == ROOT_MODULES, f"modules at the root of {PACKAGE}/ besides its entry modules (put each in the " \
+        f"engine it serves or in a wing: {', '.join(WINGS)}): {sorted(found - ROOT_MODULES)}; missing: " \
+        f"{sorted(ROOT_MODULES - found)}"
+
+
+def test_a_wing_is_a_folder_that_imports_nothing():
+    """A wing's __init__ is its docstring only: importing the wing imports none of its modules."""
+    for wing in WINGS:
+        body = ast.parse((REPO / PACKAGE / wing / "__init__.py").read_text()).body
+        assert len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant), \
+            f"{PACKAGE}/{wing}/__init__.py holds more than its docstring"
+
+
+# The commands: run by ``python -m`` (scripts/cluster/launch.sh, the docs) or behind a verb of verl_patches/cli.py
+# (a string there, not an import). They are the top floor: no module of the package imports one.
+COMMANDS = {f"{PACKAGE}.{m}" for m in ("config.recipe_config", "launch.cluster_checks", "reporting.console",
+                                        "reporting.plot", "reshard.cli", "preflight.cli", "rollout.long_tail.simulator")}
+
+
+def test_no_module_imports_a_command():
+    bad = sorted(f"{mod} imports {t}" for mod, edges in import_graph().items() for t in edges & COMMANDS)
+    assert not bad, "a command imported as a library (move what both need below both):\n" + "\n".join(bad)
+
+
+# The floor of the wings: what every part may read, importing nothing of the package above it (the accelerator
+# reads VERL_PATCHES_DEVICE from the environment table).
+FLOOR = {"base.accelerator": {"config.env"}, "base.atomic": set(), "config.env": set(),
+         "config.megatron_args": set(), "config.optim_offload": set(), "config.recipe_memory": set()}
+
+
+def test_the_floor_imports_nothing_above_it():
+    graph, wings = import_graph(), {f"{PACKAGE}.{w}" for w in WINGS}
+    bad = sorted(f"{PACKAGE}.{m} imports {t}" for m, allowed in FLOOR.items()
+                 for t in graph[f"{PACKAGE}.{m}"] - wings - {f"{PACKAGE}.{a}" for a in allowed})
+    assert not bad, "a floor module imports above the floor:\n" + "\n".join(bad)
+
+
+LAUNCH = f"{PACKAGE}.launch"
+# Who starts local processes: the preflight (its ranks, its process tree) and the test helpers; rollout's DP domain
+# takes a rendezvous port (launch.ports). No engine spawns ranks.
+LAUNCH_USERS = {f"{PACKAGE}.{m}" for m in ("preflight.cli", "rollout.dp_domain", "testing.graph_switch",
+                                           "testing.optimizer_offload", "testing.stop_on_sigterm")}
+
+
+def test_the_launch_wing_is_reached_by_its_named_users():
+    users = {mod for mod, edges in import_graph().items() if not mod.startswith(LAUNCH)
+             for t in edges if t.startswith(LAUNCH + ".")}
+    assert users == LAUNCH_USERS, f"modules outside {LAUNCH} that import it: {sorted(users)}"
+
+
+ENGINES = ("core", "cpu", "offload", "reshard", "rollout", "tensor_cache", "train")
+
+
+def test_no_engine_imports_the_reporting_wing():
+    """The engines return figures; the patches hand them to the report (reporting/) and the checking commands
+    print their findings with it."""
+    bad = sorted(f"{mod} imports {t}" for mod, edges in import_graph().items()
+                 if mod.count(".") and mod.split(".")[1] in ENGINES for t in edges
+                 if t.startswith(f"{PACKAGE}.reporting"))
+    assert not bad, "an engine imports the reporting wing:\n" + "\n".join(bad)
+
+
+def test_the_readme_layout_table_names_every_folder_and_root_module():
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    cells = " ".join(line.split("|")[1] for line in section.splitlines() if line.startswith("| `"))
+    folders = sorted(p.parent.relative_to(REPO / PACKAGE).as_posix() for p in (REPO / PACKAGE).rglob("__init__.py")
+                     if p.parent != REPO / PACKAGE and "patches" not in p.parent.relative_to(REPO / PACKAGE).parts[:1])
+    missing = [f for f in folders if f"`{PACKAGE}/{f}/`" not in cells]
+    missing += [f"{m}.py" for m in sorted(ROOT_MODULES) if f"`{PACKAGE}/{m}.py`" not in cells]
+    if f"`{PACKAGE}/patches/`" not in cells:
+        missing.append("patches")
+    assert not missing, f"README.md's layout table does not name: {missing}"
 
 
 def _patch_modules() -> set[str]:
@@ -291,20 +389,20 @@ def test_the_recipe_folders_hold_the_recipe_changes_only():
 LONG_TAIL = f"{PACKAGE}.rollout.long_tail"
 # Who imports the long tail's wing: the CPU generation stand-in that runs the rebalance, and the rollout
 # patch that reads recipe.rebalance (and refuses it on a device). The rollout-plan verb names
-# rollout.long_tail.planner:main in verl_patches/cli.py, a string, not an import.
+# rollout.long_tail.simulator:main in verl_patches/cli.py, a string, not an import.
 LONG_TAIL_USERS = {f"{PACKAGE}.cpu.engine", f"{PACKAGE}.patches.verl.patch_workers_rollout_vllm_rollout_spmd"}
 
 
 def test_the_long_tail_is_a_wing_of_its_own():
-    """rollout/ holds the recipe's rollout; the rebalance (policy, planner, mechanism, KV transfer, the move
+    """rollout/ holds the recipe's rollout; the rebalance (policy, simulator, mechanism, KV transfer, the move
     inside vLLM) is rollout/long_tail/, which no module of rollout/ imports and only its named users reach."""
     users = {mod for mod, edges in import_graph().items() if not mod.startswith(LONG_TAIL)
              for t in edges if t.startswith(LONG_TAIL)}
     assert users == LONG_TAIL_USERS, f"modules outside {LONG_TAIL} that import it: {sorted(users)}"
 
 def _names_the_recipe_section(tree: ast.AST) -> list[int]:
-    """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.settings."""
-    from verl_patches import settings
+    """Lines that spell the recipe section's path or key themselves instead of asking verl_patches.config.settings."""
+    from verl_patches.config import settings
 
     paths = {settings.SECTION, settings.SECTION_IN_WORKER}
     lines = []
@@ -327,17 +425,17 @@ def _names_the_recipe_section(tree: ast.AST) -> list[int]:
 
 
 def test_one_settings_module_is_imported_by_every_reader():
-    """The recipe section is found and its types checked in verl_patches/settings.py only: the rollout's
+    """The recipe section is found and its types checked in verl_patches/config/settings.py only: the rollout's
     settings, the launch-time validator and the run report import it, and no other module spells the
     section's path to look it up itself."""
     graph = import_graph()
-    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
+    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.config.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
                f"{PACKAGE}.patches.verl.patch_utils_tracking"}
-    assert {r for r in readers if f"{PACKAGE}.settings" not in graph[r]} == set()
+    assert {r for r in readers if f"{PACKAGE}.config.settings" not in graph[r]} == set()
     bad = []
     for path in sorted((REPO / PACKAGE).rglob("*.py")):
         mod = _module_name(path, REPO)
-        if mod != f"{PACKAGE}.settings":
+        if mod != f"{PACKAGE}.config.settings":
             bad += [f"{mod}:{line}" for line in _names_the_recipe_section(ast.parse(path.read_text(), str(path)))]
-    assert not bad, "the recipe section looked up outside verl_patches/settings.py (use settings.read / " \
+    assert not bad, "the recipe section looked up outside verl_patches/config/settings.py (use settings.read / " \
                     "settings.problems / settings.trainer_section):\n" + "\n".join(bad)

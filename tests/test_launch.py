@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches import ports
-from verl_patches import launch as rd
+from verl_patches.launch import ports
+from verl_patches.launch import local_ranks as rd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the bodies by name
 from launch_ranks import echo, environment_and_modules, one_rank_raises, one_rank_sleeps  # noqa: E402
@@ -50,7 +50,7 @@ def test_a_preload_that_fails_is_named():
     """The forkserver drops preload errors silently; a rank forked from it must fail naming the module."""
     code = ("import sys; sys.path.insert(0, 'tests')\n"
             "from launch_ranks import echo\n"
-            "from verl_patches.launch import run_distributed, DistributedFailure\n"
+            "from verl_patches.launch.local_ranks import run_distributed, DistributedFailure\n"
             "try:\n"
             "    run_distributed(echo, 1, None, timeout=120)\n"
             "except DistributedFailure as e:\n"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches import procs
-from verl_patches.launch import DistributedFailure, run_distributed
+from verl_patches.launch import procs
+from verl_patches.launch.local_ranks import DistributedFailure, run_distributed
 from tests.helpers import rank_pids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the bodies by name

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches import procs
+from verl_patches.launch import procs
 from tests.helpers import REPO, rank_pids
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
@@ -89,7 +89,7 @@ def test_sigterm_to_the_preflight_parent_stops_every_rank(tmp_path):
 def _runner(tmp_path: Path, start: str) -> subprocess.Popen:
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from launch_ranks import report_pid_and_wait\n"
-            "from verl_patches.launch import run_distributed\n"
+            "from verl_patches.launch.local_ranks import run_distributed\n"
             "run_distributed(report_pid_and_wait, 2, %r, timeout=600)\n") % (str(HERE), str(tmp_path))
     return subprocess.Popen([sys.executable, "-c", code], env=dict(_env(), VERL_PATCHES_RANK_START=start),
                             cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,5 +1,5 @@
 """recipe.megatron parsing, layout checks, per-stage spans and the MindSpeed / TransformerConfig mapping
-(verl_patches/megatron_args.py; framework-free)."""
+(verl_patches/config/megatron_args.py; framework-free)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches import megatron_args as ma
+from verl_patches.config import megatron_args as ma
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = {"num_layer_list": [7, 7, 8, 8, 8, 8, 8, 7], "moe_tp_extend_ep": True, "swap_optimizer": True,

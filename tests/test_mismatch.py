@@ -1,4 +1,4 @@
-"""verl_patches/mismatch.py: the per-micro-batch statistics merged on the device equal a direct
+"""verl_patches/train/mismatch.py: the per-micro-batch statistics merged on the device equal a direct
 computation over all tokens (mask, unbiased std, max, k3, entropy per loss_agg_mode, verl's own
 agg_loss for the latter); the entropy hand-over between forward and loss refuses out-of-order use."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from verl_patches import mismatch as M
+from verl_patches.train import mismatch as M
 
 
 def _micro_batches(seed=0, n=3, b=4, r=7, s=11):

@@ -97,7 +97,7 @@ def test_help_exits_0_with_usage_before_any_work(script, tmp_path):
 
 @pytest.mark.slow
 def test_bench_reshard_tiny(tmp_path):
-    from verl_patches.ports import free_port_block
+    from verl_patches.launch.ports import free_port_block
 
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -171,7 +171,7 @@ def test_bench_self_checks_entropy_is_verls_at_tensor_parallel_1():
     # where verl is installed, the two agree on one gloo rank (megatron's TP group of 1).
     code = """
 import importlib.util, os, torch, torch.distributed as dist
-from verl_patches.ports import free_port_block
+from verl_patches.launch.ports import free_port_block
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1, low=20000)))
 dist.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import parallel_state as mpu

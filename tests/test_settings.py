@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from verl_patches import settings
+from verl_patches.config import settings
 from verl_patches.reshard import METHODS
 
 

@@ -1,4 +1,4 @@
-"""One home per setting: a recipe key is declared once (verl_patches/settings.py: KEYS, VLLM_DP), read
+"""One home per setting: a recipe key is declared once (verl_patches/config/settings.py: KEYS, VLLM_DP), read
 once as the run's RecipeSettings, and that value reaches every reader the run has, through the
 object and the one stash key on vLLM's LLM, never restated.
 
@@ -18,7 +18,7 @@ import types
 import pytest
 from omegaconf import OmegaConf
 
-from verl_patches import settings
+from verl_patches.config import settings
 
 WORLD = 4
 
@@ -94,13 +94,13 @@ def _generation(cfg):
 
 
 def _ddp(cfg, key):
-    from verl_patches.ddp_overlap import DdpOverlap
+    from verl_patches.train.ddp_overlap import DdpOverlap
 
     return {getattr(DdpOverlap.from_worker(cfg.actor_rollout_ref), key), getattr(DdpOverlap.from_trainer(cfg), key)}
 
 
 def _fixed_routing(cfg):
-    from verl_patches import fixed_routing
+    from verl_patches.train import fixed_routing
 
     return fixed_routing.configure_from_worker_config(cfg.actor_rollout_ref)
 
@@ -123,7 +123,7 @@ READERS = {
     "fixed_routing": [_fixed_routing],
     "overlap_grad_reduce": [lambda c: _ddp(c, "overlap_grad_reduce").pop()],
     "overlap_param_gather": [lambda c: _ddp(c, "overlap_param_gather").pop()],
-    # Read at launch by the memory check (verl_patches/recipe_config.py) from the composed YAML, and
+    # Read at launch by the memory check (verl_patches/config/recipe_config.py) from the composed YAML, and
     # by nothing in the run: the run's object still carries them.
     "device_memory_gib": [lambda c: settings.from_trainer(c).device_memory_gib],
     "host_memory_gib": [lambda c: settings.from_trainer(c).host_memory_gib],

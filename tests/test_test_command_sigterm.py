@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches import procs
+from verl_patches.launch import procs
 
 REPO = Path(__file__).resolve().parents[1]
 
 TESTS = '''
 import os, time
 from pathlib import Path
-from verl_patches import procs
+from verl_patches.launch import procs
 
 OUT = Path(os.environ["SIGTERM_TEST_DIR"])
 

@@ -14,14 +14,14 @@ from pathlib import Path
 DELEGATED = {
     "plan": ("verl_patches.reshard.cli:main", "reshard plan for a model and two layouts (ours vs baselines)"),
     "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
-    "plot": ("verl_patches.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
-    "rollout-plan": ("verl_patches.rollout.long_tail.planner:main",
+    "plot": ("verl_patches.reporting.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
+    "rollout-plan": ("verl_patches.rollout.long_tail.simulator:main",
                      "model the rollout's long tail (lockstep DP decode, graph buckets, rebalance) and recommend"),
 }
 
 
 def _platform_default() -> str:
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     return accelerator.device_type()
 

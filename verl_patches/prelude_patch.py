@@ -7,12 +7,12 @@ One line on stderr per process says what was applied (Ray forwards it to the dri
 
 import sys
 
-from verl_patches.prelude import apply_prelude
+from verl_patches.entry_points import apply_prelude
 
 APPLIED: list[str] = apply_prelude()
 
 if APPLIED:
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.core.phase import current_phase
 
     print(f"verl_patches: applied {len(APPLIED)} patch(es) for the {current_phase()} phase on the "

@@ -83,7 +83,7 @@ bringup_role() {
 }
 
 # The values every node reads (counts, timeouts, RAY_PORT, NODE_RANK, ROLE, DEVICE, LAUNCH_CONSOLE and
-# the overlay's VERL_PATCHES_* variables): one checker, verl_patches/launch_checks.py, for the dry
+# the overlay's VERL_PATCHES_* variables): one checker, verl_patches/launch/cluster_checks.py, for the dry
 # run and the real run alike, so both refuse the same values with the same message. Standard library
 # only: it runs before the Python environment is checked.
 bringup_check_env() {
@@ -91,7 +91,7 @@ bringup_check_env() {
     STOP_GRACE_S="$STOP_GRACE_S" DEVICE="$DEVICE" ROLE="${ROLE:-}" NODE_RANK="${NODE_RANK:-}" \
     LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-full}" LAUNCH_ALLOW_FAULT_INJECTION="${LAUNCH_ALLOW_FAULT_INJECTION:-}" \
     PYTHONPATH="${RECIPE_ROOT}${PYTHONPATH:+:${PYTHONPATH}}" \
-    "$PYTHON" -m verl_patches.launch_checks env
+    "$PYTHON" -m verl_patches.launch.cluster_checks env
 }
 
 # Ray's name for the accelerator: verl asks Ray for "NPU" on Ascend and "GPU" otherwise. On the
@@ -188,7 +188,7 @@ bringup_spawn() {
   local log="$1"; shift
   mkdir -p "$(dirname "$log")"
   # procs exec: the command gets SIGTERM if this shell dies without running its traps (SIGKILL).
-  setsid "$PYTHON" -m verl_patches.procs exec -- "$@" >"$log" 2>&1 < /dev/null &
+  setsid "$PYTHON" -m verl_patches.launch.procs exec -- "$@" >"$log" 2>&1 < /dev/null &
   BRINGUP_PIDS+=("$!")
 }
 

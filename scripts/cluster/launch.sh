@@ -8,7 +8,7 @@
 # LOG_DIR/trainer.log. LAUNCH_CONSOLE=steps (scripts/train_tiny.sh) keeps the console to what a
 # person reads: the bring-up, the checks and Ray's messages go to LOG_DIR/launch.log, the trainer's
 # whole output to LOG_DIR/trainer.log, and the console gets one line per phase, the run report's
-# lines (python -m verl_patches.console) and, on a failure, the end of the log that says why.
+# lines (python -m verl_patches.reporting.console) and, on a failure, the end of the log that says why.
 
 # Run instead of sourced: say how it is used, define nothing, run nothing.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
@@ -106,13 +106,13 @@ PY
   "$PYTHON" -m verl_patches hook check \
     || { echo "error: the overlay is not hooked into this verl: run '$PYTHON -m verl_patches hook install' on every node" >&2; rc=1; }
   echo "== config composition, layout and data ($CONFIG_NAME)"
-  "$PYTHON" -m verl_patches.recipe_config --config-name "$CONFIG_NAME" --print-config --check-data \
+  "$PYTHON" -m verl_patches.config.recipe_config --config-name "$CONFIG_NAME" --print-config --check-data \
     -- "${CONFIG_OVERRIDES[@]}" \
     || { echo "error: config composition, layout or data check failed (see above)" >&2; rc=1; }
   return "$rc"
 }
 
-# What the head reads before anything starts (verl_patches/launch_checks.py, one checker for the dry
+# What the head reads before anything starts (verl_patches/launch/cluster_checks.py, one checker for the dry
 # run and the real run): RAY_PORT free on MASTER_ADDR, MODEL_PATH's config.json, the data files and,
 # for a real-weight run (LAUNCH_CKPT_DIR), a complete checkpoint of that config's model.
 launch_check_head() {
@@ -120,7 +120,7 @@ launch_check_head() {
   local ckpt=()
   if [[ -n "${LAUNCH_CKPT_DIR:-}" ]]; then ckpt=(--ckpt "$LAUNCH_CKPT_DIR"); fi
   MODEL_PATH="$MODEL_PATH" TRAIN_FILES="$TRAIN_FILES" VAL_FILES="$VAL_FILES" MASTER_ADDR="$MASTER_ADDR" \
-    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch_checks head "${ckpt[@]}"
+    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch.cluster_checks head "${ckpt[@]}"
 }
 
 launch_main() {
@@ -238,12 +238,12 @@ launch_start() {
   local log="${LOG_DIR}/trainer.log" out filter_pid=""
   launch_say "Ray head up with ${NNODES} x ${DEVICES_PER_NODE} $(bringup_resource_name); starting the trainer; its whole output: ${log}"
   if [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then
-    exec {out}> >("$PYTHON" -m verl_patches.console "$log" >&3 2>&4)
+    exec {out}> >("$PYTHON" -m verl_patches.reporting.console "$log" >&3 2>&4)
     filter_pid=$!
   else
     exec {out}> >(tee -a "$log")
   fi
-  "$PYTHON" -m verl_patches.procs exec -- "${TRAINER_CMD[@]}" >&"$out" 2>&1 &
+  "$PYTHON" -m verl_patches.launch.procs exec -- "${TRAINER_CMD[@]}" >&"$out" 2>&1 &
   local trainer_pid=$!
   exec {out}>&-
   BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 # The overlay's process helpers, from this checkout (bringup.sh also puts it on PYTHONPATH).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from verl_patches.procs import alive  # noqa: E402
+from verl_patches.launch.procs import alive  # noqa: E402
 
 
 def _reachable(host: str, port: int, timeout: float) -> bool:

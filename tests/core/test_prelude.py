@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from tests.helpers import REPO, cli, run_py
-from verl_patches.prelude import patches_for
+from verl_patches.entry_points import patches_for
 
 PATCH_ID = "verl.reward_score.deepscaler"
 
@@ -112,7 +112,7 @@ def test_vllm_general_plugin_entry_point_applies_the_prelude():
     r = run_py("""
 import importlib.metadata as md
 eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "verl_patches"]
-assert eps and eps[0].value == "verl_patches.prelude:vllm_plugin", eps
+assert eps and eps[0].value == "verl_patches.entry_points:vllm_plugin", eps
 from vllm.plugins import load_general_plugins
 load_general_plugins()
 """ + REPORT, env={"VLLM_PLUGINS": "verl_patches"})

@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload import (Location, OffloadEngine, TensorGroup, grads_group, kv_cache_group,
                                   optimizer_state_group, reference_group, rollout_weights_group,
                                   train_params_group)

@@ -1,18 +1,18 @@
 """The device-memory watermarks of the switch loop (verl_patches/offload/live.py) and the figures the
-sharding manager sends to the run's report (memory_figures in verl_patches/switch_report.py).
+sharding manager sends to the run's report (memory_figures in verl_patches/reporting/switch_report.py).
 
 The allocator's statistics need a device: here a stand-in allocator (the only fake; it counts what
 the test says each phase allocates) takes the place of torch.cuda / torch.npu behind
-verl_patches.accelerator. The loop, its groups and the steps are the real ones of test_live_switch."""
+verl_patches.base.accelerator. The loop, its groups and the steps are the real ones of test_live_switch."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.offload.test_live_switch import ACTOR, REF, ROLLOUT, attached, training_step
-from verl_patches import accelerator
-from verl_patches.report import DEVICE_PEAKS, MEM_PREFIX
-from verl_patches.switch_report import memory_figures
+from verl_patches.base import accelerator
+from verl_patches.reporting.report import DEVICE_PEAKS, MEM_PREFIX
+from verl_patches.reporting.switch_report import memory_figures
 
 GEN_PEAK, UPDATE_PEAK, BASE = 7_000, 5_000, 1_000
 
@@ -108,7 +108,7 @@ def test_memory_figures_per_step_and_since_the_previous_switch(device):
 
 @pytest.mark.skipif(accelerator.device_type() == "cpu", reason="the allocator's statistics need a device")
 def test_on_a_device_the_generation_peak_is_in_its_entry_and_the_figures():
-    """The real allocator (torch.cuda / torch.npu behind verl_patches.accelerator): a generation that
+    """The real allocator (torch.cuda / torch.npu behind verl_patches.base.accelerator): a generation that
     holds 64 MiB for a moment shows in 'generate' and in the figures' maximum, reserved >= allocated."""
     import torch
 

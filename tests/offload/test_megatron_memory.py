@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload import HostBufferPool, Location, OffloadEngine
 from verl_patches.offload.live import LiveSwitch
 from verl_patches.offload.megatron_memory import ActorMemory, ReferenceMemory, inner_optimizers

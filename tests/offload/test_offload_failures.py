@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.offload.offload_helpers import ScaledDie, device, group_digests, wholly_placed
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload import (HostBufferPool, HostMemoryError, Location, OffloadEngine, TensorGroup, baseline,
                                   ours)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.offload.offload_helpers import ScaledDie, device, digest, group_digests, wholly_placed
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload import (CallbackGroup, GroupStateError, HostBufferPool, Location, OffloadEngine,
                                   TensorGroup, optimizer_state_group, train_params_group)
 

@@ -4,7 +4,7 @@ the host-memory check before anything is allocated, and bucket splitting."""
 import pytest
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload import CopyEngine, HostBufferPool, HostMemoryError, segment_sizes
 from verl_patches.offload.pool import MiB
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.offload.offload_helpers import ScaledDie, group_digests, wholly_placed
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload import (CallbackGroup, HostBufferPool, Location, MemoryLedger, OffloadEngine, ScheduleError, baseline,
                                   baseline_steps, our_steps, ours)
 

@@ -50,7 +50,7 @@ def _compare(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def res():
-    from verl_patches.launch import run_distributed
+    from verl_patches.launch.local_ranks import run_distributed
 
     r = run_distributed(_compare, 1, backend="nccl", timeout=600)[0]
     for name in ("device_again", "host_1.0", "host_0.5", "host_1.0_overlap", "control_lr_1.1"):

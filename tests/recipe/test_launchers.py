@@ -321,7 +321,7 @@ def test_sigterm_to_a_running_launcher_stops_everything_it_started(tmp_path):
     SIGTERM while it waits, as from a scheduler: Ray's processes and the wait are all gone
     within a few seconds. The wait used to run in the foreground, deferring the shell's traps
     until it timed out (15 minutes by default)."""
-    from verl_patches import procs
+    from verl_patches.launch import procs
 
     port, *agent = _free_ports(6)
     temp = Path(f"/tmp/rs{os.getpid()}")
@@ -462,7 +462,7 @@ def test_a_ray_head_that_dies_while_the_trainer_runs_stops_the_launcher_at_once(
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
     shell = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
-    from verl_patches import procs
+    from verl_patches.launch import procs
 
     try:
         head = None

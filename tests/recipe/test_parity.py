@@ -11,7 +11,7 @@ both runs, "differs:" rows must give a reason. Places:
 - ``optim:FIELD``: megatron-core's OptimizerConfig from verl's init_megatron_optim_config with the
   Adam-betas patch applied.
 - ``ddp:FIELD``: megatron-core's DistributedDataParallelConfig as patch verl.ddp_overlap.get_model builds it
-  for the actor (verl_patches/ddp_overlap.py: the recipe's overlap keys, actor.megatron.use_distributed_optimizer,
+  for the actor (verl_patches/train/ddp_overlap.py: the recipe's overlap keys, actor.megatron.use_distributed_optimizer,
   one model chunk per virtual pipeline stage);
 - ``calc:rollout_ep``: the rollout's expert parallel per engine instance, vLLM DP size x rollout TP;
 - ``lock:NAME``: whether configs/upstream.lock.toml lists component NAME (so the image installs it);
@@ -32,8 +32,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from verl_patches import megatron_args as ma
-from verl_patches import recipe_config as RC
+from verl_patches.config import megatron_args as ma
+from verl_patches.config import recipe_config as RC
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "RECIPE.md"
@@ -80,7 +80,7 @@ def transformer_configs(configs):
 
     # The config records only (the module also holds the update's entropy record, which needs the actor's).
     ROUTING = [p for p in PATCHES if p.target.endswith(":hf_to_mcore_config")]
-    from verl_patches.launch import free_port
+    from verl_patches.launch.local_ranks import free_port
 
     hf = AutoConfig.for_model(**RC.load_model_config(RC.DEFAULT_MODEL_CONFIG))
     ours = not dist.is_initialized()
@@ -137,7 +137,7 @@ def ours(row, run, configs, transformer_configs, optimizer_configs):
     if kind == "ddp":
         from megatron.core.distributed import DistributedDataParallelConfig
 
-        from verl_patches.ddp_overlap import DdpOverlap, ddp_config_values
+        from verl_patches.train.ddp_overlap import DdpOverlap, ddp_config_values
 
         megatron = cfg.actor_rollout_ref.actor.megatron
         values = ddp_config_values(DdpOverlap.from_trainer(cfg), use_distributed_optimizer=megatron.use_distributed_optimizer,

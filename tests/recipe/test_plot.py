@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.helpers import REPO
-from verl_patches import plot
+from verl_patches.reporting import plot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

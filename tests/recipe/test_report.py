@@ -1,4 +1,4 @@
-"""The run's report (verl_patches/report.py), its console filter (verl_patches/console.py) and the
+"""The run's report (verl_patches/reporting/report.py), its console filter (verl_patches/reporting/console.py) and the
 tracker patch that feeds it (verl.tracking.report_init / report) on verl's real Tracking."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from verl_patches import console
-from verl_patches.report import (CONSOLE_LINE, Cards, CardsError, MetricsFileError, NonFiniteMetricError, RunReport,
+from verl_patches.reporting import console
+from verl_patches.reporting.report import (CONSOLE_LINE, Cards, CardsError, MetricsFileError, NonFiniteMetricError, RunReport,
                                  tps_per_card)
 
 STEP = {"critic/score/mean": 0.25, "response_length/mean": 16.0, "actor/pg_loss": 0.0, "timing_s/gen": 0.6,
@@ -157,10 +157,10 @@ def test_the_console_filter_names_a_log_it_cannot_write(tmp_path):
     import sys
 
     (tmp_path / "file").write_text("x")
-    r = subprocess.run([sys.executable, "-m", "verl_patches.console", str(tmp_path / "file" / "trainer.log")],
+    r = subprocess.run([sys.executable, "-m", "verl_patches.reporting.console", str(tmp_path / "file" / "trainer.log")],
                        input=b"step 1/1 | reward 0.1\n", capture_output=True, timeout=300)
     assert r.returncode == 2 and b"error: cannot write the log" in r.stderr and b"Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "verl_patches.console", str(tmp_path / "logs" / "trainer.log")],
+    r = subprocess.run([sys.executable, "-m", "verl_patches.reporting.console", str(tmp_path / "logs" / "trainer.log")],
                        input=b"noise\n(TaskRunner pid=1) step 1/1 | reward 0.1\n", capture_output=True, timeout=300)
     assert r.returncode == 0 and r.stdout == b"step 1/1 | reward 0.1\n"
     assert (tmp_path / "logs" / "trainer.log").read_bytes() == b"noise\n(TaskRunner pid=1) step 1/1 | reward 0.1\n"

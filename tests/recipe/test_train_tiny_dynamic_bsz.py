@@ -6,7 +6,7 @@ sequences (DP1: the whole batch of 8 prompts x 4) by token count, rows reordered
 log_prob_* settings follow the actor's in verl's YAML); the fixed-size run cuts 4 micro-batches of 8.
 
 What it shows, with the overlay's TensorCache, old log-prob reuse and direct reshard on:
-- the split really varied: the update reports it (actor/micro_batch*: verl_patches/mismatch.py),
+- the split really varied: the update reports it (actor/micro_batch*: verl_patches/train/mismatch.py),
   with the number of micro-batches verl's rule gives for the step's tokens, of unequal sizes;
 - the rows stayed together: the rollout-vs-update log-prob comparison (which under reuse compares
   each micro-batch's own rows with what the rollout computed for them) stays within the bounds of
@@ -40,7 +40,7 @@ import re
 import pytest
 
 from tests.recipe.test_train_tiny import MISMATCH_BOUNDS, REWARD_RISE, STEPS, _log, _metrics, _run
-from verl_patches import mismatch as M
+from verl_patches.train import mismatch as M
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import pytest
 
 from verl_patches.reshard.coords import rollout_coords, train_coords, vllm_expert_range
 from verl_patches.reshard.layouts import RolloutLayout
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 
 from verl_patches.testing.groupcheck import upstream_groups
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.reshard.checksum import (CHUNK, MOD, FingerprintTable, _chunk_key, key_table, tensor_checksum,
                                            view_checksum)
 from verl_patches.testing.fingerprint_check import check_fingerprints

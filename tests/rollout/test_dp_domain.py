@@ -13,7 +13,7 @@ import torch
 from verl_patches.rollout.dp_domain import (DOMAIN_ENV, DPDomainError, DPSpec, check_vllm_config, check_vllm_groups,
                                             derive_dp_domain, master_addr_of)
 from verl_patches.rollout.dp_sync import FLAG_ENV, dp_sync_on_device
-from verl_patches.launch import free_port_block, run_distributed
+from verl_patches.launch.local_ranks import free_port_block, run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
 from dp_domain_ranks import setup_free_then_taken  # noqa: E402
@@ -116,7 +116,7 @@ def test_setup_publishes_the_masters_address_or_names_a_taken_port_on_every_rank
 
 
 def test_a_master_port_block_in_the_ephemeral_range_is_warned_about(monkeypatch, caplog):
-    import verl_patches.ports as ports
+    import verl_patches.launch.ports as ports
     from verl_patches.rollout.dp_domain import check_master_ports
 
     base = free_port_block(4)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 
 from verl_patches.rollout.settings import RolloutSettings
-from verl_patches.settings import SCHEMA as RECIPE_SCHEMA
-from verl_patches.settings import plain
-from verl_patches.settings import problems as recipe_problems
+from verl_patches.config.settings import SCHEMA as RECIPE_SCHEMA
+from verl_patches.config.settings import plain
+from verl_patches.config.settings import problems as recipe_problems
 
 
 @pytest.mark.parametrize("name", ["deepseekv3_256die_random_init", "deepseekv3_256die_true_weight"])
 def test_the_shipped_configs_match_the_schema(name):
-    from verl_patches.recipe_config import RECIPE_SECTION, _select, compose
+    from verl_patches.config.recipe_config import RECIPE_SECTION, _select, compose
 
     cfg = compose(name)
     assert recipe_problems(_select(cfg, RECIPE_SECTION)) == []

@@ -5,7 +5,7 @@ import pytest
 
 import tc_workers  # noqa: F401  (tests/tensor_cache is put on sys.path below)
 
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow

@@ -160,7 +160,7 @@ def run_doctor(patches: list[Patch], platform: str, root: Path | None = None,
 def env_findings(environ=None) -> list[Finding]:
     """One finding per VERL_PATCHES_* variable that is set: ok, or invalid (failing); none when
     none is set, so the doctor's output is then what it always was."""
-    from verl_patches import env
+    from verl_patches.config import env
 
     return [Finding(f"env:{s.name}", "environment", "ok" if s.ok else "invalid", s.detail, s.raw,
                     env.BY_NAME[s.name].allowed() if s.name in env.BY_NAME else None, True)

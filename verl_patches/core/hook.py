@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verl_patches import atomic
+from verl_patches.base import atomic
 from verl_patches.core.upstream import module_file
 
 WORKER_MODULE = "verl.workers.megatron_workers"

@@ -38,7 +38,7 @@ class Component:
 
 
 def load_lock(path: Path | None = None) -> dict[str, Component]:
-    from verl_patches import env
+    from verl_patches.config import env
 
     path = Path(path or env.get(LOCK_ENV) or LOCK_PATH)
     if not path.is_file():

@@ -12,7 +12,7 @@ from verl_patches.core.record import PHASES
 
 
 def current_phase() -> str:
-    from verl_patches import env
+    from verl_patches.config import env
 
     forced = env.get("VERL_PATCHES_PHASE")
     if forced:

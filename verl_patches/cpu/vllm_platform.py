@@ -45,7 +45,7 @@ def torch251_custom_op_compat() -> bool:
 
 def register() -> Optional[str]:
     """The plugin: the host platform's class on the CPU platform, else None."""
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     if accelerator.device_type() != "cpu":
         return None

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from verl_patches.findings import finish
+from verl_patches.reporting.findings import finish
 
 REWARD_PATCH = "verl.reward_score.deepscaler"
 # Rows scored per data source: enough to catch a scorer that rejects the source, cheap on 40k rows.

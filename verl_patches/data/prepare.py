@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_patches import atomic
+from verl_patches.base import atomic
 from verl_patches.core.lock import REPO_ROOT
 from verl_patches.reward import DEEPSCALER_SOURCES
 

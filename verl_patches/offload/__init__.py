@@ -1,6 +1,6 @@
 """Offload engine and the train/rollout switch schedule (docs/DESIGN.md section 3).
 
-Plain torch, every device call through verl_patches.accelerator; importing patches nothing.
+Plain torch, every device call through verl_patches.base.accelerator; importing patches nothing.
 Names are loaded on first use.
 """
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload.pool import CopyJob, OffloadEngine
 from verl_patches.offload.stable import AddressMovedError, Region, StableMemoryError, inside, storage_span
 

@@ -173,13 +173,13 @@ class ActorMemory(_Memory):
             inner_optimizers(optimizer)  # a clear error now rather than at the first offload
         self.opt: TensorGroup | None = None
         self._opt_keys: frozenset[int] = frozenset()
-        # megatron-core's overlapped DDP (verl_patches/ddp_overlap.py): its buckets are views of the
+        # megatron-core's overlapped DDP (verl_patches/train/ddp_overlap.py): its buckets are views of the
         # buffers moved here (resized in place, so they stay the same objects), but an asynchronous
         # reduce or gather in flight would write into a freed buffer, and parameters not gathered since
         # the last step are stale: moving them is refused, naming what is unsettled.
         self._moved = {"train_params": self.params, "grads": self.grads}
         if any(_overlapped(c) for c in self.modules):
-            from verl_patches.ddp_overlap import check_settled
+            from verl_patches.train.ddp_overlap import check_settled
 
             def check(role: str) -> Callable[[], None]:
                 return lambda: check_settled(self.modules, f"{name}: moving {role}")

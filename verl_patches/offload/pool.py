@@ -11,8 +11,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from verl_patches import accelerator
-from verl_patches import env as overlay_env
+from verl_patches.base import accelerator
+from verl_patches.config import env as overlay_env
 
 GiB = 1 << 30
 MiB = 1 << 20

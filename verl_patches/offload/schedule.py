@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload.groups import Location, OffloadGroup
 from verl_patches.offload.ledger import LedgerEntry, MemoryLedger
 

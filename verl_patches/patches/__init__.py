@@ -89,7 +89,7 @@ def in_application_order(patches: list) -> list:
 def load_catalogue() -> list:
     """Every patch record of the catalogue, plus the modules named by VERL_PATCHES_EXTRA_MODULES (a site's
     own patches; tests use it for fixtures), checked by the registry."""
-    from verl_patches import env
+    from verl_patches.config import env
     from verl_patches.core.registry import check_catalogue, load_registry
 
     records = load_registry(PATCH_MODULES + env.get("VERL_PATCHES_EXTRA_MODULES"))

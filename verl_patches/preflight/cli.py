@@ -347,7 +347,7 @@ def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from verl_patches.procs import Terminated
+    from verl_patches.launch.procs import Terminated
 
     try:
         return _main(argv)
@@ -357,7 +357,7 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, TimeoutError) as e:
         # A rank failed, hung or stopped answering (run_distributed names it); the module is imported by
         # then (not before: --help imports no torch).
-        launch = sys.modules.get("verl_patches.launch")
+        launch = sys.modules.get("verl_patches.launch.local_ranks")
         if isinstance(e, TimeoutError) or (launch is not None and isinstance(e, launch.DistributedFailure)):
             print(f"preflight FAILED: {e}", file=sys.stderr)
             return 1
@@ -389,9 +389,9 @@ def _main(argv: list[str]) -> int:
     print(f"preflight: {world} local processes, backend {a.backend}, model {a.model}, "
           f"train {opts.train}, rollout {opts.rollout}, methods {', '.join(opts.methods)}, steps {opts.steps}",
           flush=True)
-    from verl_patches.launch import run_distributed
+    from verl_patches.launch.local_ranks import run_distributed
 
-    from verl_patches import env as overlay_env
+    from verl_patches.config import env as overlay_env
 
     heartbeat = a.heartbeat_timeout or overlay_env.get("VERL_PATCHES_HEARTBEAT_TIMEOUT_S")
     # The ranks left waiting in a collective for a stopped one get as long as the heartbeat (at most 30 s).
@@ -404,7 +404,7 @@ def _main(argv: list[str]) -> int:
 def _main_torchrun(a: argparse.Namespace, t0: float) -> int:
     import torch.distributed as dist
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     accelerator.set_device(int(os.environ["LOCAL_RANK"]))

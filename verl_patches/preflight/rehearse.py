@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
                                   rollout_weights_group, train_params_group)
 from verl_patches.offload.stable import stable_memory

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import box_numel, intersect
 from verl_patches.reshard.placements import Logical, Placements

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from verl_patches.megatron_args import RecipeMegatron, check_layout
+from verl_patches.config.megatron_args import RecipeMegatron, check_layout
 from verl_patches.reshard import deepseek_v3_names as names
 from verl_patches.reshard.executor import METHODS, ExecStats, check_inputs, execute
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout

@@ -212,7 +212,7 @@ def verify(plan: Plan, rank: int, train: Mapping[str, torch.Tensor], roll: Mappi
     WeightMismatchError on every rank when any rank differs."""
     import time
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.reshard.executor import src_view
 
     t0 = time.perf_counter()

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import Box
 from verl_patches.reshard.placements import Part, Placements

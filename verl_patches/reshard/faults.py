@@ -57,7 +57,7 @@ def parse(text: str) -> Fault:
 
 def configured() -> list[Fault]:
     """The faults in VERL_PATCHES_INJECT_FAULT (several separated by ';')."""
-    from verl_patches import env
+    from verl_patches.config import env
 
     text = env.get(ENV) or ""
     return [parse(part) for part in text.split(";") if part.strip()]

@@ -12,8 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
-from verl_patches import settings
-from verl_patches.ports import overlaps_ephemeral, taken_ports
+from verl_patches.config import settings
+from verl_patches.launch.ports import overlaps_ephemeral, taken_ports
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ FLAG_ENV = "VERL_PATCHES_DP_SYNC_ON_DEVICE"
 
 def dp_sync_on_device() -> bool:
     """On unless the flag says off (the recipe's default is on)."""
-    from verl_patches import env
+    from verl_patches.config import env
 
     return bool(env.get(FLAG_ENV))
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 from verl_patches.core import stash
 from verl_patches.offload.stable import (Region, StableBackend, StableMemoryError, describe, inside, install_hint,
                                          live_tensors_in, stable_memory, storage_key, storage_span)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from verl_patches.core import stash
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 
 PATCH_ID = "vllm.engine_core.keep_kv_cache_configs"
 # Where the patch keeps the per-worker KVCacheConfig list on the EngineCore instance.

@@ -1,5 +1,5 @@
 """The rollout's settings: the recipe section read once, as the run's RecipeSettings
-(verl_patches/settings.py, where every key, its type, default and rules are declared), the vLLM DP
+(verl_patches/config/settings.py, where every key, its type, default and rules are declared), the vLLM DP
 domain derived from it and the world, and the verl rollout keys the recipe's engine checks.
 
 Works on any mapping with ``get`` (OmegaConf DictConfig or dict), so the patch runs whatever the
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from verl_patches import settings
+from verl_patches.config import settings
 from verl_patches.rollout.dp_domain import DPDomainError, DPSpec
 
 RECIPE_KEY = settings.SECTION_IN_ROLLOUT  # actor_rollout_ref.rollout.recipe (configs/README.md)

@@ -22,7 +22,7 @@ STAGE_INPUTS = {
     "compute_log_prob": _MODEL_INPUTS,
     "compute_ref_log_prob": _MODEL_INPUTS,
     # rollout_log_probs (rollout.calculate_log_probs=True): the update compares them with its own
-    # log-probs under old log-prob reuse (verl_patches/mismatch.py).
+    # log-probs under old log-prob reuse (verl_patches/train/mismatch.py).
     "update_actor": _MODEL_INPUTS + ("old_log_probs", "advantages", "ref_log_prob", "rollout_log_probs"),
 }
 # Non-tensor keys the workers read (multi-modal models); everything else stays on the host.

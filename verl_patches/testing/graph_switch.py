@@ -125,7 +125,7 @@ def _train_phase(rng: random.Random, keep: list, device: torch.device) -> int:
 def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[int, ...] = (BATCH,)) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.offload import (OffloadEngine, Region, TensorGroup, kv_cache_group, ours, reference_group,
                                       rollout_weights_group, train_params_group)
     from verl_patches.offload.stable import stable_memory
@@ -138,7 +138,7 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
     from verl_patches.reshard.placements import build_placements
     from verl_patches.reshard.planner import build_plan
     from verl_patches.rollout.mla import rewrite_in_place
-    from verl_patches.launch import free_port
+    from verl_patches.launch.local_ranks import free_port
 
     cfg = json.loads(MODEL.read_text())
     device = accelerator.set_device(0)

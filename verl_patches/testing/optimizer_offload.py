@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from verl_patches import accelerator
+from verl_patches.base import accelerator
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny_deepseek_v3.json"
 
@@ -54,7 +54,7 @@ def ensure_process_group(device: str) -> None:
 
     if dist.is_initialized():
         return
-    from verl_patches.launch import free_port
+    from verl_patches.launch.local_ranks import free_port
 
     port = free_port()
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
@@ -97,7 +97,7 @@ def build(cfg: dict, *, seed: int, lr: float, fraction: float | None, overlap: b
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    from verl_patches.optim_offload import apply_offload, offload_settings
+    from verl_patches.config.optim_offload import apply_offload, offload_settings
     from verl_patches.testing.live_models import build_megatron_deepseek
 
     torch.manual_seed(seed)  # megatron-core's CPU initialisation draws from it: every variant starts equal

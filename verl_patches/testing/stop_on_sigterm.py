@@ -22,7 +22,7 @@ import threading
 
 import pytest
 
-from verl_patches import procs
+from verl_patches.launch import procs
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _STOPPED: list[procs.Terminated] = []

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from verl_patches.tools import manifest
-from verl_patches.findings import finish
+from verl_patches.reporting.findings import finish
 
 # What megatron-core's dist_checkpointing.load reads besides the data files.
 REQUIRED = (".metadata", "metadata.json", "common.pt")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from verl_patches import atomic
+from verl_patches.base import atomic
 from verl_patches.tools import manifest
 
 SCALE_SUFFIX = "_scale_inv"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from verl_patches import atomic
+from verl_patches.base import atomic
 from verl_patches.tools import manifest
 from verl_patches.tools.mcore_layout import (DistCheckpointReader, LayoutError, SafetensorsReader, CheckpointLayout, UnitWriter,
                                              chunk_ranges, edge_plan, extra_state_keys, layer_plan, write_metadata)

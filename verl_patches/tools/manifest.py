@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from verl_patches import atomic
+from verl_patches.base import atomic
 
 MANIFEST = ".verl_patches_output.json"
 FORMAT = 2  # 1 identified inputs by 64 KiB sampled at each end of each file: not trusted any more

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from verl_patches import atomic
+from verl_patches.base import atomic
 from verl_patches.tools import manifest
 from verl_patches.tools.hf_to_mcore import (ConversionError, check_model_config, read_json, shape_mismatches, unit_plan,
                                             units)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recipe_megatron_rank import uneven_rank  # noqa: E402

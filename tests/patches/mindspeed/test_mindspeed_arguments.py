@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from verl_patches import megatron_args as ma
+from verl_patches.config import megatron_args as ma
 from verl_patches.core.apply import PatchError, apply_all
 from verl_patches.core.doctor import check_patch, is_failing, run_doctor
 from verl_patches.core.lock import load_lock

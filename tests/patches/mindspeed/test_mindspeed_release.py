@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mindspeed") is None,
                                 reason="MindSpeed not installed (scripts/install_mindspeed.sh: no archive, no git tag)")
 
-from verl_patches import compile_context as cc  # noqa: E402
-from verl_patches import megatron_args as ma  # noqa: E402
+from verl_patches.rollout import compile_context as cc  # noqa: E402
+from verl_patches.config import megatron_args as ma  # noqa: E402
 from verl_patches.core import apply as ap  # noqa: E402
 from verl_patches.core.doctor import check_component, check_patch  # noqa: E402
 from verl_patches.core.lock import load_lock  # noqa: E402

@@ -125,7 +125,7 @@ def _actor(chunks, opt, rank: int, world: int, log: dict) -> Any:
     """verl's update_policy ``self`` (see the module docstring)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from verl_patches.ddp_overlap import pending_communication
+    from verl_patches.train.ddp_overlap import pending_communication
 
     def forward_backward_batch(data, **_kw):
         toks = data.tokens
@@ -246,7 +246,7 @@ def guards(rank: int, world: int) -> dict[str, Any]:
     """The offload of the params refuses an in-flight gather and parameters not gathered since a step."""
     from verl_patches.core.apply import apply_all, undo
     from verl_patches.patches import get_patch
-    from verl_patches.ddp_overlap import DdpOverlapError, complete_param_gather
+    from verl_patches.train.ddp_overlap import DdpOverlapError, complete_param_gather
     from verl_patches.offload import OffloadEngine
     from verl_patches.offload.megatron_memory import ActorMemory
 

@@ -70,7 +70,7 @@ def _setup() -> None:
     mw.FlopsCounter = lambda cfg: types.SimpleNamespace(estimate_flops=lambda *a: (1.0, 1.0))
     mw.MegatronCheckpointManager = lambda **kw: types.SimpleNamespace(**kw)
 
-    from verl_patches import compile_context
+    from verl_patches.rollout import compile_context
 
     compile_context.save_real_compile()  # the prelude's order: before MindSpeed replaces it
     torch.compile = mindspeed_dummy_compile
@@ -504,7 +504,7 @@ def compile_scopes(ids: list[str]) -> dict:
     mw.ActorRolloutRefWorker.generate_sequences(w, _prompts())
     seen["generate"] = w.log["compile_in_generate"]
     seen["after_generate"] = torch.compile
-    real = __import__("verl_patches.compile_context", fromlist=["x"]).saved_real_compile()
+    real = __import__("verl_patches.rollout.compile_context", fromlist=["x"]).saved_real_compile()
     return {k: ("real" if v is real else "mindspeed" if v is mindspeed_dummy_compile else repr(v)) for k, v in seen.items()}
 
 
@@ -574,7 +574,7 @@ def real_optimizer_continuation(rank: int, world: int, steps: int = 3) -> dict:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.offload import OffloadEngine
     from verl_patches.offload.live import LiveSwitch
     from verl_patches.offload.megatron_memory import ActorMemory, inner_optimizers

@@ -1,4 +1,4 @@
-"""verl_patches.compile_context: the real torch.compile inside the block, exactly the previous object after
+"""verl_patches.rollout.compile_context: the real torch.compile inside the block, exactly the previous object after
 it (also on exception, and when nothing had replaced it). The replacement here is a stand-in for
 MindSpeed's dummy_compile (MindSpeed needs torch_npu, which cannot import off Ascend)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_patches import compile_context as cc
+from verl_patches.rollout import compile_context as cc
 
 
 def mindspeed_dummy_compile(*args, **kwargs):  # what MindSpeed registers as torch.compile: a call-through
@@ -92,11 +92,11 @@ def test_save_never_keeps_a_replacement_and_keeps_the_first_real_one(saved, monk
 
 
 def test_prelude_saves_the_real_compile_before_patching(saved, monkeypatch):
-    from verl_patches import prelude
+    from verl_patches import entry_points
 
     order = []
-    monkeypatch.setattr(prelude, "patches_for", lambda phase: [])
-    monkeypatch.setattr(prelude, "apply_all", lambda ps: order.append(("apply", cc.saved_real_compile())) or [])
+    monkeypatch.setattr(entry_points, "patches_for", lambda phase: [])
+    monkeypatch.setattr(entry_points, "apply_all", lambda ps: order.append(("apply", cc.saved_real_compile())) or [])
     monkeypatch.delenv("VERL_PATCHES_OFF", raising=False)
-    prelude.apply_prelude("worker")
+    entry_points.apply_prelude("worker")
     assert order == [("apply", torch.compile)]

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ddp_overlap_rank as R  # noqa: E402
 
-from verl_patches.launch import run_distributed  # noqa: E402
+from verl_patches.launch.local_ranks import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.slow  # two spawned processes
 

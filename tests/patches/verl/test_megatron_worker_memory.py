@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import megatron_worker_rank as mwr  # noqa: E402
 
-from verl_patches.launch import run_distributed  # noqa: E402
+from verl_patches.launch.local_ranks import run_distributed  # noqa: E402
 from verl_patches.offload.schedule import our_steps  # noqa: E402
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').

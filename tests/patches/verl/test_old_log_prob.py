@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from verl_patches.core import apply as ap
-from verl_patches.mismatch import MismatchError
+from verl_patches.train.mismatch import MismatchError
 from verl_patches.patches.verl import patch_models_mcore_registry as forward_patch
 from verl_patches.patches.verl import patch_trainer_ppo_core_algos as loss_patch
 from verl_patches.patches.verl import patch_trainer_ppo_ray_trainer as driver_patch
@@ -331,7 +331,7 @@ def test_worker_rejects_more_than_one_step(patched, mini, epochs, message):
 # -- driver -------------------------------------------------------------------------------------
 
 def _recipe(*overrides):
-    from verl_patches import recipe_config as RC
+    from verl_patches.config import recipe_config as RC
 
     return RC.compose("deepseekv3_256die_random_init", list(overrides))
 
@@ -461,7 +461,7 @@ def test_the_update_reports_its_split(patched):
     (dict(use_dynamic_bsz=False, micro_batch_size=None), {"output": []}, "cannot tell how the update split"),
 ])
 def test_a_split_the_probe_cannot_read_is_refused_by_name(arguments, out, message):
-    from verl_patches.mismatch import UpdateProbe
+    from verl_patches.train.mismatch import UpdateProbe
 
     probe = UpdateProbe(False, "token-mean")
     with pytest.raises(MismatchError, match=message):

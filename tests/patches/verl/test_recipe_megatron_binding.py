@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from verl_patches import megatron_args as ma
+from verl_patches.config import megatron_args as ma
 from verl_patches.patches.verl.patch_single_controller_base_megatron_worker import check_weight_loading
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
 from recipe_megatron_rank import convert_rank  # noqa: E402

@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mismatch_rank  # noqa: E402
 
-from verl_patches import mismatch as M  # noqa: E402
-from verl_patches.launch import run_distributed  # noqa: E402
+from verl_patches.train import mismatch as M  # noqa: E402
+from verl_patches.launch.local_ranks import run_distributed  # noqa: E402
 
 # Multi-process: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow

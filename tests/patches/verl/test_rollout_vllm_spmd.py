@@ -23,7 +23,7 @@ from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import PA
 from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
 from verl_patches.rollout.dp_sync import FLAG_ENV
-from verl_patches.launch import free_port
+from verl_patches.launch.local_ranks import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "vllm"))  # an unrelated `tests` is installed
 import vllm_engine_standins as standins  # noqa: E402
@@ -79,7 +79,7 @@ def recorder(model_dir, monkeypatch):
 
 
 def _rollout_config(*overrides):
-    from verl_patches.recipe_config import compose
+    from verl_patches.config.recipe_config import compose
 
     return compose("deepseekv3_256die_true_weight", [*ONE_RANK, *overrides]).actor_rollout_ref.rollout
 

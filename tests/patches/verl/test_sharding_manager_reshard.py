@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from verl_patches.testing.binding_check import sharding_manager_rank
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.offload.schedule import our_steps
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').

@@ -23,7 +23,7 @@ import tc_binding_rank  # noqa: E402
 from verl_patches.core import apply as ap  # noqa: E402
 from verl_patches.patches.verl import patch_trainer_ppo_ray_trainer as driver  # noqa: E402
 from verl_patches.tensor_cache.protocol import ROW_KEY  # noqa: E402
-from verl_patches.launch import run_distributed  # noqa: E402
+from verl_patches.launch.local_ranks import run_distributed  # noqa: E402
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def stub_colocation(monkeypatch):
 
 
 def _recipe(*overrides):
-    from verl_patches import recipe_config as RC
+    from verl_patches.config import recipe_config as RC
 
     return RC.compose("deepseekv3_256die_random_init", list(overrides))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches.launch import free_port_block, run_distributed
+from verl_patches.launch.local_ranks import free_port_block, run_distributed
 
 # The per-rank body must be importable by name in the spawned processes, which inherit sys.path;
 # site-packages holds an unrelated `tests` package, so it cannot be reached as tests.patches.vllm.

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.rollout.long_tail import kv_transfer
 from verl_patches.rollout.long_tail.kv_transfer import TransferError
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
 from kv_transfer_ranks import LAYERS, exchange_rank, plan, timed_rank  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.rollout.long_tail import rebalance as rb
 from verl_patches.rollout.long_tail.migrate import MigrateError, eager_buckets
 

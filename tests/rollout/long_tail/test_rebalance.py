@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 from omegaconf import OmegaConf
 
-from verl_patches import settings
+from verl_patches.config import settings
 from verl_patches.rollout.long_tail import rebalance as rb
-from verl_patches.settings import problems as recipe_problems
+from verl_patches.config.settings import problems as recipe_problems
 
 ON = rb.RebalancePolicy(enabled=True)
 

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verl_patches.launch import run_distributed
+from verl_patches.launch.local_ranks import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
 from vllm_move_ranks import SCHEDULERS, Engine, model_dir, move_rank, params, summary  # noqa: E402

@@ -4,7 +4,7 @@ Upstream: megatron/core/transformer/moe/router.py:TopKRouter.routing(logits) tur
 into (probs, routing_map) by the configured load-balancing scheme. megatron-core 0.12.1 has no switch
 that forces a balanced assignment (``moe_router_force_load_balancing`` arrives in a later release) and
 MindSpeed 2.1.0's only one is inside its auto-tuning profiler. We wrap it: with recipe.fixed_routing
-on, token i goes to experts (i * top_k + j) mod E (verl_patches/fixed_routing.py), weighted by the
+on, token i goes to experts (i * top_k + j) mod E (verl_patches/train/fixed_routing.py), weighted by the
 router's own scores for those experts; off, upstream runs unchanged. The aux loss and the expert-bias
 counters are not updated while it is on: the routing they would balance is not the one used.
 """
@@ -21,7 +21,7 @@ from verl_patches.core.record import Patch
 def wrap_routing(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def routing(self, logits):
-        from verl_patches import fixed_routing
+        from verl_patches.train import fixed_routing
 
         if not fixed_routing.enabled():
             return original(self, logits)

@@ -35,7 +35,7 @@ def wrap_get_num_layers_to_build(original: Callable[..., Any]) -> Callable[..., 
             return original(config, *args, **kwargs)
         from megatron.core import parallel_state
 
-        from verl_patches.megatron_args import stage_span
+        from verl_patches.config.megatron_args import stage_span
 
         return stage_span(lst, parallel_state.get_pipeline_model_parallel_rank())[1]
 

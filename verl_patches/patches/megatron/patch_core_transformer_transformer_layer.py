@@ -25,7 +25,7 @@ def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[
             return original(config, *args, **kwargs)
         from megatron.core import parallel_state
 
-        from verl_patches.megatron_args import stage_span
+        from verl_patches.config.megatron_args import stage_span
 
         return stage_span(lst, parallel_state.get_pipeline_model_parallel_rank())[0]
 

@@ -4,7 +4,7 @@ Upstream: mindspeed/arguments.py:process_args(parser), which adds MindSpeed's ar
 parser that mindspeed.megatron_adaptor.get_mindspeed_args parses from the command line when the
 adaptor is imported; the parsed values decide which feature patches MindSpeed registers. We wrap
 it: after upstream has added its arguments, the values the worker binding recorded
-(verl_patches.megatron_args.pending_mindspeed_args) become the parser's defaults, so a flag given
+(verl_patches.config.megatron_args.pending_mindspeed_args) become the parser's defaults, so a flag given
 on the command line still wins. Defaults reach the parsed namespace even for flags this parser
 does not define: at the release, process_args registers the arguments of only a few features
 (its module-level FEATURES_LIST), while the feature manager decides by the full list
@@ -30,7 +30,7 @@ def wrap_process_args(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def process_args(parser):
         parser = original(parser)
-        from verl_patches.megatron_args import pending_mindspeed_args
+        from verl_patches.config.megatron_args import pending_mindspeed_args
 
         pending = pending_mindspeed_args()
         if pending:

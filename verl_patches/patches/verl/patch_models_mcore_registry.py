@@ -3,7 +3,7 @@
 Upstream: verl/models/mcore/registry.py:hf_to_mcore_config, the one entry point the Megatron worker
 (and get_mcore_weight_converter) use; it dispatches through a dict that holds
 config_converter.hf_to_mcore_config_dpskv3 itself, so wrapping the converter function would not
-reach it. For DeepseekV3ForCausalLM we pass verl_patches.megatron_args.deepseek_v3_overrides
+reach it. For DeepseekV3ForCausalLM we pass verl_patches.config.megatron_args.deepseek_v3_overrides
 (group-limited routing n_group / topk_group, the RoPE type when the config names it rope_type)
 as keyword overrides, with the caller's own override_transformer_config entries winning; the
 converter's MLA, sigmoid router, expert bias, shared experts, moe_layer_freq from
@@ -39,7 +39,7 @@ def _with_entropy(logits_processor: Callable[..., Any]) -> Callable[..., Any]:
     def logits_processor_with_entropy(logits, *args, **kwargs):
         from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy
 
-        from verl_patches.mismatch import chunked_entropy
+        from verl_patches.train.mismatch import chunked_entropy
 
         # Before the processor: megatron-core's vocab_parallel_cross_entropy turns fp32 logits into
         # their softmax in place (Float16Module hands the last stage fp32 logits).
@@ -81,7 +81,7 @@ def wrap_hf_to_mcore_config(original: Callable[..., Any]) -> Callable[..., Any]:
     def hf_to_mcore_config(hf_config, dtype, **override_transformer_config_kwargs):
         if list(getattr(hf_config, "architectures", None) or []) != [ARCH]:
             return original(hf_config, dtype, **override_transformer_config_kwargs)
-        from verl_patches.megatron_args import deepseek_v3_overrides, merge_overrides
+        from verl_patches.config.megatron_args import deepseek_v3_overrides, merge_overrides
 
         ours = deepseek_v3_overrides(hf_config.to_dict())
         return original(hf_config, dtype, **merge_overrides(override_transformer_config_kwargs, ours))

@@ -4,8 +4,8 @@ Upstream: verl/single_controller/base/megatron/worker.py:MegatronWorker._init_hf
 which the actor / reference build calls once, after the parallel groups exist and before any
 model or optimizer is built. We wrap it (only when the worker's config has
 rollout.recipe.megatron, i.e. ActorRolloutRefWorker):
-- before: parse the section (verl_patches.megatron_args); set recipe.fixed_routing for the router
-  patches (verl_patches/fixed_routing.py); refuse uneven stages together with verl's
+- before: parse the section (verl_patches.config.megatron_args); set recipe.fixed_routing for the router
+  patches (verl_patches/train/fixed_routing.py); refuse uneven stages together with verl's
   HF-weight loader or HF saver (both assume equal stages); merge the values TransformerConfig has
   a field for under the user's override_transformer_config; on Ascend hand MindSpeed its
   arguments (moe_tp_extend_ep, swap_optimizer, use_flash_attn, use_fused_rotary_pos_emb,
@@ -52,7 +52,7 @@ def recipe_section(worker_config: Any) -> Any:
 
 def hand_to_mindspeed(values: dict[str, Any]) -> None:
     """Ascend: MindSpeed's arguments before its adaptor registers its features (or onto them, if it already did)."""
-    from verl_patches.megatron_args import set_pending_mindspeed_args
+    from verl_patches.config.megatron_args import set_pending_mindspeed_args
 
     global _IMPORTED_BY_US
     set_pending_mindspeed_args(values)
@@ -77,7 +77,7 @@ def hand_to_mindspeed(values: dict[str, Any]) -> None:
 def check_weight_loading(worker_config: Any, recipe: Any) -> None:
     """verl's HF-weight loader and HF saver (models/mcore/loader.py, saver.py) assume equal stages; the
     distributed checkpoint, keyed by megatron's own global layer numbers, does not."""
-    from verl_patches.megatron_args import SECTION, RecipeMegatronError, is_uneven
+    from verl_patches.config.megatron_args import SECTION, RecipeMegatronError, is_uneven
 
     if not is_uneven(recipe):
         return
@@ -107,8 +107,9 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
                             override_transformer_config, trust_remote_code)
         from megatron.core import parallel_state as mpu
 
-        from verl_patches import accelerator, fixed_routing
-        from verl_patches import megatron_args as ma
+        from verl_patches.base import accelerator
+        from verl_patches.train import fixed_routing
+        from verl_patches.config import megatron_args as ma
         from verl_patches.patches.megatron.patch_core_transformer_transformer_block import LAYER_LIST_ATTR
 
         recipe = ma.parse(section)

@@ -13,7 +13,7 @@ forward pass is the policy that produced the rollout; log_prob - log_prob.detach
 d ratio / d log_prob = ratio = 1, the same gradient as the recomputed path.
 
 The same call measures the rollout-vs-train mismatch: when the update is given an UpdateProbe
-(verl_patches/mismatch.py), the old_log_prob it receives is the rollout's log-prob (or the NaN
+(verl_patches/train/mismatch.py), the old_log_prob it receives is the rollout's log-prob (or the NaN
 placeholder without rollout.calculate_log_probs), and before substituting it the wrapper adds the
 masked per-token comparison and the micro-batch's entropy to the probe, on the device.
 """

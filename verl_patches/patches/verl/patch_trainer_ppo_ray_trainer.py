@@ -126,7 +126,7 @@ def wrap_fit_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------
 
 def tensor_cache_on(config: Any) -> bool:
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     return settings.from_trainer(config).tensor_cache
 
@@ -281,7 +281,7 @@ PATCHES = [
         target="verl.trainer.ppo.ray_trainer:RayPPOTrainer.init_workers", kind="wrap", phases=("driver",),
         upstream="verl", versions="==0.4.1", fingerprint=_INIT_WORKERS_FP,
         replacement=f"{__name__}:wrap_init_workers_tensor_cache",
-        flag=f"{TENSOR_CACHE_KEY} (default True: verl_patches/settings.py)",
+        flag=f"{TENSOR_CACHE_KEY} (default True: verl_patches/config/settings.py)",
         why="verl 0.4.1's single controller sends every stage the whole batch through Ray, one worker after "
             "another (57-73 s apart on 256 dies in the reference run), and receives it back; with the cache the "
             "driver sends only what it computed (advantages) and row ids (docs/RECIPE.md item 4, docs/DESIGN.md section 5).",

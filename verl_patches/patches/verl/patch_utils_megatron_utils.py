@@ -30,7 +30,7 @@ def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[
         lst = layer_list(config)
         if lst is None:
             return original(pipeline_rank, vp_rank, config)
-        from verl_patches.megatron_args import stage_span
+        from verl_patches.config.megatron_args import stage_span
 
         return stage_span(lst, pipeline_rank)[0]
 

@@ -10,7 +10,7 @@ verl.ddp_overlap.build_model_optimizer hands them over), upstream builds the chu
 own ``wrap_with_ddp=False`` path: provider, tensor-parallel attributes, device, Float16Module) and
 our code wraps them as upstream does (the DDP class verl imported, bucketing off for chunks after
 the first, parameters broadcast over the data-parallel group) with the config
-verl_patches/ddp_overlap.py derives, then sets the model config's no_sync_func / grad_sync_func /
+verl_patches/train/ddp_overlap.py derives, then sets the model config's no_sync_func / grad_sync_func /
 param_sync_func as megatron's training loop does. Both keys off, or wrap_with_ddp=False (the
 reference), or another worker: upstream runs unchanged.
 """
@@ -30,7 +30,7 @@ def wrap_chunks_with_ddp(chunks: list[Any], overlap: Any, use_distributed_optimi
     """Our DDP wrapping of upstream's unwrapped chunks (see the module docstring)."""
     from verl.utils import megatron_utils as mu
 
-    from verl_patches.ddp_overlap import ddp_config_values, mark_gathered, wire_sync_funcs
+    from verl_patches.train.ddp_overlap import ddp_config_values, mark_gathered, wire_sync_funcs
 
     values = ddp_config_values(overlap, use_distributed_optimizer=use_distributed_optimizer, num_chunks=len(chunks))
     config = chunks[0].config  # one TransformerConfig for every chunk, as upstream passes it

@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-# The settings' rules live below the patch (verl_patches/optim_offload.py): the launch-time validator reads them too.
-from verl_patches.optim_offload import FLAG, KEYS, OptimizerOffloadError, apply_offload, offload_settings  # noqa: F401
+# The settings' rules live below the patch (verl_patches/config/optim_offload.py): the launch-time validator reads them too.
+from verl_patches.config.optim_offload import FLAG, KEYS, OptimizerOffloadError, apply_offload, offload_settings  # noqa: F401
 
 
 def wrap_init_megatron_optim_config(original: Callable[..., Any]) -> Callable[..., Any]:

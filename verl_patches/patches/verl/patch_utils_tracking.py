@@ -1,6 +1,6 @@
 """The run's report: verl's tracker prints one line per step, refuses non-finite metrics, keeps a JSONL
 record, adds the throughput per card, flushes tensorboard every step and ends with a summary
-(verl_patches/report.py).
+(verl_patches/reporting/report.py).
 
 Upstream: verl/utils/tracking.py:Tracking. RayPPOTrainer.fit builds one Tracking with the resolved
 config and calls ``log(metrics, step)`` once per step and once for the validation before training;
@@ -31,7 +31,7 @@ REPORT_ATTR = stash.attr("report")
 
 
 def _get(cfg: Any, *path: str) -> Any:
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     return settings.lookup(cfg, ".".join(path))
 
@@ -39,13 +39,13 @@ def _get(cfg: Any, *path: str) -> Any:
 def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self, project_name, experiment_name, default_backend="console", config=None):
-        from verl_patches import settings
+        from verl_patches.config import settings
 
         recipe = settings.trainer_section(config)
         if recipe is None:
             return original(self, project_name, experiment_name, default_backend, config)
-        from verl_patches import accelerator
-        from verl_patches.report import Cards, RunReport
+        from verl_patches.base import accelerator
+        from verl_patches.reporting.report import Cards, RunReport
 
         # Upstream's __del__ reads self.logger: a setting refused below must not add an AttributeError to it.
         self.logger = {}

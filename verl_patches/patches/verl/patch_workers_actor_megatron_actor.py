@@ -1,6 +1,6 @@
 """Old log-prob reuse, actor side: the update runs without old_log_probs from the driver and uses
 log_prob.detach() instead, after checking that the batch really is one optimizer step; the same
-forward passes measure the rollout-vs-train mismatch and the entropy (verl_patches/mismatch.py).
+forward passes measure the rollout-vs-train mismatch and the entropy (verl_patches/train/mismatch.py).
 
 Upstream: verl/workers/actor/megatron_actor.py. MegatronPPOActor.make_minibatch_iterator selects
 old_log_probs from the batch (KeyError without it) and splits the batch into mini batches x epochs;
@@ -64,7 +64,7 @@ def wrap_make_minibatch_iterator(original: Callable[..., Any]) -> Callable[..., 
         if reusing(self.config):
             import torch
 
-            from verl_patches.mismatch import UpdateProbe
+            from verl_patches.train.mismatch import UpdateProbe
 
             check_one_step(len(data), self.config)
             compare = ROLLOUT_LOG_PROBS in data.batch.keys()
@@ -97,7 +97,7 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
         bound.apply_defaults()
         if bound.arguments["forward_only"]:
             return original(self, *args, **kwargs)
-        from verl_patches.mismatch import MismatchError
+        from verl_patches.train.mismatch import MismatchError
 
         before = probe.calls
         out = original(self, *args, **kwargs)
@@ -132,7 +132,7 @@ def _note_split(probe: Any, arguments: dict, out: dict) -> None:
     micro_batch_size chunks. The largest micro-batch's tokens stay a device scalar."""
     import torch
 
-    from verl_patches.mismatch import MismatchError
+    from verl_patches.train.mismatch import MismatchError
 
     data = arguments["data"]
     rows = len(data)
@@ -169,8 +169,8 @@ def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_policy(self, dataloader):
         if not reusing(self.config):
             return original(self, dataloader)
-        from verl_patches import accelerator
-        from verl_patches.mismatch import MismatchError
+        from verl_patches.base import accelerator
+        from verl_patches.train.mismatch import MismatchError
         from verl_patches.patches.verl.patch_trainer_ppo_core_algos import reusing_old_log_prob
 
         probe = stash.get(self, "update_probe")

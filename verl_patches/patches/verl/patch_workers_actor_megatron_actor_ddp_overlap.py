@@ -6,7 +6,7 @@ distributed optimizer no longer all-gathers the updated shards in its step: the 
 pre-hooks do, bucket by bucket, overlapped with compute. Until then each rank's parameters outside
 its own shard are those of before the step, and in verl the next reader is not a forward but the
 reshard to the rollout (then the switch's offload, a checkpoint). We wrap it: after upstream
-returns, every gather still due is finished (verl_patches/ddp_overlap.py:complete_param_gather) and
+returns, every gather still due is finished (verl_patches/train/ddp_overlap.py:complete_param_gather) and
 the chunks are checked settled. Between the steps of one update (several mini-batches or epochs)
 the gather still overlaps the next forward. Without the overlap nothing is due and nothing runs.
 """
@@ -25,7 +25,7 @@ def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def update_policy(self, dataloader):
         out = original(self, dataloader)
-        from verl_patches.ddp_overlap import check_settled, complete_param_gather
+        from verl_patches.train.ddp_overlap import check_settled, complete_param_gather
 
         complete_param_gather(self.actor_module)
         check_settled(self.actor_module, "the actor after its update")

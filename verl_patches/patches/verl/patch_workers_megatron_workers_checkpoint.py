@@ -37,7 +37,7 @@ def wrap_save_checkpoint_rollout_rng(original: Callable[..., Any]) -> Callable[.
         if state is not None and checkpoint_path:
             import torch
 
-            from verl_patches.atomic import atomic_path
+            from verl_patches.base.atomic import atomic_path
 
             path = _rollout_rng_file(checkpoint_path)
             path.parent.mkdir(parents=True, exist_ok=True)

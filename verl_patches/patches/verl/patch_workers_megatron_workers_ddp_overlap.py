@@ -3,7 +3,7 @@
 Upstream: verl/workers/megatron_workers.py:ActorRolloutRefWorker._build_model_optimizer builds the actor
 with verl.utils.megatron_utils.get_model, which receives no config. We wrap it: while it runs for
 the actor, ``recipe.overlap_grad_reduce`` / ``recipe.overlap_param_gather`` (read from the worker's
-config by verl_patches/settings.py) are held in a context variable that patch verl.ddp_overlap.get_model
+config by verl_patches/config/settings.py) are held in a context variable that patch verl.ddp_overlap.get_model
 (patch_utils_megatron_utils_ddp_overlap.py) reads. Both off, or another role: nothing is held and
 get_model runs as upstream has it.
 """
@@ -29,7 +29,7 @@ OVERLAP: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("verl_pa
 def wrap_build_model_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _build_model_optimizer(self, *args, **kwargs):
-        from verl_patches.ddp_overlap import DdpOverlap
+        from verl_patches.train.ddp_overlap import DdpOverlap
 
         overlap = DdpOverlap.from_worker(self.config) if self._is_actor else None
         token = OVERLAP.set(overlap if overlap is not None and overlap.on else None)

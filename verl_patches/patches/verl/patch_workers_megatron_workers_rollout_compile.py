@@ -5,7 +5,7 @@ v2.1.0_core_r0.12.1; tests/patches/mindspeed/test_mindspeed_release.py reads it 
 release). MindSpeed's patch manager also rebinds module aliases of the original; vLLM and vLLM-Ascend
 call torch.compile by attribute, so only that is swapped. vLLM compiles while the engine is built (_build_rollout)
 and vLLM-Ascend compiles TorchAir graphs lazily per batch size while generating, so both run inside
-verl_patches.compile_context.real_torch_compile (the real function, saved by the prelude before MindSpeed's
+verl_patches.rollout.compile_context.real_torch_compile (the real function, saved by the prelude before MindSpeed's
 adaptor is imported), which puts MindSpeed's object back on exit.
 """
 
@@ -24,7 +24,7 @@ COMPILE_FLAG = "actor_rollout_ref.rollout.recipe.rollout_torch_compile"
 
 
 def rollout_compile_on(config: Any) -> bool:
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     return settings.from_worker(config).rollout_torch_compile
 
@@ -34,7 +34,7 @@ def rollout_compile_on(config: Any) -> bool:
 def _wrap_compiled(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compiled(self, *args, **kwargs):
-        from verl_patches.compile_context import real_torch_compile
+        from verl_patches.rollout.compile_context import real_torch_compile
 
         with real_torch_compile(enabled=rollout_compile_on(self.config)):
             return original(self, *args, **kwargs)

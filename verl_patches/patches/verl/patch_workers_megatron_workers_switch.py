@@ -43,7 +43,7 @@ VERL_OFFLOAD_ATTRS = ("_is_offload_param", "_is_offload_grad", "_is_offload_opti
 
 
 def offload_on(config: Any) -> bool:
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     return settings.from_worker(config).offload
 
@@ -55,7 +55,7 @@ def swap_optimizer_active(config: Any) -> bool:
     unused) and the optimizer state is ours to offload."""
     import sys
 
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     return settings.from_worker(config).megatron.swap_optimizer and "mindspeed" in sys.modules
 
@@ -82,7 +82,7 @@ def check_optimizer_offload(config: Any) -> None:
     and MindSpeed's swap optimizer (recipe.megatron.swap_optimizer) would both keep Adam's state on the
     host and move it each step, each behind the other's back: asking for both is refused by name, whether
     or not MindSpeed is loaded in this process."""
-    from verl_patches import settings
+    from verl_patches.config import settings
     from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
 
     optim = config.get("actor", {}).get("optim", None) if hasattr(config, "get") else None
@@ -130,7 +130,7 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _empty_cache() -> None:
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     accelerator.empty_cache()
 

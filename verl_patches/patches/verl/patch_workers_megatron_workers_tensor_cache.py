@@ -30,7 +30,7 @@ FLAG = "actor_rollout_ref.rollout.recipe.tensor_cache (read by the driver, which
 
 
 def _device():
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     return accelerator.current_device()
 

@@ -71,7 +71,7 @@ def _check_rebalance(recipe: Any) -> None:
     (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside vLLM's engine
     (verl_patches/rollout/long_tail/vllm_move.run_engine, ready to replace LLM._run_engine's loop) has not
     run, so rebalance: True is refused there rather than silently ignored."""
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
     from verl_patches.rollout.settings import RECIPE_KEY
 

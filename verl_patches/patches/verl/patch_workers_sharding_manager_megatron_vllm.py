@@ -33,9 +33,10 @@ __enter__, recipe.reshard_method direct (default) or recipe:
    (without the switch loop: verl's offload_megatron_model_to_cpu when param_offload is on).
 5. `LLM.wake_up(tags=['kv_cache'])`, step `init_kv_cache` (allocate(kv_cache)): the KV cache is
    allocated in the memory the training params freed.
-6. Report: the switch's figures go into the manager's timing dict (verl_patches/switch_report.py):
-   the reshard's bytes, the ledger's host-link bytes and peak, the self-check's figures, the
-   captured-graph addresses audited, the device's watermarks per step.
+6. Report: the switch's figures go into the manager's timing dict
+   (verl_patches/reporting/switch_report.py): the reshard's bytes, the ledger's host-link bytes and
+   peak, the self-check's figures, the captured-graph addresses audited, the device's watermarks per
+   step.
 7. RNG: the generation's RNG state is swapped in, as upstream does.
 
 __enter__, recipe.reshard_method upstream (verl's own, for comparison):
@@ -177,9 +178,9 @@ def upstream_self_check(manager: Any, settings: Any, model: Any) -> dict[str, fl
 def upstream_enter(manager: Any, settings: Any, original: Callable[..., Any]) -> Any:
     """verl's __enter__ as shipped, plus MLA's redo and the self-check right before it wakes the KV
     cache (an instance attribute over LLM.wake_up for the duration of the call)."""
-    from verl_patches.report import SWITCH_PREFIX
+    from verl_patches.reporting.report import SWITCH_PREFIX
     from verl_patches.rollout.mla import redo_mla_post_load
-    from verl_patches.switch_report import addresses_checked
+    from verl_patches.reporting.switch_report import addresses_checked
 
     engine, model = manager.inference_engine, _model(manager)
     wake_up = engine.wake_up
@@ -214,7 +215,7 @@ def weight_sync(manager: Any, switch: Any, reshard: Callable[[], Any]) -> Any:
         return switch.run_call(WEIGHT_SYNC, reshard)
     from verl.utils.megatron_utils import offload_megatron_model_to_cpu
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     stats = reshard()
     if manager.offload_param:
@@ -247,10 +248,10 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     from verl.utils.debug.performance import simple_timer
     from verl.utils.megatron_utils import load_megatron_model_to_gpu
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
     from verl_patches.reshard.binding import megatron_params, vllm_params
     from verl_patches.rollout.mla import redo_mla_post_load
-    from verl_patches.switch_report import addresses_checked, memory_figures, switch_figures
+    from verl_patches.reporting.switch_report import addresses_checked, memory_figures, switch_figures
 
     manager.timing = {}
     # Under the switch loop when the worker attached its actor (verl_patches/offload/live.py).
@@ -354,7 +355,7 @@ def sequence(steps: Any = None) -> str:
         "(recipe.reshard_method direct or recipe) and checks it against both models' shapes and the experts' "
         "placement; it stays on the manager.",
         *(f"{row(c.name)}: {does[c.name]}" for c in calls_inside(SHARDING_ENTER, steps)),
-        "Report: the switch's figures go into the manager's timing dict (verl_patches/switch_report.py): the "
+        "Report: the switch's figures go into the manager's timing dict (verl_patches/reporting/switch_report.py): the "
         "reshard's bytes, the ledger's host-link bytes and peak, the self-check's figures, the captured-graph "
         "addresses audited, the device's watermarks per step.",
         "RNG: the generation's RNG state is swapped in, as upstream does.",

@@ -3,7 +3,7 @@
 Upstream: vllm/model_executor/layers/fused_moe/layer.py:FusedMoE.select_experts, the static method
 every MoE quantisation method (unquantised included) calls for (topk_weights, topk_ids). vLLM 0.9.1 has
 no forced-balance switch. We wrap it: with recipe.fixed_routing on, the ids become the balanced
-assignment of verl_patches/fixed_routing.py over all experts (global ids; vLLM's expert map then
+assignment of verl_patches/train/fixed_routing.py over all experts (global ids; vLLM's expert map then
 places them per EP rank) and the weights stay the router's; off, upstream runs unchanged. vLLM-Ascend
 replaces this layer on Ascend; its own switch is wired in patches/vllm_ascend/patch_ops_fused_moe.py.
 """
@@ -20,7 +20,7 @@ from verl_patches.core.record import Patch
 def wrap_select_experts(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def select_experts(hidden_states, router_logits, *args, **kwargs):
-        from verl_patches import fixed_routing
+        from verl_patches.train import fixed_routing
 
         topk_weights, topk_ids = original(hidden_states, router_logits, *args, **kwargs)
         if not fixed_routing.enabled():

@@ -28,7 +28,7 @@ def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        from verl_patches import fixed_routing
+        from verl_patches.train import fixed_routing
 
         if fixed_routing.enabled():
             if len(args) > index:

@@ -62,7 +62,7 @@ def group_device(group: Any) -> torch.device:
     kind = _DEVICE_OF_BACKEND.get(backend)
     if kind is None:
         raise TransferError(f"process group backend {backend!r}: KV tensors go over gloo, nccl or hccl")
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     dev = accelerator.current_device()
     if dev.type != kind:

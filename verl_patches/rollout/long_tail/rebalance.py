@@ -3,7 +3,7 @@ unfinished requests to move between DP ranks so that the whole DP group can drop
 
 Pure functions, no vLLM: the mechanism that moves requests (verl_patches/rollout/long_tail/migrate.py, run by the
 CPU generation stand-in; not inside vLLM's engine on a device yet) and ``python -m verl_patches
-rollout-plan`` (verl_patches/rollout/long_tail/planner.py) both run this same code. docs/ROLLOUT.md explains the
+rollout-plan`` (verl_patches/rollout/long_tail/simulator.py) both run this same code. docs/ROLLOUT.md explains the
 tail, the policy and the mechanism.
 
 Why the group, not a rank: the DP ranks of one vLLM instance step in lockstep (MoE all-to-all), and
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
-from verl_patches import settings
+from verl_patches.config import settings
 
 
 class RebalanceError(ValueError):
@@ -52,7 +52,7 @@ class Move:
 
 @dataclass(frozen=True)
 class RebalancePolicy:
-    """When to rebalance (recipe.rebalance*, verl_patches/settings.py). A plan is taken only when it
+    """When to rebalance (recipe.rebalance*, verl_patches/config/settings.py). A plan is taken only when it
     lowers the group's bucket at all, and then when it lowers it by at least ``min_bucket_drop``
     buckets of the captured list, or when the fullest rank holds more than ``max_imbalance`` times
     the mean (None: only the drop counts)."""
@@ -62,7 +62,7 @@ class RebalancePolicy:
     max_imbalance: float | None = settings.KEYS["rebalance_max_imbalance"].default
 
     def __post_init__(self) -> None:
-        # The keys' own rules (verl_patches/settings.py), for a policy built from anything else (the planner).
+        # The keys' own rules (verl_patches/config/settings.py), for a policy built from anything else (the planner).
         for key, value in (("rebalance", self.enabled), ("rebalance_min_bucket_drop", self.min_bucket_drop),
                            ("rebalance_max_imbalance", self.max_imbalance)):
             problem = settings.problem(key, value, key)
@@ -71,7 +71,7 @@ class RebalancePolicy:
 
     @classmethod
     def from_settings(cls, recipe: Any) -> "RebalancePolicy":
-        """From the run's RecipeSettings (verl_patches/settings.py)."""
+        """From the run's RecipeSettings (verl_patches/config/settings.py)."""
         return cls(enabled=recipe.rebalance, min_bucket_drop=recipe.rebalance_min_bucket_drop,
                    max_imbalance=recipe.rebalance_max_imbalance)
 

@@ -4,7 +4,7 @@ Upstream: verl/utils/device.py. ``get_nccl_backend`` raises when neither CUDA no
 and ``get_torch_device`` returns ``torch.cpu``, which in torch 2.5.1 has no RNG state, memory
 statistics or ``empty_cache``; verl's Megatron worker, sharding manager and checkpoint manager call
 all of these. On the CPU platform the collective backend is gloo and the device module is the
-accelerator facade's host module (verl_patches/accelerator.py: device_module). Never applied on NPU
+accelerator facade's host module (verl_patches/base/accelerator.py: device_module). Never applied on NPU
 or CUDA, where upstream's answers are already hccl / nccl and torch.npu / torch.cuda.
 """
 
@@ -15,13 +15,13 @@ from verl_patches.core.record import Patch
 
 
 def get_nccl_backend() -> str:
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     return accelerator.dist_backend()
 
 
 def get_torch_device():
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     return accelerator.device_module()
 

@@ -17,9 +17,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_patches import env as overlay_env
-from verl_patches import procs, rank_boot
-from verl_patches.ports import free_port_block
+from verl_patches.config import env as overlay_env
+from verl_patches.launch import procs, rank_boot
+from verl_patches.launch.ports import free_port_block
 
 
 def free_port() -> int:
@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., An
     try:
         rank_boot.check_preload()
         if backend != "gloo":
-            from verl_patches import accelerator
+            from verl_patches.base import accelerator
 
             accelerator.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
@@ -82,7 +82,7 @@ def _context(backend: str) -> tuple[Any, Any]:
 
     spawn: a fresh interpreter per rank (always, for a device backend). forkserver (gloo ranks): one
     server per calling process, started at its first
-    call, imports ``VERL_PATCHES_RANK_PRELOAD`` once (verl_patches/rank_preload.py) and forks every rank of
+    call, imports ``VERL_PATCHES_RANK_PRELOAD`` once (verl_patches/launch/rank_preload.py) and forks every rank of
     every later call from that state; a rank then takes the caller's environment and standard streams of
     the call, since the server's are those of its own start.
     """
@@ -92,7 +92,8 @@ def _context(backend: str) -> tuple[Any, Any]:
         return mp.get_context("spawn"), None
     ctx = mp.get_context("forkserver")
     # Read when the server starts (the first call); a later call's preload setting is the server's.
-    ctx.set_forkserver_preload(["verl_patches.rank_preload", "verl_patches.rank_boot", "verl_patches.launch"])
+    ctx.set_forkserver_preload(["verl_patches.launch.rank_preload", "verl_patches.launch.rank_boot",
+                                "verl_patches.launch.local_ranks"])
     from multiprocessing.reduction import DupFd
 
     stdio = {}
@@ -134,7 +135,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, backend: str
     stderr and are killed. Raises DistributedFailure naming every rank that failed and every
     rank that hung after a failure, or TimeoutError naming the ranks that did not finish.
 
-    Liveness: every rank beats (verl_patches/rank_boot.py: a thread started before anything heavy is
+    Liveness: every rank beats (verl_patches/launch/rank_boot.py: a thread started before anything heavy is
     imported writes the clock into shared memory each second). A rank still running that has been
     stopped (process state T: SIGSTOP) for ``heartbeat`` seconds, or whose last beat is older than
     ``heartbeat`` seconds (default ``VERL_PATCHES_HEARTBEAT_TIMEOUT_S``, 120; ``startup`` seconds, if

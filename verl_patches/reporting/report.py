@@ -14,7 +14,7 @@ twice verl's. On the CPU platform each worker counts as one device and one card.
 
 ``CONSOLE_LINE`` matches every line the report prints: a launcher that keeps only the report's
 lines on the console (scripts/cluster/launch.sh, LAUNCH_CONSOLE=steps) selects them with it
-(``python -m verl_patches.console``).
+(``python -m verl_patches.reporting.console``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The switch's figures for the run's report, gathered on a generation worker when the sharding manager
 enters rollout (patch verl.sharding_manager.reshard) and put in the timing dict verl returns with every
 generation, its one channel from the generation workers to the driver (verl averages it over ranks;
-verl_patches/report.py moves the ``switch/...`` keys out of ``timing_s/``).
+verl_patches/reporting/report.py moves the ``switch/...`` keys out of ``timing_s/``).
 
 - ``switch_figures``: what this rank received and sent in the reshard, the host-link bytes and the
   resident peak from the switch loop's ledger, and the self-checks' figures;
@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 from verl_patches.core import stash
-from verl_patches.report import DEVICE_PEAKS, MEM_PREFIX, SWITCH_PREFIX
+from verl_patches.reporting.report import DEVICE_PEAKS, MEM_PREFIX, SWITCH_PREFIX
 
 
 def switch_figures(stats: Any, ledger: Any, checks: dict[str, float] | None = None) -> dict[str, float]:
-    """The switch's own numbers for the run's report (verl_patches/report.py), sent to the driver in
+    """The switch's own numbers for the run's report (verl_patches/reporting/report.py), sent to the driver in
     the timing dict verl returns with every generation (averaged over ranks): what this rank received
     and sent in the reshard, the host-link bytes and resident peak from the switch loop's ledger, and
     the self-checks' figures (``checks``, from the sharding manager's self_check)."""
@@ -89,7 +89,7 @@ def max_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     if not figures or not dist.is_initialized():
         return figures

@@ -263,7 +263,7 @@ RESPONSE_STATS = ("response_length/mean", "response_length/min", "response_lengt
 
 def read_lengths_file(path: Path, step: int | None = None) -> LengthSource:
     """A recorded sample (a JSON list of ints; text with one int per line; JSONL with "response_length"
-    per line) or a run's metrics.jsonl (verl_patches/report.py; verl's response_length/* per step),
+    per line) or a run's metrics.jsonl (verl_patches/reporting/report.py; verl's response_length/* per step),
     whose step ``step`` (default: the last with those statistics) is fitted."""
     try:
         text = path.read_text(encoding="utf-8")

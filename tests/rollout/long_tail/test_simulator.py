@@ -1,4 +1,4 @@
-"""The rollout planner (python -m verl_patches rollout-plan, verl_patches/rollout/long_tail/planner.py): the
+"""The rollout simulator (python -m verl_patches rollout-plan, verl_patches/rollout/long_tail/simulator.py): the
 reference's published long-tail figures reproduced in direction and rough size from stated inputs, the
 tiny run's own recorded lengths, the length sources, the model's invariants (hypothesis), and the CLI's
 named errors. Fast: each model run here takes well under a second on one core."""
@@ -14,7 +14,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from tests.helpers import REPO
 from verl_patches.cli import main as cli_main
-from verl_patches.rollout.long_tail import planner as P
+from verl_patches.rollout.long_tail import simulator as P
 from verl_patches.rollout.long_tail import rebalance as rb
 
 TINY_METRICS = REPO / "tests" / "fixtures" / "rollout" / "tiny_run_metrics.jsonl"
@@ -60,7 +60,7 @@ def test_the_reference_long_tail_is_reproduced_in_direction_and_size():
 
 
 def test_the_tiny_runs_recorded_lengths_give_no_tail(capsys):
-    """The tiny run's metrics.jsonl (its format: verl_patches/report.py; this file is a tiny run's own
+    """The tiny run's metrics.jsonl (its format: verl_patches/reporting/report.py; this file is a tiny run's own
     output, 6 steps on the CPU): every response ran to the 16-token cap (clip ratio 1.0), so the DP
     ranks finish together, there is no tail, and one graph with no rebalance is the recommendation."""
     rc, out, err = run_cli(capsys, "--lengths", str(TINY_METRICS), "--dp", "2", "--prompts", "8", "--n", "4",

@@ -33,7 +33,7 @@ def _npu_available() -> bool:
 
 def device_type() -> str:
     """'npu', 'cuda' or 'cpu': the forced value if set, else the first one available."""
-    from verl_patches import env
+    from verl_patches.config import env
 
     forced = env.get("VERL_PATCHES_DEVICE")
     if forced:

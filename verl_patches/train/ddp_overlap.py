@@ -2,7 +2,7 @@
 "Gradient-reduce and parameter-gather overlap").
 
 Two recipe keys (``recipe.overlap_grad_reduce``, ``recipe.overlap_param_gather``, read by
-verl_patches/settings.py) become megatron-core 0.12.1's DistributedDataParallelConfig fields of the
+verl_patches/config/settings.py) become megatron-core 0.12.1's DistributedDataParallelConfig fields of the
 same names, plus what megatron's own training loop sets with them and verl 0.4.1 never does:
 
 - ``overlap_grad_reduce``: DDP's backward hooks launch each bucket's reduce-scatter (distributed
@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from verl_patches import settings
+from verl_patches.config import settings
 
 KEYS = ("overlap_grad_reduce", "overlap_param_gather")
 
@@ -200,7 +200,7 @@ def pending_communication(chunks: Iterable[Any]) -> list[str]:
                 out.append(f"{where}: a parameter all-gather is in flight")
             elif _gathers_in_forward(chunk) and not group.param_gather_dispatched:
                 out.append(f"{where}: parameters not gathered since the last optimizer step "
-                           "(verl_patches.ddp_overlap.complete_param_gather was not run)")
+                           "(verl_patches.train.ddp_overlap.complete_param_gather was not run)")
     return out
 
 

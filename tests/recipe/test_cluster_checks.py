@@ -1,5 +1,5 @@
 """Issue 29, item 3: the launchers' dry run rejects what the real run rejects, with the same message, because
-both call the same checker (verl_patches/launch_checks.py): the environment every node reads (bringup_check_env)
+both call the same checker (verl_patches/launch/cluster_checks.py): the environment every node reads (bringup_check_env)
 and the head's inputs (launch_check_head, inside launch_validate). Real scripts, real bash, real checkpoints in the
 torch_dist format; nothing is faked. The real runs here stop at the checks (RAY_BIN is /bin/false in case they
 did not)."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import declared_ckpt, head_inputs, model_shapes
-from verl_patches import launch_checks
+from verl_patches.launch import cluster_checks
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -78,7 +78,7 @@ ENV_CASES = [
 
 @pytest.mark.parametrize("env, message", ENV_CASES)
 def test_the_checker_names_each_bad_value(env, message):
-    found = launch_checks.env_problems({**env})
+    found = cluster_checks.env_problems({**env})
     assert len(found) == 1 and message.removeprefix("error: ") in found[0], found
 
 
@@ -94,7 +94,7 @@ def test_dry_run_and_real_run_refuse_a_bad_value_with_the_same_message(env, mess
 
 
 def test_good_values_pass():
-    assert launch_checks.env_problems({"RAY_PORT": "65535", "NODE_RANK": "15", "NNODES": "16", "ROLE": "",
+    assert cluster_checks.env_problems({"RAY_PORT": "65535", "NODE_RANK": "15", "NNODES": "16", "ROLE": "",
                                        "VERL_PATCHES_REWARD_TIMEOUT_S": "5", "DEVICE": ""}) == []
 
 
@@ -160,8 +160,8 @@ def test_a_busy_ray_port_on_the_head_is_named(model, data):
                           "running, or another program): the Ray head could not listen there; stop what holds it or "
                           "choose another RAY_PORT"]
     # Free again: no finding (and a MASTER_ADDR that is not this machine's is Ray's to report).
-    assert launch_checks.port_problem("127.0.0.1", port) is None
-    assert launch_checks.port_problem("10.255.255.1", port) is None
+    assert cluster_checks.port_problem("127.0.0.1", port) is None
+    assert cluster_checks.port_problem("10.255.255.1", port) is None
 
 
 @pytest.mark.slow
@@ -195,16 +195,16 @@ def test_fault_injection_is_refused_by_the_cluster_launchers_dry_or_not():
     for r in (dry, real):
         assert r.returncode == 2 and _errors(r) == [want], r.stderr
     # The tiny launcher, where the fingerprint check is tested, allows it.
-    assert launch_checks.env_problems({**env, "LAUNCH_ALLOW_FAULT_INJECTION": "1"}) == []
+    assert cluster_checks.env_problems({**env, "LAUNCH_ALLOW_FAULT_INJECTION": "1"}) == []
 
 
 def test_switching_patches_off_is_said_on_every_run():
-    warned = launch_checks.env_warnings({"VERL_PATCHES_OFF": "yes", "VERL_PATCHES_DISABLE": "a.b,c.d"})
+    warned = cluster_checks.env_warnings({"VERL_PATCHES_OFF": "yes", "VERL_PATCHES_DISABLE": "a.b,c.d"})
     assert warned == [
         "VERL_PATCHES_OFF='yes' weakens the run: no patch is applied: every fix and check of the overlay is off "
         "(upstream's behaviour)",
         "VERL_PATCHES_DISABLE='a.b,c.d' weakens the run: the named patches, and the checks they carry, are off"]
-    assert launch_checks.env_warnings({"VERL_PATCHES_OFF": "0", "VERL_PATCHES_DISABLE": ""}) == []
+    assert cluster_checks.env_warnings({"VERL_PATCHES_OFF": "0", "VERL_PATCHES_DISABLE": ""}) == []
     # A warning, not an error: the launcher goes on (to the bad RAY_PORT here, which stops it before anything).
     r = _run(RANDOM_INIT, "--dry-run", VERL_PATCHES_OFF="1", RAY_PORT="99999")
     assert "warning: VERL_PATCHES_OFF='1' weakens the run: no patch is applied" in r.stderr

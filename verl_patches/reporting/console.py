@@ -1,9 +1,9 @@
-"""``python -m verl_patches.console LOG``: the trainer's whole output into LOG, the report's lines on
+"""``python -m verl_patches.reporting.console LOG``: the trainer's whole output into LOG, the report's lines on
 the console.
 
 A launcher pipes verl's trainer (its driver and, through Ray, every worker) into it
 (scripts/cluster/launch.sh with LAUNCH_CONSOLE=steps, as scripts/train_tiny.sh runs). Every line is
-appended to LOG as it came; the lines the run's report prints (verl_patches/report.py,
+appended to LOG as it came; the lines the run's report prints (verl_patches/reporting/report.py,
 ``CONSOLE_LINE``: the header, one line per step, the summary) are also written to stdout, without
 Ray's ``(TaskRunner pid=...)`` prefix and colours. It reads until the trainer's end of output and
 ignores SIGINT, so that it drains what a stopping trainer still writes; the launcher's teardown stops
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from verl_patches.report import CONSOLE_LINE
+from verl_patches.reporting.report import CONSOLE_LINE
 
 # Ray's colour codes and the prefix it gives a worker's lines: "(TaskRunner pid=123)" or, from another
 # node, "(TaskRunner pid=123, ip=10.0.0.2)".
@@ -47,7 +47,7 @@ def relay(source: BinaryIO, log: BinaryIO, out: TextIO) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_patches.console", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m verl_patches.reporting.console", description=__doc__.split("\n\n")[0])
     p.add_argument("log", type=Path, help="file the whole output is appended to")
     args = p.parse_args(argv)
     try:

@@ -1,5 +1,5 @@
 """``python -m verl_patches plot RUN_DIR``: the run's curves as PNGs (matplotlib), from its
-``metrics.jsonl`` (verl_patches/report.py writes it) or, without one, from its tensorboard event files.
+``metrics.jsonl`` (verl_patches/reporting/report.py writes it) or, without one, from its tensorboard event files.
 
 RUN_DIR is what a run writes into (scripts/train_tiny.sh's TINY_OUT): ``metrics.jsonl`` and/or
 ``tensorboard/`` (event files anywhere below it; RUN_DIR itself may be a tensorboard directory).

@@ -1,4 +1,4 @@
-"""The first code a rank of ``run_distributed`` (verl_patches/launch.py) runs: it starts the rank's
+"""The first code a rank of ``run_distributed`` (verl_patches/launch/local_ranks.py) runs: it starts the rank's
 heartbeat before anything heavy is imported, then unpickles and calls the real entry point.
 
 Standard library only, so a spawned rank beats within the interpreter's start-up: importing torch
@@ -26,8 +26,8 @@ def _beat(beats: Any, rank: int, every: float) -> None:
 
 def _take_environment(environ: dict[str, str]) -> None:
     """A forked rank (forkserver) holds the server's environment, not its caller's: take the caller's,
-    plus what the server's preloaded imports set and the caller does not (verl_patches/rank_preload.py)."""
-    preload = sys.modules.get("verl_patches.rank_preload")
+    plus what the server's preloaded imports set and the caller does not (verl_patches/launch/rank_preload.py)."""
+    preload = sys.modules.get("verl_patches.launch.rank_preload")
     added = dict(getattr(preload, "ENV_SET_BY_IMPORTS", {}))
     os.environ.clear()
     os.environ.update(environ)
@@ -37,7 +37,7 @@ def _take_environment(environ: dict[str, str]) -> None:
 
 def check_preload() -> None:
     """Raise, naming them, if the forkserver this rank was forked from failed to import its preload."""
-    failed = getattr(sys.modules.get("verl_patches.rank_preload"), "FAILED", ())
+    failed = getattr(sys.modules.get("verl_patches.launch.rank_preload"), "FAILED", ())
     if failed:
         raise ImportError("the forkserver of run_distributed could not preload "
                           f"{'; '.join(failed)} (VERL_PATCHES_RANK_PRELOAD names a module this environment "

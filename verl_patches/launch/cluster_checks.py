@@ -1,16 +1,16 @@
 """The launchers' checks of their inputs: ONE function each, called by the dry run and by the real
 bring-up alike (scripts/cluster/launch.sh), so both reject the same things with the same message.
 
-``python -m verl_patches.launch_checks env``: the values every node reads (ports, ranks, counts,
-timeouts, DEVICE, LAUNCH_CONSOLE and the overlay's own ``VERL_PATCHES_*`` variables, verl_patches/env.py);
+``python -m verl_patches.launch.cluster_checks env``: the values every node reads (ports, ranks, counts,
+timeouts, DEVICE, LAUNCH_CONSOLE and the overlay's own ``VERL_PATCHES_*`` variables, verl_patches/config/env.py);
 a setting that weakens a check is refused (a timeout of 0, fault injection outside the test launcher) or,
 where it is the user's explicit choice (VERL_PATCHES_OFF, VERL_PATCHES_DISABLE), said as a warning.
-``python -m verl_patches.launch_checks head [--ckpt DIR]``: what only the head reads: its Ray port
+``python -m verl_patches.launch.cluster_checks head [--ckpt DIR]``: what only the head reads: its Ray port
 free, the model's config.json, the data files and, for a real-weight run, a complete checkpoint of
 the model that config.json describes (its embedding shape and its layer count).
 Each prints one ``error: ...`` line per problem on stderr and exits 2 when there is one.
 
-This module imports only the standard library and verl_patches.env at import time (the launcher
+This module imports only the standard library and verl_patches.config.env at import time (the launcher
 runs it before it knows whether its Python has anything else); the checkpoint check reads the
 torch_dist index, so it imports torch (the launcher has checked for it by then).
 """
@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-from verl_patches import env as overlay_env
-from verl_patches.findings import finish
+from verl_patches.config import env as overlay_env
+from verl_patches.reporting.findings import finish
 
 POSITIVE_INTS = ("NNODES", "DEVICES_PER_NODE", "WAIT_TIMEOUT_S", "STOP_GRACE_S")
 CHOICES = {"DEVICE": ("npu", "cuda", "cpu"), "ROLE": ("head", "worker"), "LAUNCH_CONSOLE": ("full", "steps")}
@@ -173,7 +173,7 @@ def head_problems(environ: Mapping[str, str] | None = None, ckpt: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_patches.launch_checks", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m verl_patches.launch.cluster_checks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("env", "head"))
     p.add_argument("--ckpt", default=None, help="the real-weight run's checkpoint (DIST_CKPT_PATH)")

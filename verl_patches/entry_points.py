@@ -1,4 +1,6 @@
-"""Apply the patches of the current process phase; the entry points that reach every process.
+"""The entry points that reach every process, and what they run: apply the patches of the current
+process phase (``apply_prelude``). Importing this module applies nothing (``prelude_patch`` is the one
+module whose import does).
 
 Three ways in, all idempotent: ``from verl_patches import prelude_patch`` (the line users add
 to verl's worker module, which every Ray worker imports), vLLM's general-plugin entry point
@@ -7,7 +9,7 @@ to verl's worker module, which every Ray worker imports), vLLM's general-plugin 
 
 from __future__ import annotations
 
-from verl_patches import env
+from verl_patches.config import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
 from verl_patches.core.record import Patch
@@ -22,7 +24,7 @@ def disabled_ids() -> set[str]:
 def patches_for(phase: str, registry: list[Patch] | None = None, device_type: str | None = None) -> list[Patch]:
     """The patches this process applies, in the order it applies them (the CPU platform's first, then
     the catalogue's order): its phase, its accelerator, not disabled."""
-    from verl_patches import accelerator
+    from verl_patches.base import accelerator
 
     off = disabled_ids()
     dev = device_type or accelerator.device_type()
@@ -34,8 +36,8 @@ def apply_prelude(phase: str | None = None) -> list[str]:
     """Apply this phase's patches; return the ids newly applied (empty when already done)."""
     if env.get("VERL_PATCHES_OFF"):
         return []
-    # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/compile_context.py).
-    from verl_patches.compile_context import save_real_compile
+    # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/rollout/compile_context.py).
+    from verl_patches.rollout.compile_context import save_real_compile
 
     save_real_compile()
     return apply_all(patches_for(phase or current_phase()))
@@ -47,5 +49,5 @@ def vllm_plugin() -> None:
 
 
 def ray_setup_hook() -> None:
-    """For ``ray.init(runtime_env={"worker_process_setup_hook": "verl_patches.prelude.ray_setup_hook"})``."""
+    """For ``ray.init(runtime_env={"worker_process_setup_hook": "verl_patches.entry_points.ray_setup_hook"})``."""
     apply_prelude()

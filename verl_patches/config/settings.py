@@ -11,7 +11,7 @@ under one stash key (``rollout_settings``, on vLLM's LLM).
 
 Three things are called "recipe" in this repository; they are different:
 - the *recipe section*: this YAML section (``actor_rollout_ref.rollout.recipe``), read here;
-- the *run configs*: the YAML files under configs/ that compose a run (verl_patches/recipe_config.py);
+- the *run configs*: the YAML files under configs/ that compose a run (verl_patches/config/recipe_config.py);
 - the *recipe reshard method* (``reshard_method: recipe``): the published recipe's reference reshard,
   kept for comparison (verl_patches/reshard/__init__.py).
 """
@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Mapping, Optional
 
-from verl_patches.megatron_args import RecipeMegatron, RecipeMegatronError, parse as parse_megatron
+from verl_patches.config.megatron_args import RecipeMegatron, RecipeMegatronError, parse as parse_megatron
 from verl_patches.reshard import METHODS
 
 SECTION = "actor_rollout_ref.rollout.recipe"  # in the trainer's config
@@ -52,16 +52,16 @@ KEYS: dict[str, Key] = {
     "rollout_torch_compile": Key(bool, True, "the real torch.compile for the rollout under MindSpeed"),
     "fixed_routing": Key(bool, False, "load-balanced expert routing (random-init benchmarks)"),
     "overlap_grad_reduce": Key(bool, False, "megatron-core's DDP launches each gradient bucket's reduce from the "
-                                            "backward hooks (verl_patches/ddp_overlap.py); false: verl's DDP"),
+                                            "backward hooks (verl_patches/train/ddp_overlap.py); false: verl's DDP"),
     "overlap_param_gather": Key(bool, False, "megatron-core's DDP gathers the distributed optimizer's updated "
                                              "shards in the next forward's pre-hooks, finished when the update "
-                                             "returns (verl_patches/ddp_overlap.py); false: in the optimizer step"),
+                                             "returns (verl_patches/train/ddp_overlap.py); false: in the optimizer step"),
     "vllm_dp": Key("section", None, "vLLM data parallelism: dp_size, instances, master_port_base, port_stride"),
-    "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/megatron_args.py)"),
+    "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/config/megatron_args.py)"),
     "device_memory_gib": Key(float, None, "the device's memory, to check the memory estimate against"),
     "host_memory_gib": Key(float, None, "the host memory of one node, to check the host side of the memory estimate "
                                         "against (the optimizer on the host and the switch's pinned copies)"),
-    "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/report.py)"),
+    "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/reporting/report.py)"),
     "fingerprint_every": Key(int, 10, "check every N switches that each rollout parameter holds exactly what the "
                                      "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
     "tensorboard_dir": Key(str, None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's "
@@ -92,7 +92,7 @@ VLLM_DP: dict[str, Key] = {
     "port_stride": Key(int, 4, "port distance between instances", minimum=1),
 }
 # The type of each key: a type, a tuple of allowed values, a nested section, or "megatron"
-# (checked by verl_patches.megatron_args.parse).
+# (checked by verl_patches.config.megatron_args.parse).
 SCHEMA: dict[str, Any] = {
     **{name: key.kind for name, key in KEYS.items() if key.kind != "section"},
     "vllm_dp": {name: key.kind for name, key in VLLM_DP.items()},
@@ -284,7 +284,7 @@ RecipeSettings = make_dataclass(
     frozen=True,
     namespace={"__doc__": "The recipe section of one run, typed and frozen: one attribute per key of KEYS (its "
                           "default where the section has none), ``vllm_dp`` (VllmDp) and ``megatron`` (the "
-                          "parsed RecipeMegatron, verl_patches/megatron_args.py). Built by ``build``."})
+                          "parsed RecipeMegatron, verl_patches/config/megatron_args.py). Built by ``build``."})
 
 
 def build(section: Any, where: str = SECTION) -> Any:

@@ -29,7 +29,7 @@ def configure(on: bool) -> None:
 
 def configure_from_worker_config(worker_config) -> bool:
     """Set the switch from a worker's config (actor_rollout_ref: the key sits at rollout.recipe.fixed_routing)."""
-    from verl_patches import settings
+    from verl_patches.config import settings
 
     try:
         configure(settings.from_worker(worker_config).fixed_routing)
@@ -39,7 +39,7 @@ def configure_from_worker_config(worker_config) -> bool:
 
 
 def enabled() -> bool:
-    from verl_patches import env
+    from verl_patches.config import env
 
     return bool(env.get(ENV))
 

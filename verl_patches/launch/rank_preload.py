@@ -1,5 +1,5 @@
 """What the forkserver of ``run_distributed`` imports once, before it forks any rank
-(``VERL_PATCHES_RANK_START=forkserver``; verl_patches/launch.py).
+(``VERL_PATCHES_RANK_START=forkserver``; verl_patches/launch/local_ranks.py).
 
 A spawned rank is a fresh interpreter that imports torch (and, for most ranks of the tests, megatron-core
 and vLLM) on its own: 3 to 13 s of CPU each, paid hundreds of times by the test suite on a 2-core
@@ -29,7 +29,7 @@ def _load() -> tuple[tuple[str, ...], dict[str, str]]:
     # Nothing may escape: an exception here would end the forkserver, and the caller would see only
     # a broken pipe. Failures are named to the ranks instead.
     try:
-        from verl_patches import env
+        from verl_patches.config import env
 
         names = env.get("VERL_PATCHES_RANK_PRELOAD")
     except Exception as e:  # noqa: BLE001

@@ -1,6 +1,6 @@
 """Compose the recipe's Hydra configs against the installed verl and check the 256-die layout arithmetic.
 
-``python -m verl_patches.recipe_config --config-name NAME [--model-config F] [overrides...]``; exit 1 on errors.
+``python -m verl_patches.config.recipe_config --config-name NAME [--model-config F] [overrides...]``; exit 1 on errors.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from verl_patches import settings
+from verl_patches.config import settings
 from verl_patches.core.lock import REPO_ROOT
-from verl_patches.findings import finish
+from verl_patches.reporting.findings import finish
 
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
@@ -136,7 +136,7 @@ def _check_token_budgets(rep: Report, cfg, max_len: int) -> None:
                       f"split (use_dynamic_bsz) needs room for one; raise it to at least {-(-max_len // cp)}")
 
 
-_select = settings.select  # a composed config's key (one lookup: verl_patches/settings.py)
+_select = settings.select  # a composed config's key (one lookup: verl_patches/config/settings.py)
 
 
 def _tree_paths(node: Any, prefix: str, known: set[str], free: set[str]) -> None:
@@ -245,8 +245,8 @@ def _pos(rep: Report, cfg, key: str) -> int | None:
 
 def _recipe_megatron(recipe: dict):
     """The recipe's Megatron section parsed, or None (a malformed one is reported by settings.problems)."""
-    from verl_patches.megatron_args import RecipeMegatronError
-    from verl_patches.megatron_args import parse as parse_megatron
+    from verl_patches.config.megatron_args import RecipeMegatronError
+    from verl_patches.config.megatron_args import parse as parse_megatron
 
     try:
         return parse_megatron(recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else None)
@@ -457,7 +457,7 @@ def model_rules(rep: Report, cfg, model: dict) -> None:
 
 
 def card_rules(rep: Report, recipe: dict, world: int | None, nnodes: int | None, per_node: int | None) -> None:
-    """perf/tps_per_card divides by whole cards (verl_patches/report.py: Cards); checked here, before a run."""
+    """perf/tps_per_card divides by whole cards (verl_patches/reporting/report.py: Cards); checked here, before a run."""
     per_card = recipe.get("devices_per_card")
     if world is not None and isinstance(per_card, int) and not isinstance(per_card, bool):
         rep.check(per_card >= 1 and world % per_card == 0,
@@ -471,7 +471,7 @@ MEMORY_KEYS = ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rop
 
 def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **layout) -> dict | None:
     """recipe.device_memory_gib set: the per-device training state and rollout weights must fit
-    (verl_patches/recipe_memory.py). None when it is not set or the model config lacks the sizes."""
+    (verl_patches/config/recipe_memory.py). None when it is not set or the model config lacks the sizes."""
     device_gib = recipe.get("device_memory_gib", None)
     if device_gib is None or rep.errors:
         return None
@@ -481,7 +481,7 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
     if any(k not in model for k in MEMORY_KEYS):
         rep.notes.append("memory not estimated: the model config lacks the layer sizes")
         return None
-    from verl_patches.recipe_memory import estimate
+    from verl_patches.config.recipe_memory import estimate
 
     arr = cfg.actor_rollout_ref
     # MindSpeed's swap optimizer keeps Adam's state on the host between its uses (Ascend only);
@@ -523,7 +523,7 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
 def _optimizer_offload(rep: Report, cfg, swap_optimizer: bool):
     """actor.optim's optimizer-offload settings (patch verl.optim.cpu_offload): the checked dict, None when
     off, False when they are malformed or cannot combine (the error is recorded)."""
-    from verl_patches.optim_offload import OptimizerOffloadError, offload_settings
+    from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
 
     optim = _select(cfg, "actor_rollout_ref.actor.optim")
     if optim is None:
@@ -593,7 +593,7 @@ def check_data(cfg, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_patches.recipe_config", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m verl_patches.config.recipe_config", description=__doc__)
     p.add_argument("--config-name", required=True, help=f"one of {RUN_CONFIGS}")
     p.add_argument("--config-dir", type=Path, default=CONFIG_DIR)
     p.add_argument("--model-config", type=Path, default=None, help="DeepSeek-V3 config.json (default: model.path, then configs/model/)")

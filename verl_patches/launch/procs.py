@@ -1,7 +1,7 @@
 """Process lifetimes for every multi-process entry point: children die with their parent, and a
 parent stopped by SIGTERM, SIGINT or SIGHUP takes its whole process tree down with it.
 
-``python -m verl_patches.procs exec -- CMD ...`` runs CMD so that it is signalled when the
+``python -m verl_patches.launch.procs exec -- CMD ...`` runs CMD so that it is signalled when the
 calling shell dies (the launchers start Ray and the trainer this way).
 """
 
@@ -193,7 +193,7 @@ def _exec(argv: list[str]) -> int:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        print("usage: python -m verl_patches.procs exec -- CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m verl_patches.launch.procs exec -- CMD [ARGS...]", file=sys.stderr)
         return 2
     set_parent_death_signal(signal.SIGTERM)
     if os.getppid() == 1:  # the shell is already gone
@@ -209,6 +209,6 @@ def _exec(argv: list[str]) -> int:
 if __name__ == "__main__":
     args = sys.argv[1:]
     if not args or args[0] != "exec":
-        print("usage: python -m verl_patches.procs exec -- CMD [ARGS...]", file=sys.stderr)
+        print("usage: python -m verl_patches.launch.procs exec -- CMD [ARGS...]", file=sys.stderr)
         sys.exit(2)
     sys.exit(_exec(args[1:]))

@@ -1,0 +1,6 @@
+"""The training side's features, framework-free (plain torch; the patch modules under verl_patches/patches/
+bind them to megatron-core and verl): megatron-core's data-parallel communication overlap as the recipe turns
+it on (``ddp_overlap``), the rollout-vs-train mismatch and entropy measured inside the update (``mismatch``),
+and fixed (balanced) expert routing for the random-init benchmark (``fixed_routing``: the training router's
+and, through the environment, the rollout's).
+"""
