@@ -23,12 +23,14 @@ log() { printf '[setup_test_env] %s\n' "$*" >&2; }
 
 command -v "$PYTHON" >/dev/null || { log "error: $PYTHON not found (the recipe targets Python 3.11; set PYTHON=...)"; exit 2; }
 
-# MindSpeed's source (release archive, git tag, or skipped) is part of the stamp: an archive that
-# appears later, or a tag that becomes reachable, rebuilds the venv with it.
+# pyproject.toml is part of the stamp (its entry points name the vLLM plugins: a module that moves
+# must be reinstalled, or vLLM loads no plugin). MindSpeed's source (release archive, git tag, or
+# skipped) is too: an archive that appears later, or a tag that becomes reachable, rebuilds the venv
+# with it.
 MINDSPEED_SOURCE=$(bash "$ROOT/scripts/install_mindspeed.sh" --print "$PYTHON")
 stamp_of() {
   { cat "$LOCK" "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "${BASH_SOURCE[0]}" \
-        "$ROOT/scripts/install_mindspeed.sh"; echo "$MINDSPEED_SOURCE"; } | sha256sum | cut -c1-16
+        "$ROOT/scripts/install_mindspeed.sh" "$ROOT/pyproject.toml"; echo "$MINDSPEED_SOURCE"; } | sha256sum | cut -c1-16
 }
 STAMP=$(stamp_of)
 if [ -f "$VENV/.verl_patches_stamp" ] && [ "$(cat "$VENV/.verl_patches_stamp")" = "$STAMP" ]; then

@@ -153,8 +153,51 @@ def run_doctor(patches: list[Patch], platform: str, root: Path | None = None,
     lock = load_lock(lock_path)
     comp_findings = [check_component(c, platform, root) for c in lock.values()]
     patch_findings = [check_patch(p, lock, platform, root) for p in patches]
-    findings = comp_findings + patch_findings
+    findings = comp_findings + patch_findings + install_findings()
     return findings, (1 if any(is_failing(f, strict) for f in findings) else 0)
+
+
+PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins")  # pyproject.toml's entry points
+
+
+def _defines(module: str, attr: str) -> bool:
+    """Whether ``module`` (found on the path, not imported) defines ``attr`` at its top level."""
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return False
+    tree = ast.parse(Path(spec.origin).read_text())
+    names = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    names |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    return attr in names
+
+
+def install_findings() -> list[Finding]:
+    """One failing finding per entry point of the installed verl-patches distribution (vLLM's plugins)
+    that names a function this source tree does not define: an install made before a module moved,
+    whose vLLM processes would only log that the plugin failed to load and run unpatched. None when
+    every entry point resolves or the package is not installed, so the doctor's output is then what
+    it always was."""
+    from importlib import metadata
+
+    try:
+        entry_points = metadata.distribution("verl-patches").entry_points
+    except metadata.PackageNotFoundError:
+        return []
+    out = []
+    for ep in entry_points:
+        module, _, attr = ep.value.partition(":")
+        if ep.group in PLUGIN_GROUPS and not _defines(module, attr):
+            out.append(Finding(f"install:{ep.group}", ep.name, "changed",
+                               f"the installed package's entry point names {ep.value}, which this source tree does not "
+                               "define (installed before a module moved): reinstall it (pip install -e . in the "
+                               "checkout, or bash scripts/setup_test_env.sh)", ep.value, None, True))
+    return out
 
 
 def env_findings(environ=None) -> list[Finding]:
