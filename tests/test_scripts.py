@@ -153,7 +153,10 @@ def test_bench_self_check_tiny(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["paper"]["ranks"] == 4 and res["paper"]["shard_gb"] > 0
-    assert all(res["measured"][f"{k}_gib_s"] > 0 for k in ("copy", "receive", "send"))
+    assert all(res["measured"][f"{k}_gib_s"] > 0 for k in ("copy", "receive", "send", "receive_torch", "send_torch",
+                                                           "receive_previous"))
+    assert res["measured"]["same_integers"] is True and res["measured"]["fused"] is False  # a CPU: the torch path
+    assert 0 < res["paper"]["checked_sent_gb"] and res["paper_torch"]["share"] > 0
     assert res["mismatch"]["entropy_gib_s"] > 0 and res["mismatch"]["paper_entropy_s"] > 0
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_self_check.py"), "--gib", "0"],
                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
