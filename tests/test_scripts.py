@@ -21,6 +21,7 @@ from tests.helpers import REPO
 SCRIPTS = {
     "scripts/bench_offload.py": "tests/offload/test_bench_offload_script.py::test_bench_offload_tiny",
     "scripts/bench_optimizer_offload.py": "tests/test_scripts.py::test_bench_optimizer_offload_tiny",
+    "scripts/bench_host_optimizer_step.py": "tests/test_scripts.py::test_bench_host_optimizer_step_tiny",
     "scripts/bench_reshard.py": "tests/test_scripts.py::test_bench_reshard_tiny",
     "scripts/bench_self_check.py": "tests/test_scripts.py::test_bench_self_check_tiny",
     "scripts/measure_tensorcache_bytes.py": "tests/test_scripts.py::test_measure_tensorcache_bytes_tiny",
@@ -141,6 +142,24 @@ def test_bench_optimizer_offload_tiny(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_optimizer_offload.py"), "--fractions", "0"],
                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
     assert bad.returncode == 2 and "--fractions must each be in (0, 1]" in bad.stderr
+
+
+def test_bench_host_optimizer_step_tiny(tmp_path):
+    """On the CPU: the host part of the step (fused AdamW over fp32 host params) in two processes on one
+    core each, and the hybrid step recorded as not run; on a GPU the same script steps megatron-core's
+    HybridDeviceOptimizer (docs/benchmarks.md)."""
+    out = tmp_path / "host.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_host_optimizer_step.py"), "--device", "cpu",
+                        "--params", "0.0002", "--tensor-m", "0.05", "--procs", "2", "--threads", "1", "--steps", "2",
+                        "--json-out", str(out)], capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [row["index"] for row in res["rows"]] == [0, 1] and all(row["cores"] == 1 for row in res["rows"])
+    assert all(row["params"] == 200000 and row["tensors"] == 4 and len(row["step_s"]) == 2 for row in res["rows"])
+    assert res["median_step_s_max"] > 0 and "needs a GPU" in res["hybrid_not_run"]
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_host_optimizer_step.py"), "--params", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert bad.returncode == 2 and "--params must be in (0, 64]" in bad.stderr
 
 
 def test_bench_self_check_tiny(tmp_path):
