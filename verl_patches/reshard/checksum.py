@@ -29,9 +29,11 @@ offsets) pair: a box replicated to many rollout ranks at the same offsets (the d
 DP replica) gives the same sum, computed once and counted for every destination. Temporaries are
 bounded by one block (2**24 elements) plus the 16 MiB key table; one all-reduce of 8 bytes per (rank,
 parameter). Two code paths compute the same integers:
-- torch (every device; the one an NPU runs): 2-byte values are multiplied by the key table split in
-  bytes (K = 256 * Kh + Kl), so every product and every sum of 64 of them fits an int32, and only
-  those block sums are widened to int64 (a full-size int64 copy was most of the old path's traffic);
+- torch (every device; the one an NPU runs): torch's sum(dtype=int64) of an int32 tensor writes an int64
+  copy first, so 2-byte values' products with the keys (each below 2**30 in magnitude) are added in
+  pairs within int32 before the widening sum, and the plain sums of the bits in int32 groups of 2**15;
+  a sender's chunk keys come from a 512-entry table (``_RECEIVE`` keeps two other forms of the receive
+  sum, for timing: "wide", the previous one, and "split", keys split in bytes; all give the same integers);
 - a fused Triton kernel on CUDA (2-byte values; VERL_PATCHES_FINGERPRINT_TRITON=false turns it off):
   one pass that reads each value once and looks its key up in the (L2-resident) table.
 """
@@ -61,7 +63,8 @@ class WeightMismatchError(RuntimeError):
 
 
 _TABLES: dict[str, torch.Tensor] = {}
-_SPLIT: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_SPLIT: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_CHUNK_KEYS: dict[str, torch.Tensor] = {}
 
 
 def key_table(device: torch.device) -> torch.Tensor:
@@ -74,13 +77,21 @@ def key_table(device: torch.device) -> torch.Tensor:
     return _TABLES[dev]
 
 
-def _split_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(K >> 8, K & 255, c(q) for every chunk index an int32 index can reach), int32, cached per device."""
+def _split_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K >> 8, K & 255), int32, cached per device (the "split" form only)."""
     dev = str(device)
     if dev not in _SPLIT:
         k = key_table(device)
-        _SPLIT[dev] = (k >> 8, k & 255, _chunk_key(torch.arange(1 << (31 - _SHIFT), dtype=torch.int32, device=device)))
+        _SPLIT[dev] = (k >> 8, k & 255)
     return _SPLIT[dev]
+
+
+def _chunk_keys(device: torch.device) -> torch.Tensor:
+    """c(q) for every chunk index an int32 element index can reach (512 of them), int32, per device."""
+    dev = str(device)
+    if dev not in _CHUNK_KEYS:
+        _CHUNK_KEYS[dev] = _chunk_key(torch.arange(1 << (31 - _SHIFT), dtype=torch.int32, device=device))
+    return _CHUNK_KEYS[dev]
 
 
 def _chunk_key(q: torch.Tensor | int) -> torch.Tensor | int:
@@ -124,10 +135,10 @@ def _split_dot_rows(bits: torch.Tensor, kh: torch.Tensor, kl: torch.Tensor) -> t
 _RECEIVE = "pairs"  # how the torch path sums bits * K per row (all give the same integers; timed on a GPU)
 
 
-def _receive_rows(bits: torch.Tensor, table: torch.Tensor, kh: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+def _receive_rows(bits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Per row of int16 ``bits`` [rows, CHUNK], sum(bits * K) as int64, exact."""
     if _RECEIVE == "split":
-        return _split_dot_rows(bits, kh, kl)
+        return _split_dot_rows(bits, *_split_tables(bits.device))
     prod = bits * table  # |bits * K| <= 2**30
     if _RECEIVE == "pairs":
         # Two products add up within an int32 (-2**31 at the very least), so only half the count is widened.
@@ -155,12 +166,11 @@ def tensor_checksum(t: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     per = BLOCK // CHUNK
     full = n // CHUNK
     if flat.element_size() == 2:
-        kh, kl, _ = _split_tables(t.device)
         for q0 in range(0, full, per):
             q1 = min(full, q0 + per)
             bits = flat[q0 * CHUNK:q1 * CHUNK].view(torch.int16).view(q1 - q0, CHUNK)
             qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
-            rows = _receive_rows(bits, table, kh, kl) + _chunk_key(qs) * _row_sums(bits)
+            rows = _receive_rows(bits, table) + _chunk_key(qs) * _row_sums(bits)
             total = torch.remainder(total + rows.sum(), MOD)
     else:
         for q0 in range(0, full, per):
@@ -210,7 +220,7 @@ def view_checksum(values: torch.Tensor, dest: torch.Tensor, rows_per_chunk: int 
         index = lead.view([-1] + [1] * (values.dim() - 1)) + rest
         if itype == torch.int32:
             keys = table[index & (CHUNK - 1)]
-            keys += _split_tables(device)[2][index >> _SHIFT]
+            keys += _chunk_keys(device)[index >> _SHIFT]
         else:
             keys = table[index & (CHUNK - 1)] + _chunk_key(index >> _SHIFT).to(torch.int32)
         total = torch.remainder(total + _dot(_bits(values[a:b]), keys), MOD)
