@@ -1,6 +1,12 @@
 """Benchmark of the three reshard methods (direct, upstream A, recipe B) side by side on
 DeepSeek-V3-shaped layers: time, bytes, peak device memory, bus bandwidth vs all_to_all.
 
+The all-to-all ceiling: before any layout, a plain all_to_all_single is timed over per-rank message
+sizes (--a2a-sizes-mb, 16 MiB to 2 GiB by default; bus bandwidth = bytes a rank sends to its peers /
+time, median of --a2a-repeats, slowest rank). Each method's bus bandwidth is then given as a fraction
+of two references: "of a2a" the all-to-all at the reshard's own per-collective size (half a bucket
+each way), "of peak" the best value of that curve (the large-message ceiling).
+
 Launch with torchrun (gloo on CPU, NCCL on GPU through the accelerator facade):
     torchrun --nproc-per-node 2 scripts/bench_reshard.py --train tp=1,pp=2,ep=1 --rollout tp=2,dp=1
 The plan needs megatron-core (rank coordinates); where it is not installed, build it elsewhere
@@ -57,8 +63,8 @@ def a2a_busbw(nbytes: int, dtype: torch.dtype, device: torch.device, world: int,
     """Bus bandwidth (bytes a rank sends to peers / time) of one all_to_all_single in which each
     rank sends nbytes in total, split evenly over its peers."""
     es = torch.empty((), dtype=dtype).element_size()
-    n = nbytes // es
     peers = max(1, world - 1)
+    n = max(peers, nbytes // es)
     splits = [0 if p == rank and world > 1 else n // peers for p in range(world)]
     total = sum(splits)
     rsplits = [0 if p == rank and world > 1 else n // peers for p in range(world)]
@@ -76,6 +82,18 @@ def a2a_busbw(nbytes: int, dtype: torch.dtype, device: torch.device, world: int,
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return total * es / float(t.item())
+
+
+def a2a_curve(sizes_mb: list[float], dtype: torch.dtype, device: torch.device, world: int, rank: int,
+              repeats: int) -> list[dict[str, float]]:
+    """The all-to-all's bus bandwidth over per-rank message sizes (each rank sends that many bytes in
+    total, evenly to its peers), smallest first; buffers are freed after each size."""
+    out = []
+    for mb in sorted(sizes_mb):
+        bw = a2a_busbw(int(mb * (1 << 20)), dtype, device, world, rank, repeats)
+        accelerator.empty_cache()
+        out.append({"mib_per_rank": mb, "busbw": bw})
+    return out
 
 
 def phase_times(plan: Plan, rank: int, train: dict, roll: dict, device: torch.device) -> dict[str, float]:
@@ -142,6 +160,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"transposing copy kernel equals torch copy_: {copy_ok}", flush=True)
     if not copy_ok:
         raise SystemExit("copy kernel mismatch")
+    curve = a2a_curve(args.a2a_sizes_mb, torch_dtype(plans[0].dtype), device, world, rank, args.a2a_repeats)
+    peak = max(c["busbw"] for c in curve)
+    if rank == 0:
+        print("all_to_all_single bus bandwidth by per-rank message size (GB/s): " +
+              ", ".join(f"{c['mib_per_rank']:g} MiB {c['busbw'] / 1e9:.1f}" for c in curve), flush=True)
     a2a_first = {p.bucket_bytes: a2a_busbw(p.bucket_bytes // 2, torch_dtype(p.dtype), device, world, rank,
                                            3 * args.repeats) for p in plans}
     rows = []
@@ -206,13 +229,17 @@ def run(args: argparse.Namespace) -> int:
         # it each way: compare with an all_to_all_single of that per-rank size.
         # Best of two measurements, before any allocation and after this layout (the links'
         # bandwidth varies from run to run; the higher reference gives the lower fraction).
-        a2a = max(a2a_first[plan.bucket_bytes],
+        same_size = [c["busbw"] for c in curve if int(c["mib_per_rank"] * (1 << 20)) == plan.bucket_bytes // 2]
+        a2a = max(a2a_first[plan.bucket_bytes], *same_size,
                   a2a_busbw(plan.bucket_bytes // 2, dt, device, world, rank, 3 * args.repeats))
         for r in rows:
             if r["train"] is P.train and r["rollout"] is P.rollout:
                 r["a2a_busbw"] = a2a
                 r["busbw"] = r["max_link_bytes"] / r["seconds"]
                 r["busbw_fraction"] = r["busbw"] / a2a
+                r["a2a_peak_busbw"] = peak
+                r["busbw_fraction_of_peak"] = r["busbw"] / peak
+                r["ideal_seconds_at_peak"] = r["max_link_bytes"] / peak
     if rank == 0:
         info = accelerator.describe()
         print(f"\ndevice {info.get('device_name', 'cpu')} x{world}, backend {backend}, torch {torch.__version__}, "
@@ -220,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
               f"layers {plans[0].placements.model.num_layers}, experts {plans[0].placements.model.n_routed_experts}, "
               f"hidden {plans[0].placements.model.hidden_size}")
         print(f"{'train -> rollout':<44}{'method':<10}{'time ms':>9}{'vs direct':>10}{'recv GB':>9}"
-              f"{'peak GB':>9}{'coll':>6}{'busbw GB/s':>11}{'of a2a':>8}{'same':>6}")
+              f"{'peak GB':>9}{'coll':>6}{'busbw GB/s':>11}{'of a2a':>8}{'of peak':>8}{'same':>6}")
         for r in rows:
             d = next(x for x in rows if x["train"] is r["train"] and x["rollout"] is r["rollout"]
                      and x["method"] == "direct")
@@ -228,10 +255,17 @@ def run(args: argparse.Namespace) -> int:
                    f"tp{r['rollout'].tp} dp{r['rollout'].dp} x{r['rollout'].instances}")
             print(f"{lay:<44}{r['method']:<10}{r['seconds'] * 1e3:>9.1f}{r['seconds'] / d['seconds']:>9.2f}x"
                   f"{r['max_recv_bytes'] / 1e9:>9.3f}{r['peak_extra_bytes'] / 1e9:>9.3f}{r['collectives']:>6}"
-                  f"{r['busbw'] / 1e9:>11.1f}{r['busbw_fraction']:>8.2f}{str(r['identical_to_first']):>6}")
+                  f"{r['busbw'] / 1e9:>11.1f}{r['busbw_fraction']:>8.2f}{r['busbw_fraction_of_peak']:>8.2f}"
+                  f"{str(r['identical_to_first']):>6}")
+        per = {p.bucket_bytes: r["a2a_busbw"] for p in plans for r in rows if r["train"] is p.placements.train}
+        print(f"of a2a: over the all-to-all at the reshard's per-collective size (" +
+              ", ".join(f"{b / 2 / (1 << 20):g} MiB per rank {v / 1e9:.1f} GB/s" for b, v in per.items()) +
+              f", best of the curve's point and two more measurements); of peak: over the curve's best, "
+              f"{peak / 1e9:.1f} GB/s at {max(curve, key=lambda c: c['busbw'])['mib_per_rank']:g} MiB per rank")
         if args.json_out:
             out = [dict(r, train=vars(r["train"]), rollout=vars(r["rollout"])) for r in rows]
             Path(args.json_out).write_text(json.dumps({"device": accelerator.describe(), "world": world,
+                                                       "a2a_curve": curve, "a2a_peak_busbw": peak,
                                                        "rows": out}, indent=2, default=str))
     dist.barrier()
     dist.destroy_process_group()
@@ -251,12 +285,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="direct,upstream,recipe")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--a2a-sizes-mb", default="16,32,64,128,256,512,1024,2048",
+                    help="per-rank message sizes (MiB, comma-separated) of the all-to-all curve")
+    ap.add_argument("--a2a-repeats", type=int, default=10, help="timed all-to-alls per size (median)")
     ap.add_argument("--phases", action="store_true", help="also time the direct method's phases one by one")
     ap.add_argument("--plan", help="load plans pickled by --save-plan instead of planning here")
     ap.add_argument("--save-plan", help="plan (metadata only), pickle to this file and exit")
     ap.add_argument("--json-out", help="write the result rows as JSON (rank 0)")
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    try:
+        args.a2a_sizes_mb = [float(x) for x in args.a2a_sizes_mb.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--a2a-sizes-mb {args.a2a_sizes_mb!r}: give sizes in MiB separated by commas")
+    if not args.a2a_sizes_mb or min(args.a2a_sizes_mb) <= 0:
+        ap.error("--a2a-sizes-mb needs at least one size, each above 0")
+    if args.a2a_repeats < 1:
+        ap.error(f"--a2a-repeats must be at least 1, got {args.a2a_repeats}")
     if not args.plan:
         args.train = args.train or ["tp=1,pp=2,ep=1"]
         args.rollout = args.rollout or ["tp=2,dp=1"]

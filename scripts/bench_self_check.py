@@ -14,9 +14,12 @@ Measured, on a bf16 tensor of --gib GiB (median of --repeats after one warm-up):
 - receive side: the checksum of a whole rollout parameter (tensor_checksum);
 - send side: the checksum of a transposed box at its destination offsets (view_checksum on a
   [E, R, C] stack read through .transpose(1, 2), as Megatron's expert weights reach vLLM's).
+Each side on the path the run takes here (the fused Triton kernel on CUDA, else torch) and on the torch
+path (an NPU's), plus the receive side as it was before issue 37; all must give the same integers.
 GiB/s counts the bf16 bytes checked. Paper: per rank, the fingerprint reads its rollout shard once
-(receive rate) and what it sent once (send rate); the largest rank's time over --switch-s, the
-reference's published switch (17 s: 11.5 s reshard + 5.5 s offload, docs/PERFORMANCE.md).
+(receive rate) and each distinct box it sent once (send rate; checksum.checked_bytes); the largest
+rank's time over --switch-s, the reference's published switch (17 s: 11.5 s reshard + 5.5 s offload,
+docs/PERFORMANCE.md).
 
 The mismatch: chunked_entropy (the overlay's, 1024 tokens a chunk, no autograd) over fp32 logits of
 --entropy-tokens x --vocab-shard, with verl's vocab_parallel_entropy's arithmetic at tensor parallel 1
@@ -97,11 +100,40 @@ def _timed(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
+def _previous_receive(t):
+    """The receive side as it was before issue 37 (int64 products and sums: a full-size int64 copy per
+    sum), kept here to time the change on the same card; the same integers as tensor_checksum."""
+    import torch
+
+    from verl_patches.reshard.checksum import BLOCK, CHUNK, MOD, _chunk_key, key_table
+
+    flat = t.reshape(-1)
+    table = key_table(t.device)
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    per, full = BLOCK // CHUNK, flat.numel() // CHUNK
+    for q0 in range(0, full, per):
+        q1 = min(full, q0 + per)
+        bits = flat[q0 * CHUNK:q1 * CHUNK].view(torch.int16).view(q1 - q0, CHUNK)
+        rows = (bits * table).sum(dim=1, dtype=torch.int64)
+        sums = torch.remainder(bits.sum(dim=1, dtype=torch.int64), MOD)
+        qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
+        total = torch.remainder(total + torch.remainder(rows + _chunk_key(qs) * sums, MOD).sum(), MOD)
+    if full * CHUNK < flat.numel():
+        bits = flat[full * CHUNK:].view(torch.int16)
+        part = torch.remainder((bits * table[:bits.numel()]).sum(dtype=torch.int64), MOD) + \
+            _chunk_key(full) * torch.remainder(bits.sum(dtype=torch.int64), MOD)
+        total = torch.remainder(total + part, MOD)
+    return total
+
+
 def measure(device, gib: float, repeats: int) -> dict[str, float]:
+    """GiB/s of each path; "receive"/"send" are the path the run takes on this device (auto: the fused
+    kernel on CUDA where Triton is, else torch), "*_torch" the torch path (an NPU's), "receive_previous"
+    the receive side before issue 37. Every path's integer is checked against the torch path's."""
     import torch
 
     from verl_patches.base import accelerator
-    from verl_patches.reshard.checksum import tensor_checksum, view_checksum
+    from verl_patches.reshard.checksum import _use_fused, tensor_checksum, view_checksum
 
     sync = accelerator.synchronize if device.type != "cpu" else (lambda: None)
     cols = 2048
@@ -110,13 +142,23 @@ def measure(device, gib: float, repeats: int) -> dict[str, float]:
     nbytes = x.numel() * 2
     stack = x.view(8, rows // 8, cols)
     meta = torch.empty(8, cols, rows // 8, device="meta")
-    out = {"bytes": float(nbytes)}
-    for name, fn in (("copy", lambda: x.clone()),
-                     ("receive", lambda: tensor_checksum(x)),
-                     ("send", lambda: view_checksum(stack.transpose(1, 2), meta))):
+    fused = _use_fused(x, "auto")
+    out = {"bytes": float(nbytes), "fused": fused}
+    variants = [("copy", lambda: x.clone()),
+                ("receive", lambda: tensor_checksum(x)),
+                ("send", lambda: view_checksum(stack.transpose(1, 2), meta)),
+                ("receive_torch", lambda: tensor_checksum(x, impl="torch")),
+                ("send_torch", lambda: view_checksum(stack.transpose(1, 2), meta, impl="torch"))]
+    variants.append(("receive_previous", lambda: _previous_receive(x)))
+    for name, fn in variants:
         s = _timed(fn, repeats, sync)
         out[f"{name}_s"] = s
         out[f"{name}_gib_s"] = nbytes / s / (1 << 30)
+    r_t, s_t = int(tensor_checksum(x, impl="torch")), int(view_checksum(stack.transpose(1, 2), meta, impl="torch"))
+    out["same_integers"] = (int(tensor_checksum(x)) == r_t == int(_previous_receive(x))
+                            and int(view_checksum(stack.transpose(1, 2), meta)) == s_t)
+    if not out["same_integers"]:
+        raise SystemExit("weight fingerprint: the paths disagree on the same tensor")
     return out
 
 
@@ -152,17 +194,27 @@ def measure_mismatch(device, tokens: int, vocab: int, repeats: int) -> dict[str,
             "probe_s": probe_s, "tokens": float(tokens)}
 
 
-def paper(model: str, train: str, rollout: str, rates: dict[str, float], switch_s: float) -> dict[str, float]:
+def paper(model: str, train: str, rollout: str, rates: dict[str, float], switch_s: float,
+          path: str = "") -> dict[str, float]:
+    """The busiest rank's check at these rates (``path``: "" for the run's path, "_torch"): its rollout
+    shard at the receive rate plus the training values it sums as a sender (each distinct box and
+    destination once, local copies included: checksum.checked_bytes) at the send rate."""
+    from verl_patches.reshard.checksum import checked_bytes
     from verl_patches.reshard.planner import build_plan
 
-    path = ROOT / model if (ROOT / model).is_file() else Path(model)
-    plan = build_plan(str(path), train, rollout)
+    p = ROOT / model if (ROOT / model).is_file() else Path(model)
+    plan = build_plan(str(p), train, rollout)
+    checked = [checked_bytes(plan, r) for r in range(len(plan.ranks))]
+    return _share(plan, checked, rates, switch_s, path)
+
+
+def _share(plan, checked, rates, switch_s, path=""):
     gib = 1 << 30
-    per_rank = [r.shard_bytes / gib / rates["receive_gib_s"] + r.sent_bytes / gib / rates["send_gib_s"]
-                for r in plan.ranks]
+    per_rank = [sh / gib / rates[f"receive{path}_gib_s"] + se / gib / rates[f"send{path}_gib_s"] for sh, se in checked]
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
     r = plan.ranks[worst]
-    return {"ranks": len(plan.ranks), "shard_gb": r.shard_bytes / 1e9, "sent_gb": r.sent_bytes / 1e9,
+    return {"ranks": len(plan.ranks), "rank": worst, "shard_gb": checked[worst][0] / 1e9,
+            "sent_gb": r.sent_bytes / 1e9, "checked_sent_gb": checked[worst][1] / 1e9,
             "fingerprint_s": per_rank[worst], "switch_s": switch_s, "share": per_rank[worst] / switch_s}
 
 
@@ -171,13 +223,23 @@ def main(argv: list[str] | None = None) -> int:
     device = _device(a.device)
     gib = a.gib if a.gib is not None else (0.25 if device.type == "cpu" else 1.0)
     m = measure(device, gib, a.repeats)
-    print(f"device {device}: {m['bytes'] / (1 << 30):.3f} GiB bf16, median of {a.repeats}")
-    for name in ("copy", "receive", "send"):
-        print(f"  {name:8s} {m[name + '_s'] * 1e3:9.2f} ms  {m[name + '_gib_s']:8.1f} GiB/s")
-    p = paper(a.model, a.train, a.rollout, m, a.switch_s)
-    print(f"paper: {a.model} train {a.train} -> rollout {a.rollout} ({p['ranks']} ranks): the busiest rank checks "
-          f"its {p['shard_gb']:.2f} GB shard and the {p['sent_gb']:.2f} GB it sent in {p['fingerprint_s']:.3f} s "
-          f"at these rates = {100 * p['share']:.2f}% of a {a.switch_s:g} s switch")
+    print(f"device {device}: {m['bytes'] / (1 << 30):.3f} GiB bf16, median of {a.repeats}; the run's path here: "
+          f"{'fused Triton kernel' if m['fused'] else 'torch'}; every path gives the same integers: {m['same_integers']}")
+    for name in ("copy", "receive", "send", "receive_torch", "send_torch", "receive_previous"):
+        print(f"  {name:17s} {m[name + '_s'] * 1e3:9.2f} ms  {m[name + '_gib_s']:8.1f} GiB/s")
+    from verl_patches.reshard.checksum import checked_bytes
+    from verl_patches.reshard.planner import build_plan
+
+    path = ROOT / a.model if (ROOT / a.model).is_file() else Path(a.model)
+    plan = build_plan(str(path), a.train, a.rollout)
+    checked = [checked_bytes(plan, r) for r in range(len(plan.ranks))]
+    p = _share(plan, checked, m, a.switch_s)
+    pt = _share(plan, checked, m, a.switch_s, "_torch")
+    for label, q in (("the run's path", p), ("torch path", pt)):
+        print(f"paper ({label}): {a.model} train {a.train} -> rollout {a.rollout} ({q['ranks']} ranks): the busiest "
+              f"rank ({q['rank']}) checks its {q['shard_gb']:.2f} GB shard and {q['checked_sent_gb']:.2f} GB of "
+              f"distinct sent boxes (of {q['sent_gb']:.2f} GB sent) in {q['fingerprint_s']:.3f} s = "
+              f"{100 * q['share']:.2f}% of a {a.switch_s:g} s switch")
     e = measure_mismatch(device, a.entropy_tokens, a.vocab_shard, a.repeats)
     step_bytes = a.step_tokens * a.vocab_shard * 4
     e["paper_entropy_s"] = step_bytes / (1 << 30) / e["entropy_gib_s"]
@@ -189,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * (e['paper_entropy_s'] + e['paper_probe_s']) / 319.3:.2f}% of the 319.3 s update, "
           f"{100 * (e['paper_entropy_s'] + e['paper_probe_s']) / 859.7:.2f}% of the 859.7 s step")
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({"device": str(device), "measured": m, "paper": p, "mismatch": e},
+        Path(a.json_out).write_text(json.dumps({"device": str(device), "measured": m, "paper": p, "paper_torch": pt,
+                                                "mismatch": e},
                                                indent=1))
     return 0
 

@@ -155,6 +155,8 @@ def test_the_readme_lists_every_variable():
     ("VERL_PATCHES_OFFLOAD_HOST_RESERVE_GB", "-2", "from verl_patches.offload.pool import _default_reserve as f; f()"),
     ("VERL_PATCHES_STABLE_MEMORY", "cumem", "from verl_patches.offload.stable import select; select('cpu')"),
     ("VERL_PATCHES_RESHARD_TRITON", "nope", "from verl_patches.reshard.copyops import _kernel; _kernel.cache_clear(); _kernel()"),
+    ("VERL_PATCHES_FINGERPRINT_TRITON", "nope",
+     "from verl_patches.reshard.checksum import _fused_kernel; _fused_kernel.cache_clear(); _fused_kernel()"),
 ])
 def test_engine_readers_use_the_table(monkeypatch, name, raw, read):
     """The offload pool, the stable-memory choice and the reshard kernel switch read through env.get: a bad

@@ -21,6 +21,7 @@ from tests.helpers import REPO
 SCRIPTS = {
     "scripts/bench_offload.py": "tests/offload/test_bench_offload_script.py::test_bench_offload_tiny",
     "scripts/bench_optimizer_offload.py": "tests/test_scripts.py::test_bench_optimizer_offload_tiny",
+    "scripts/bench_host_optimizer_step.py": "tests/test_scripts.py::test_bench_host_optimizer_step_tiny",
     "scripts/bench_reshard.py": "tests/test_scripts.py::test_bench_reshard_tiny",
     "scripts/bench_self_check.py": "tests/test_scripts.py::test_bench_self_check_tiny",
     "scripts/measure_tensorcache_bytes.py": "tests/test_scripts.py::test_measure_tensorcache_bytes_tiny",
@@ -104,11 +105,20 @@ def test_bench_reshard_tiny(tmp_path):
                         "--master-port", str(free_port_block(1, low=20000)), str(REPO / "scripts" / "bench_reshard.py"),
                         "--model", str(REPO / "configs" / "model" / "tiny_deepseek_v3.json"),
                         "--train", "tp=1,pp=2,ep=1", "--rollout", "tp=2,dp=1", "--layers", "2", "--experts", "4",
-                        "--warmup", "0", "--repeats", "1", "--json-out", str(out)],
+                        "--warmup", "0", "--repeats", "1", "--a2a-sizes-mb", "0.25,0.0625", "--a2a-repeats", "1",
+                        "--json-out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=str(REPO))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    res = json.loads(out.read_text())
+    rows = res["rows"]
     assert {row["method"] for row in rows} == {"direct", "upstream", "recipe"}
+    # The all-to-all curve, smallest size first; each row against its own size and against the best.
+    assert [c["mib_per_rank"] for c in res["a2a_curve"]] == [0.0625, 0.25]
+    assert all(c["busbw"] > 0 for c in res["a2a_curve"]) and res["a2a_peak_busbw"] == max(c["busbw"] for c in res["a2a_curve"])
+    for row in rows:
+        assert row["busbw_fraction_of_peak"] == pytest.approx(row["busbw"] / res["a2a_peak_busbw"])
+        assert row["busbw_fraction"] == pytest.approx(row["busbw"] / row["a2a_busbw"])
+    assert "all_to_all_single bus bandwidth by per-rank message size" in r.stdout and "of peak" in r.stdout
     # Each method's result is checked against the same shards by the script itself.
     assert "transposing copy kernel equals torch copy_: True" in r.stdout
     assert all(" True" in line for line in r.stdout.splitlines() if line.startswith("tp1 pp2 ep1 -> tp2 dp1"))
@@ -134,6 +144,24 @@ def test_bench_optimizer_offload_tiny(tmp_path):
     assert bad.returncode == 2 and "--fractions must each be in (0, 1]" in bad.stderr
 
 
+def test_bench_host_optimizer_step_tiny(tmp_path):
+    """On the CPU: the host part of the step (fused AdamW over fp32 host params) in two processes on one
+    core each, and the hybrid step recorded as not run; on a GPU the same script steps megatron-core's
+    HybridDeviceOptimizer (docs/benchmarks.md)."""
+    out = tmp_path / "host.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_host_optimizer_step.py"), "--device", "cpu",
+                        "--params", "0.0002", "--tensor-m", "0.05", "--procs", "2", "--threads", "1", "--steps", "2",
+                        "--json-out", str(out)], capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [row["index"] for row in res["rows"]] == [0, 1] and all(row["cores"] == 1 for row in res["rows"])
+    assert all(row["params"] == 200000 and row["tensors"] == 4 and len(row["step_s"]) == 2 for row in res["rows"])
+    assert res["median_step_s_max"] > 0 and "needs a GPU" in res["hybrid_not_run"]
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_host_optimizer_step.py"), "--params", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert bad.returncode == 2 and "--params must be in (0, 64]" in bad.stderr
+
+
 def test_bench_self_check_tiny(tmp_path):
     out = tmp_path / "fp.json"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_self_check.py"), "--device", "cpu",
@@ -144,7 +172,10 @@ def test_bench_self_check_tiny(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["paper"]["ranks"] == 4 and res["paper"]["shard_gb"] > 0
-    assert all(res["measured"][f"{k}_gib_s"] > 0 for k in ("copy", "receive", "send"))
+    assert all(res["measured"][f"{k}_gib_s"] > 0 for k in ("copy", "receive", "send", "receive_torch", "send_torch",
+                                                           "receive_previous"))
+    assert res["measured"]["same_integers"] is True and res["measured"]["fused"] is False  # a CPU: the torch path
+    assert 0 < res["paper"]["checked_sent_gb"] and res["paper_torch"]["share"] > 0
     assert res["mismatch"]["entropy_gib_s"] > 0 and res["mismatch"]["paper_entropy_s"] > 0
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_self_check.py"), "--gib", "0"],
                          capture_output=True, text=True, timeout=300, cwd=str(REPO))

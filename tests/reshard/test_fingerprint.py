@@ -155,3 +155,77 @@ def test_injected_faults_change_exactly_the_named_parameter(monkeypatch):
     for n in roll:
         assert not torch.equal(roll[n].view(torch.int16), before[n].view(torch.int16)), n
     assert (roll["a.weight"].view(torch.int16) != before["a.weight"].view(torch.int16)).sum() == 1
+
+
+def _definition(t: torch.Tensor, dest_index: torch.Tensor) -> int:
+    """The checksum by its definition, vectorised in int64 (2-byte values): sum(bits * k(index)) mod M."""
+    bits = t.reshape(-1).view(torch.int16).to(torch.int64)
+    i = dest_index.reshape(-1).to(torch.int64)
+    keys = key_table(torch.device("cpu")).to(torch.int64)[i % CHUNK] + _chunk_key(i // CHUNK)
+    return int((bits * keys).sum() % MOD)
+
+
+@pytest.mark.parametrize("variant", ["pairs", "wide", "split"])
+def test_the_torch_path_is_the_definition_past_chunks_and_ragged(variant, monkeypatch):
+    from verl_patches.reshard import checksum
+
+    monkeypatch.setattr(checksum, "_RECEIVE", variant)
+    # 2.3 key periods (three chunks, the last partial), values that reach both ends of int16.
+    n = 2 * CHUNK + 1234567
+    g = torch.Generator().manual_seed(7)
+    t = torch.randint(-(1 << 15), 1 << 15, (n,), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    t[:64] = torch.tensor(-(1 << 15), dtype=torch.int16).view(torch.bfloat16)  # the extremes, a whole int32 group
+    t[64:128] = torch.tensor((1 << 15) - 1, dtype=torch.int16).view(torch.bfloat16)
+    assert int(tensor_checksum(t, impl="torch")) == _definition(t, torch.arange(n))
+    # Send side: a transposed [3, R, C] box at an offset of a larger destination, crossing chunk boundaries.
+    meta = torch.empty(4, 1500, 2100, device="meta")
+    dest = meta[1:4, :, 100:2100].permute(0, 2, 1)  # [3, 2000, 1500]
+    values = torch.randn(3, 1500, 2000, generator=g).to(torch.bfloat16).permute(0, 2, 1)
+    idx = torch.arange(meta.numel()).view(4, 1500, 2100)[1:4, :, 100:2100].permute(0, 2, 1)
+    assert int(view_checksum(values, dest, impl="torch")) == _definition(values.contiguous(), idx.contiguous())
+
+
+_TRITON_CHECK = r"""
+import torch
+from verl_patches.reshard.checksum import tensor_checksum, view_checksum, CHUNK
+g = torch.Generator().manual_seed(11)
+flat = torch.randn(3 * 65536 + 17, generator=g).to(torch.bfloat16)
+assert int(tensor_checksum(flat, impl="triton")) == int(tensor_checksum(flat, impl="torch"))
+meta = torch.empty(3, 1400, 2048, device="meta")  # 8.6 M elements: the chunk key changes inside the box
+for values, dest in (
+    (torch.randn(3, 2048, 1400, generator=g).to(torch.bfloat16).transpose(1, 2), meta),  # Megatron -> vLLM
+    (torch.randn(2, 700, 1000, generator=g).to(torch.float16), meta[1:, 700:, 1000:2000]),
+    (torch.randn(1000, 3, generator=g).to(torch.bfloat16), meta[2, :1000, 5:8]),
+    (torch.randn(5, generator=g).to(torch.bfloat16), meta[2, 1399, 2040:2045]),
+):
+    a, b = int(view_checksum(values, dest, impl="triton")), int(view_checksum(values, dest, impl="torch"))
+    assert a == b, (tuple(values.shape), a, b)
+print("fused == torch")
+"""
+
+
+def test_the_fused_kernel_gives_the_torch_paths_integers():
+    """The Triton kernel (CUDA's path) run by Triton's interpreter on the CPU: the same integers as the
+    torch path on a flat tensor and on strided boxes at destination offsets that cross key periods.
+    The GPU run of the same comparison: tests/reshard/test_fingerprint_gpu.py."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    r = subprocess.run([sys.executable, "-c", _TRITON_CHECK], capture_output=True, text=True, timeout=600, cwd=str(REPO),
+                       env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO)))
+    assert r.returncode == 0 and "fused == torch" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_a_sender_sums_each_replicated_box_once():
+    from verl_patches.reshard.checksum import checked_bytes
+
+    plan = make_plan(MODEL, "tp=2,pp=1,ep=1", "tp=1,dp=4")  # every rollout replica takes the same dense boxes
+    for rank in range(len(plan.ranks)):
+        shard, sent = checked_bytes(plan, rank)
+        st = plan.ranks[rank]
+        assert shard == st.shard_bytes and 0 < sent <= st.sent_bytes + st.local_bytes  # local copies are checked too
+    assert sum(checked_bytes(plan, r)[1] for r in range(4)) < sum(s.sent_bytes + s.local_bytes for s in plan.ranks)

@@ -3,6 +3,14 @@ training shards, load them into transformers' DeepseekV3 (TP 1 view), compare lo
 
 This catches what per-shard equality cannot: a naming or layout convention that is
 self-consistent but does not make a working model (e.g. swapped gate/up halves).
+
+The shards are named as the lock's transformers (configs/upstream.lock.toml) names DeepSeek-V3's
+checkpoint, one tensor per expert. Where the installed transformers' model names its parameters
+otherwise (releases from 5.0 store each layer's experts as stacked tensors and convert per-expert
+checkpoints while loading), the state goes through that release's own loader (a safetensors
+checkpoint in a temporary folder, ``from_pretrained``), so the check still compares logits; a release
+whose loader leaves a name unknown or a parameter unset is refused, naming the installed and the
+locked version.
 """
 
 from __future__ import annotations
@@ -58,10 +66,64 @@ def to_hf(placements: Placements, logical: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
+def versions() -> tuple[str, str]:
+    """(installed transformers version, the lock's version)."""
+    import transformers
+
+    try:
+        from verl_patches.core.lock import load_lock
+
+        locked = load_lock()["transformers"].version or "?"
+    except Exception:  # noqa: BLE001 - a lock that cannot be read still leaves the installed version to name
+        locked = "? (configs/upstream.lock.toml unreadable)"
+    return transformers.__version__, locked
+
+
+def _refuse(label: str, unknown: int, unset: int, mismatched: int) -> LogitCheckError:
+    installed, locked = versions()
+    return LogitCheckError(
+        f"{label}: the installed transformers {installed} does not load DeepSeek-V3's checkpoint names as the "
+        f"locked transformers {locked} does ({unknown} name(s) unknown to its DeepseekV3 after its own checkpoint "
+        f"conversion, {unset} parameter(s) left unset, {mismatched} of another shape); the logit check needs "
+        f"transformers {locked} (pip install transformers=={locked}) or a release whose loader converts them")
+
+
+def _load_converted(config: Any, state: dict[str, torch.Tensor], label: str) -> torch.nn.Module:
+    """The model built by the installed transformers' own loader from ``state`` saved as a checkpoint
+    (its checkpoint-name conversion applies); refuses when that loader leaves anything over or unset."""
+    import inspect
+    import tempfile
+
+    from safetensors.torch import save_file
+    from transformers import DeepseekV3ForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="logit_check_") as tmp:
+        config.save_pretrained(tmp)
+        save_file({k: v.to(torch.float32).contiguous() for k, v in state.items()}, f"{tmp}/model.safetensors",
+                  metadata={"format": "pt"})
+        params = inspect.signature(DeepseekV3ForCausalLM.from_pretrained).parameters
+        kw = {"dtype": torch.float32} if "dtype" in params else {"torch_dtype": torch.float32}
+        try:
+            model, info = DeepseekV3ForCausalLM.from_pretrained(tmp, attn_implementation="eager",
+                                                                output_loading_info=True, **kw)
+        except Exception as e:  # noqa: BLE001 - the loader's own error, with the versions named
+            installed, locked = versions()
+            raise LogitCheckError(f"{label}: the installed transformers {installed} could not load DeepSeek-V3's "
+                                  f"checkpoint names (the lock pins {locked}): {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    unknown, unset = len(info.get("unexpected_keys") or ()), len(info.get("missing_keys") or ())
+    mismatched = len(info.get("mismatched_keys") or ())
+    if unknown or unset or mismatched:
+        raise _refuse(label, unknown, unset, mismatched)
+    return model.to(torch.float32).eval()
+
+
 def check_logits(hf_config: dict[str, Any], placements: Placements, variants: dict[str, dict[str, torch.Tensor]],
-                 *, seed: int = 0, seq_len: int = 16) -> dict[str, Any]:
+                 *, seed: int = 0, seq_len: int = 16, via_checkpoint: bool = False) -> dict[str, Any]:
     """Load each variant (HF state dicts) into one DeepseekV3ForCausalLM and compare logits with
-    the first variant's. Every model parameter must come from the shards."""
+    the first variant's. Every model parameter must come from the shards. Where the installed
+    transformers' model does not take the variants' names (or ``via_checkpoint``), every variant goes
+    through its checkpoint loader instead (``_load_converted``)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = {k: v for k, v in hf_config.items() if k not in ("architectures", "transformers_version", "torch_dtype")}
@@ -72,10 +134,15 @@ def check_logits(hf_config: dict[str, Any], placements: Placements, variants: di
     params = dict(model.named_parameters())
     ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
     logits: dict[str, torch.Tensor] = {}
+    known = set(model.state_dict())
+    converted = via_checkpoint
     for label, state in variants.items():
-        unknown = sorted(set(state) - set(model.state_dict()))
-        if unknown:
-            raise LogitCheckError(f"{label}: names unknown to transformers' DeepseekV3: {unknown[:5]}")
+        if not converted and not set(state) <= known:
+            converted = True  # the installed release names them otherwise: its own loader converts them
+        if converted:
+            with torch.no_grad():
+                logits[label] = _load_converted(config, state, label)(input_ids=ids).logits.clone()
+            continue
         uncovered = sorted(set(params) - set(state))
         if uncovered:
             raise LogitCheckError(f"{label}: model parameters not produced by the reshard: {uncovered[:5]}")
@@ -87,5 +154,8 @@ def check_logits(hf_config: dict[str, Any], placements: Placements, variants: di
         if not torch.equal(logits[label], logits[first]):
             err = (logits[label] - logits[first]).abs().max().item()
             raise LogitCheckError(f"logits of the model built from {label} differ from {first} (max abs {err:.3g})")
+    import transformers
+
     return {"compared": list(logits), "logits_shape": list(logits[first].shape),
-            "parameters": len(params), "max_abs_logit": float(logits[first].abs().max())}
+            "parameters": len(params), "max_abs_logit": float(logits[first].abs().max()),
+            "transformers": transformers.__version__, "loaded_via_checkpoint": converted}

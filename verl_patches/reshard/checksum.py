@@ -24,14 +24,23 @@ placements, and the rollout side answers from the raw parameter. Padding the rol
 (vocab rows) contributes nothing and must therefore be zero.
 
 Cost (measured by scripts/bench_self_check.py, figures in docs/benchmarks.md): the rollout rank
-reads its shard once (per chunk: a multiply by the key table and two sums); a sending rank reads
-what it sent and looks each element's key up by its destination index; temporaries are bounded by
-one chunk (2**22 elements) plus the 16 MiB key table; one all-reduce of 8 bytes per (rank,
-parameter).
+reads its shard once; a sending rank reads what it sent once per distinct (values, destination
+offsets) pair: a box replicated to many rollout ranks at the same offsets (the dense weights, once per
+DP replica) gives the same sum, computed once and counted for every destination. Temporaries are
+bounded by one block (2**24 elements) plus the 16 MiB key table; one all-reduce of 8 bytes per (rank,
+parameter). Two code paths compute the same integers:
+- torch (every device; the one an NPU runs): torch's sum(dtype=int64) of an int32 tensor writes an int64
+  copy first, so 2-byte values' products with the keys (each below 2**30 in magnitude) are added in
+  pairs within int32 before the widening sum, and the plain sums of the bits in int32 groups of 2**15;
+  a sender's chunk keys come from a 512-entry table (``_RECEIVE`` keeps two other forms of the receive
+  sum, for timing: "wide", the previous one, and "split", keys split in bytes; all give the same integers);
+- a fused Triton kernel on CUDA (2-byte values; VERL_PATCHES_FINGERPRINT_TRITON=false turns it off):
+  one pass that reads each value once and looks its key up in the (L2-resident) table.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -54,6 +63,8 @@ class WeightMismatchError(RuntimeError):
 
 
 _TABLES: dict[str, torch.Tensor] = {}
+_SPLIT: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_CHUNK_KEYS: dict[str, torch.Tensor] = {}
 
 
 def key_table(device: torch.device) -> torch.Tensor:
@@ -64,6 +75,23 @@ def key_table(device: torch.device) -> torch.Tensor:
         g = torch.Generator().manual_seed(_KEY_SEED)
         _TABLES[dev] = torch.randint(1, (1 << 15) + 1, (CHUNK,), generator=g, dtype=torch.int32).to(device)
     return _TABLES[dev]
+
+
+def _split_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K >> 8, K & 255), int32, cached per device (the "split" form only)."""
+    dev = str(device)
+    if dev not in _SPLIT:
+        k = key_table(device)
+        _SPLIT[dev] = (k >> 8, k & 255)
+    return _SPLIT[dev]
+
+
+def _chunk_keys(device: torch.device) -> torch.Tensor:
+    """c(q) for every chunk index an int32 element index can reach (512 of them), int32, per device."""
+    dev = str(device)
+    if dev not in _CHUNK_KEYS:
+        _CHUNK_KEYS[dev] = _chunk_key(torch.arange(1 << (31 - _SHIFT), dtype=torch.int32, device=device))
+    return _CHUNK_KEYS[dev]
 
 
 def _chunk_key(q: torch.Tensor | int) -> torch.Tensor | int:
@@ -90,25 +118,68 @@ def _dot(bits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 BLOCK = 1 << 24  # elements per kernel launch: bounds the temporaries (64 MiB of int32) and the launches
+_GROUP = 64  # products summed in int32 before widening: 64 * 2**15 * 255 < 2**31
 
 
-def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
+def _split_dot_rows(bits: torch.Tensor, kh: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
+    """Per row of ``bits`` (int16 [rows, L], L a multiple of _GROUP), sum(bits * (256 * kh + kl)) as int64,
+    exact, with int32 temporaries only (kh <= 128, kl <= 255 broadcast over the rows)."""
+    rows, L = bits.shape
+    out = torch.zeros(rows, dtype=torch.int64, device=bits.device)
+    for weight, table in ((256, kh), (1, kl)):
+        part = torch.mul(bits, table).view(rows, L // _GROUP, _GROUP).sum(dim=2, dtype=torch.int32)
+        out += part.sum(dim=1, dtype=torch.int64) * weight
+    return out
+
+
+_RECEIVE = "pairs"  # how the torch path sums bits * K per row (all give the same integers; timed on a GPU)
+
+
+def _receive_rows(bits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Per row of int16 ``bits`` [rows, CHUNK], sum(bits * K) as int64, exact."""
+    if _RECEIVE == "split":
+        return _split_dot_rows(bits, *_split_tables(bits.device))
+    prod = bits * table  # |bits * K| <= 2**30
+    if _RECEIVE == "pairs":
+        # Two products add up within an int32 (-2**31 at the very least), so only half the count is widened.
+        prod = prod[:, 0::2] + prod[:, 1::2]
+    return prod.sum(dim=1, dtype=torch.int64)
+
+
+def _row_sums(bits: torch.Tensor) -> torch.Tensor:
+    """Per row of int16 ``bits`` [rows, L] (L a multiple of 2**15 or at most it), the sum as int64."""
+    rows, L = bits.shape
+    g = min(L, 1 << 15)  # 2**15 values of at most 2**15 fit an int32 sum
+    return bits.reshape(rows, L // g, g).sum(dim=2, dtype=torch.int32).sum(dim=1, dtype=torch.int64)
+
+
+def tensor_checksum(t: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """C(t) over t's own flat row-major index, as a 0-dim int64 tensor (no host sync). Per chunk q of
-    CHUNK elements: sum(bits * K) + c(q) * sum(bits); BLOCK // CHUNK chunks per launch."""
+    CHUNK elements: sum(bits * K) + c(q) * sum(bits); BLOCK // CHUNK chunks per launch. ``impl``:
+    "auto" (the fused kernel where it applies), "torch" or "triton" (tests)."""
     flat = t.reshape(-1)
+    if _use_fused(flat, impl):
+        return _fused_checksum(flat, flat, 0)
     n = flat.numel()
     table = key_table(t.device)
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     per = BLOCK // CHUNK
     full = n // CHUNK
-    for q0 in range(0, full, per):
-        q1 = min(full, q0 + per)
-        bits = _bits(flat[q0 * CHUNK:q1 * CHUNK]).view(q1 - q0, CHUNK)
-        rows = (bits * table).sum(dim=1, dtype=torch.int64) if bits.dtype != torch.int64 else \
-            torch.remainder(bits * table, MOD).sum(dim=1)
-        sums = torch.remainder(bits.sum(dim=1, dtype=torch.int64), MOD)
-        qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
-        total = torch.remainder(total + torch.remainder(rows + _chunk_key(qs) * sums, MOD).sum(), MOD)
+    if flat.element_size() == 2:
+        for q0 in range(0, full, per):
+            q1 = min(full, q0 + per)
+            bits = flat[q0 * CHUNK:q1 * CHUNK].view(torch.int16).view(q1 - q0, CHUNK)
+            qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
+            rows = _receive_rows(bits, table) + _chunk_key(qs) * _row_sums(bits)
+            total = torch.remainder(total + rows.sum(), MOD)
+    else:
+        for q0 in range(0, full, per):
+            q1 = min(full, q0 + per)
+            bits = _bits(flat[q0 * CHUNK:q1 * CHUNK]).view(q1 - q0, CHUNK)
+            rows = torch.remainder(bits * table, MOD).sum(dim=1)
+            sums = torch.remainder(bits.sum(dim=1, dtype=torch.int64), MOD)
+            qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
+            total = torch.remainder(total + torch.remainder(rows + _chunk_key(qs) * sums, MOD).sum(), MOD)
     if full * CHUNK < n:
         bits = _bits(flat[full * CHUNK:])
         part = _dot(bits, table[:bits.numel()]) + _chunk_key(full) * torch.remainder(bits.sum(dtype=torch.int64), MOD)
@@ -116,16 +187,19 @@ def tensor_checksum(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def view_checksum(values: torch.Tensor, dest: torch.Tensor, rows_per_chunk: int | None = None) -> torch.Tensor:
+def view_checksum(values: torch.Tensor, dest: torch.Tensor, rows_per_chunk: int | None = None,
+                  impl: str = "auto") -> torch.Tensor:
     """sum(bits(values) * k(flat index in the destination)) mod M, where ``dest`` is a view (of the
     same shape as ``values``) into a meta tensor of the destination's shape: its storage offset and
-    strides give each element's flat index there."""
+    strides give each element's flat index there. ``impl`` as in tensor_checksum."""
     if tuple(values.shape) != tuple(dest.shape):
         raise ValueError(f"weight fingerprint: values {tuple(values.shape)} vs destination {tuple(dest.shape)}")
     device = values.device
     total = torch.zeros((), dtype=torch.int64, device=device)
     if values.numel() == 0:
         return total
+    if _use_fused(values, impl, dest):
+        return _fused_checksum(values, dest, dest.storage_offset())
     values, dest = (values.reshape(1), dest.reshape(1)) if values.dim() == 0 else (values, dest)
     table = key_table(device)
     # Destination indices fit int32 below 2**31 elements (every parameter of DeepSeek-V3's layouts):
@@ -144,9 +218,74 @@ def view_checksum(values: torch.Tensor, dest: torch.Tensor, rows_per_chunk: int 
         b = min(values.shape[0], a + rows)
         lead = (torch.arange(a, b, dtype=itype, device=device) * dest.stride(0) + dest.storage_offset())
         index = lead.view([-1] + [1] * (values.dim() - 1)) + rest
-        keys = table[index & (CHUNK - 1)] + _chunk_key(index >> _SHIFT).to(torch.int32)
+        if itype == torch.int32:
+            keys = table[index & (CHUNK - 1)]
+            keys += _chunk_keys(device)[index >> _SHIFT]
+        else:
+            keys = table[index & (CHUNK - 1)] + _chunk_key(index >> _SHIFT).to(torch.int32)
         total = torch.remainder(total + _dot(_bits(values[a:b]), keys), MOD)
     return total
+
+
+# ---- the fused kernel (CUDA, Triton): the same integers in one pass ----
+
+_FUSED_DIMS = 4
+
+
+def _use_fused(values: torch.Tensor, impl: str, dest: torch.Tensor | None = None) -> bool:
+    if impl == "torch":
+        return False
+    ok = (values.element_size() == 2 and values.dim() <= _FUSED_DIMS and values.numel() < (1 << 31)
+          and (dest is None or _span(dest) < (1 << 62)))
+    if impl == "triton":
+        if not ok or _fused_kernel() is None:
+            raise ValueError(f"weight fingerprint: the fused kernel does not apply to {values.dtype} "
+                             f"{tuple(values.shape)} here (Triton {'missing' if _fused_kernel() is None else 'present'})")
+        return True
+    if impl != "auto":
+        raise ValueError(f"weight fingerprint: impl {impl!r} is not auto, torch or triton")
+    return ok and values.device.type == "cuda" and values.numel() >= (1 << 16) and _fused_kernel() is not None
+
+
+def _span(dest: torch.Tensor) -> int:
+    return dest.storage_offset() + sum((n - 1) * st for n, st in zip(dest.shape, dest.stride())) + 1
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_kernel():
+    from verl_patches.config import env as overlay_env
+
+    if not overlay_env.get("VERL_PATCHES_FINGERPRINT_TRITON"):
+        return None
+    try:
+        import triton
+
+        from verl_patches.reshard.fingerprint_kernel import fingerprint_partials
+    except Exception:  # noqa: BLE001 - no Triton (NPU, a CPU-only build): the torch path
+        return None
+    return triton, fingerprint_partials
+
+
+def _fused_checksum(values: torch.Tensor, dest: torch.Tensor, offset: int) -> torch.Tensor:
+    """The checksum of ``values`` at the flat destination indices ``offset + sum(i_d * dest.stride(d))``,
+    through the fused kernel: per-program int64 partial sums (each below 2**43), added in int64 (below
+    2**62 for fewer than 2**31 elements), then reduced mod M."""
+    assert _KEY_SEED == 0x5EED and _SHIFT == 22 and CHUNK == 4194304  # the constants the kernel spells out
+    triton, kern = _fused_kernel()
+    shape, src, dst = list(values.shape), list(values.stride()), list(dest.stride())
+    # The innermost loop runs along the source's smallest stride: coalesced reads of the values.
+    order = sorted(range(len(shape)), key=lambda d: (shape[d] > 1, -src[d]))  # size-1 dims outermost
+    shape, src, dst = [shape[d] for d in order], [src[d] for d in order], [dst[d] for d in order]
+    while len(shape) < _FUSED_DIMS:
+        shape, src, dst = [1] + shape, [0] + src, [0] + dst
+    inner = shape[3]
+    block = max(128, min(4096, triton.next_power_of_2(inner)))
+    n_blk = triton.cdiv(inner, block)
+    programs = shape[0] * shape[1] * shape[2] * n_blk
+    partials = torch.empty(programs, dtype=torch.int64, device=values.device)
+    kern[(programs,)](values.view(torch.int16), key_table(values.device), partials, inner, n_blk, shape[1], shape[2],
+                      *src, *dst, offset, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return torch.remainder(partials.sum(), MOD)
 
 
 def _rel(box: Box, part_box: Box) -> tuple[slice, ...]:
@@ -205,6 +344,26 @@ def _sent_by(plan: Plan, rank: int) -> list[Transfer]:
     return cache[rank]
 
 
+def _send_key(tr: Transfer, dest: torch.Tensor) -> tuple:
+    """What a send's sum depends on: the training values (tensor, box) and the flat destination indices
+    they go to (the meta view's offset, shape and strides), not which rank receives them."""
+    return (tr.tensor, tuple(map(tuple, tr.box)), dest.storage_offset(), tuple(dest.shape), tuple(dest.stride()))
+
+
+def checked_bytes(plan: Plan, rank: int) -> tuple[int, int]:
+    """(bytes of the rank's rollout shard, bytes of training values it sums as a sender): what one
+    check reads on that rank, each distinct (values, destination offsets) pair once (as verify does)."""
+    table = FingerprintTable.of(plan)
+    shard = plan.ranks[rank].shard_bytes
+    seen, sent = set(), 0
+    for tr in _sent_by(plan, rank):
+        key = _send_key(tr, table.dest_view(plan, tr)[1])
+        if key not in seen:
+            seen.add(key)
+            sent += tr.numel * plan.elem_size
+    return shard, sent
+
+
 def verify(plan: Plan, rank: int, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor], *,
            step: Any = None, group: Any = None) -> FingerprintResult:
     """Compare every rollout parameter of every rank with what the training side implies (all ranks
@@ -222,12 +381,16 @@ def verify(plan: Plan, rank: int, train: Mapping[str, torch.Tensor], roll: Mappi
     expected = torch.zeros(table.size, dtype=torch.int64, device=device)
     read = 0
     slots, sums = [], []
+    done: dict[tuple, torch.Tensor] = {}  # one sum per distinct (values, destination offsets)
     for tr in _sent_by(plan, rank):
         name, dest = table.dest_view(plan, tr)
-        values = src_view(P, tr, dict(train))
+        key = _send_key(tr, dest)
+        if key not in done:
+            values = src_view(P, tr, dict(train))
+            done[key] = view_checksum(values, dest)
+            read += values.numel() * values.element_size()
         slots.append(table.slot(tr.dst, name))
-        sums.append(view_checksum(values, dest))
-        read += values.numel() * values.element_size()
+        sums.append(done[key])
     if sums:
         expected.index_add_(0, torch.tensor(slots, dtype=torch.int64, device=device), torch.stack(sums))
     mine = table.names[rank]

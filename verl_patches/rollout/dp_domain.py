@@ -17,7 +17,7 @@ from verl_patches.launch.ports import overlaps_ephemeral, taken_ports
 
 logger = logging.getLogger(__name__)
 
-# recipe.vllm_dp's defaults, declared with its keys (verl_patches/settings.py: VLLM_DP). The port
+# recipe.vllm_dp's defaults, declared with its keys (verl_patches/config/settings.py: VLLM_DP). The port
 # stride is how many consecutive ports one DP group may consume. vLLM 0.9.1 takes the next port from
 # ParallelConfig.get_next_dp_init_port twice per engine (init_distributed_environment, then
 # the engine's stateless DP group); vLLM-Ascend's replacement returns VLLM_DP_MASTER_PORT
