@@ -195,3 +195,22 @@ def test_the_object_is_frozen_and_names_every_problem_at_once():
     message = str(e.value)
     assert "recipe.offload must be true or false" in message and "recipe.fingerprint_every must be >= 0" in message \
         and "recipe.ofload: unknown key (did you mean 'offload'?)" in message
+
+
+def test_the_run_reads_the_section_only_through_the_object():
+    """No module but verl_patches/config/settings.py reads a recipe key with settings.read: the run's
+    patches and engines take RecipeSettings' attributes (the launch-time validator, recipe_config, judges
+    the composed YAML itself, including sections that do not build)."""
+    import ast
+
+    from tests.helpers import REPO
+
+    offenders = []
+    for path in sorted((REPO / "verl_patches").rglob("*.py")):
+        if path.relative_to(REPO).as_posix() == "verl_patches/config/settings.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "read" \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("settings", "overlay_settings"):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == []
