@@ -367,6 +367,16 @@ def test_nothing_outside_patches_imports_a_patch_module():
 
 
 
+
+def test_no_patch_imports_another_patch():
+    """What patches share (a flag, a stash key, a context, a helper) lives below patches/, in the engine or
+    feature module it belongs to: a patch module imports no other patch module, at import time or in a
+    function, so each one reads on its own next to the upstream code it replaces."""
+    patch_modules = _patch_modules()
+    bad = sorted(f"{mod} imports {t}" for mod, edges in import_graph().items() if mod in patch_modules
+                 for t in edges if t in patch_modules and t != mod)
+    assert not bad, "a patch imports a sibling patch (move the shared name below patches/):\n" + "\n".join(bad)
+
 RECIPE_FOLDERS = ("megatron", "mindspeed", "verl", "vllm", "vllm_ascend")
 
 

@@ -32,6 +32,11 @@ KEYS: dict[str, str] = {
 }
 
 
+# Not an attribute but a key of verl's DataProto.meta_info: the trainer's global step on a generation request
+# (set by patch verl.ray_trainer.self_check's wrapper, read by the worker's, patch verl.megatron_workers.self_check).
+STEP_META_KEY = "verl_patches.global_step"
+
+
 class StashKeyError(KeyError):
     pass
 

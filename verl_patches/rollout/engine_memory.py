@@ -15,7 +15,20 @@ from typing import Any, Optional
 
 from verl_patches.offload import (CallbackGroup, HookedGroup, OffloadEngine, OffloadGroup, kv_cache_group,
                                   rollout_weights_group)
+from verl_patches.core import stash
 from verl_patches.rollout import kv_cache
+
+
+
+def attach_engine_memory(llm: Any, memory: Any) -> None:
+    """Put a recipe engine's memory (VllmEngineMemory) under the process's switch loop and route
+    the engine's sleep / wake_up to it. The loop starts where an update ends, so its weights and
+    KV cache are released now: what upstream's build-time sleep would do."""
+    from verl_patches.offload.live import live_switch
+
+    live_switch().attach(memory)
+    # Where the sleep / wake_up wrappers (patch vllm.llm.*) find it.
+    stash.put(llm, "memory", memory)
 
 
 def _model_of(worker: Any) -> Any:

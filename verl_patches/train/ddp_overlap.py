@@ -31,10 +31,18 @@ collective or a stale parameter bucket, which the offload of the params or grads
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from verl_patches.config import settings
+
+# For the patches that bind it (verl_patches/patches/verl/*ddp_overlap.py): the flag they name, when
+# they can go, and the actor's overlap while its _build_model_optimizer runs (get_model receives no config).
+FLAG = "actor_rollout_ref.rollout.recipe.overlap_grad_reduce / overlap_param_gather (default false: upstream's DDP)"
+REMOVE_WHEN = ("verl passes a DDP config override to get_model (later verl has actor.megatron.override_ddp_config) "
+               "and finishes the deferred parameter gather before the weights leave the actor.")
+OVERLAP: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("verl_patches_ddp_overlap", default=None)
 
 KEYS = ("overlap_grad_reduce", "overlap_param_gather")
 

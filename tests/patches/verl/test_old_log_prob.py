@@ -24,6 +24,7 @@ from verl_patches.core import apply as ap
 from verl_patches.train.mismatch import MismatchError
 from verl_patches.patches.verl import patch_models_mcore_registry as forward_patch
 from verl_patches.patches.verl import patch_trainer_ppo_core_algos as loss_patch
+from verl_patches.train.old_log_prob import reusing_old_log_prob
 from verl_patches.patches.verl import patch_trainer_ppo_ray_trainer as driver_patch
 from verl_patches.patches.verl import patch_workers_actor_megatron_actor as actor_patch
 
@@ -311,7 +312,7 @@ def test_reuse_only_inside_the_update(patched):
     old = torch.full((1, 2), -1.0)
     out = ca.compute_policy_loss(old, lp, torch.ones(1, 2), torch.ones(1, 2), cliprange=0.2)
     assert float(out[2]) == pytest.approx(-1.0)  # ppo_kl = mean(old - new): the given old log-prob is used
-    with loss_patch.reusing_old_log_prob():
+    with reusing_old_log_prob():
         out = ca.compute_policy_loss(old, lp, torch.ones(1, 2), torch.ones(1, 2), cliprange=0.2)
     assert float(out[2]) == 0.0
 

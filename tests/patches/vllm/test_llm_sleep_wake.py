@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from verl_patches.core.apply import apply_all, undo
-from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR, attach_engine_memory
+from verl_patches.offload import OffloadEngine
+from verl_patches.patches.vllm.patch_entrypoints_llm import MEMORY_ATTR
 from verl_patches.patches.vllm.patch_entrypoints_llm import PATCHES as LLM_PATCHES
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
-from verl_patches.offload import OffloadEngine
-from verl_patches.rollout.engine_memory import VllmEngineMemory
+from verl_patches.rollout.engine_memory import VllmEngineMemory, attach_engine_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # an unrelated `tests` package is installed
 import vllm_engine_standins as standins  # noqa: E402

@@ -22,11 +22,10 @@ import torch
 from verl_patches.core.apply import apply_all, undo
 from verl_patches.offload import AddressMovedError, Location, OffloadEngine
 from verl_patches.offload.stable import _select
-from verl_patches.patches.vllm.patch_entrypoints_llm import attach_engine_memory
 from verl_patches.patches.vllm.patch_entrypoints_llm import PATCHES as LLM_PATCHES
 from verl_patches.patches.vllm.patch_v1_engine_core import PATCHES as ENGINE_CORE
 from verl_patches.patches.vllm.patch_v1_worker_gpu_worker import PATCHES as WORKER
-from verl_patches.rollout.engine_memory import VllmEngineMemory
+from verl_patches.rollout.engine_memory import VllmEngineMemory, attach_engine_memory
 from verl_patches.rollout.graph_safe import GraphModeError, arm_for_build
 
 HERE = Path(__file__).resolve().parent

@@ -14,17 +14,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-
-# The attribute the binding sets on the TransformerConfig (TransformerConfig has no such field).
-LAYER_LIST_ATTR = stash.attr("num_layer_list")
-FLAG = "actor_rollout_ref.rollout.recipe.megatron.num_layer_list (attached to the TransformerConfig by the worker binding)"
-
-
-def layer_list(config: Any) -> tuple[int, ...] | None:
-    return getattr(config, LAYER_LIST_ATTR, None)
+from verl_patches.train.layer_list import FLAG, layer_list
 
 
 def wrap_get_num_layers_to_build(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -68,7 +68,7 @@ def wrap_get_mcore_forward_fn(original: Callable[..., Any]) -> Callable[..., Any
     @functools.wraps(original)
     def get_mcore_forward_fn(hf_config):
         forward_fn = original(hf_config)
-        from verl_patches.patches.verl.patch_trainer_ppo_core_algos import active_probe
+        from verl_patches.train.old_log_prob import active_probe
 
         probe = active_probe()
         return forward_fn if probe is None else _forward_with_entropy(forward_fn, probe)

@@ -110,7 +110,7 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
         from verl_patches.base import accelerator
         from verl_patches.train import fixed_routing
         from verl_patches.config import megatron_args as ma
-        from verl_patches.patches.megatron.patch_core_transformer_transformer_block import LAYER_LIST_ATTR
+        from verl_patches.train.layer_list import LAYER_LIST_ATTR
 
         recipe = ma.parse(section)
         # Before any model is built: the router patches (training and rollout) read it on every call.

@@ -4,7 +4,7 @@ old log-prob, so the importance ratio is exactly 1 in value and keeps its gradie
 Upstream: verl/trainer/ppo/core_algos.py:compute_policy_loss(old_log_prob, log_prob, ...) computes
 ratio = exp(log_prob - old_log_prob). MegatronPPOActor's loss_func calls it by the name it imported
 (`from ...core_algos import compute_policy_loss`), which the prelude rebinds. The substitution happens
-only while ``reusing_old_log_prob()`` is active: the worker's update_actor wrapper
+only while ``reusing_old_log_prob()`` (verl_patches/train/old_log_prob.py) is active: the worker's update_actor wrapper
 (patch_workers_megatron_workers_*.py) enters it when actor.recompute_old_log_prob=False, so every other
 caller (FSDP actor, tests, a recompute run) reaches the original unchanged.
 
@@ -20,40 +20,13 @@ masked per-token comparison and the micro-batch's entropy to the probe, on the d
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import inspect
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-
-_REUSE: contextvars.ContextVar[bool] = contextvars.ContextVar("verl_patches_reuse_old_log_prob", default=False)
-_PROBE: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("verl_patches_update_probe", default=None)
-
-
-@contextlib.contextmanager
-def reusing_old_log_prob(probe: Optional[Any] = None) -> Iterator[None]:
-    """While active, compute_policy_loss ignores the old_log_prob it is given (the rollout's
-    log-prob, or a NaN placeholder: the update wrapper checks that every micro-batch's loss went
-    through the substitution before the optimizer steps). With ``probe`` (an UpdateProbe), each
-    call also adds the rollout-vs-actor comparison and the entropy to it."""
-    token, probe_token = _REUSE.set(True), _PROBE.set(probe)
-    try:
-        yield
-    finally:
-        _PROBE.reset(probe_token)
-        _REUSE.reset(token)
-
-
-def reuse_active() -> bool:
-    return _REUSE.get()
-
-
-def active_probe() -> Optional[Any]:
-    """The UpdateProbe of the running update under reuse, else None."""
-    return _PROBE.get() if _REUSE.get() else None
+from verl_patches.train.old_log_prob import active_probe, reuse_active
 
 
 def wrap_compute_policy_loss(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -61,8 +34,8 @@ def wrap_compute_policy_loss(original: Callable[..., Any]) -> Callable[..., Any]
 
     @functools.wraps(original)
     def compute_policy_loss(old_log_prob, log_prob, *args, **kwargs):
-        if _REUSE.get():
-            probe = _PROBE.get()
+        if reuse_active():
+            probe = active_probe()
             if probe is not None:
                 bound = signature.bind(old_log_prob, log_prob, *args, **kwargs)
                 bound.apply_defaults()

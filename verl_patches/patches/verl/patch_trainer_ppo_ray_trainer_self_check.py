@@ -13,19 +13,16 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-
-# meta_info key of the trainer's global step on a generation request (read by the worker's wrapper,
-# patch_workers_megatron_workers_self_check.py).
-STEP_KEY = "verl_patches.global_step"
 
 
 def _with_step(trainer: Any, original: Callable[..., Any]) -> Callable[..., Any]:
     def generate_sequences(gen_batch, *args, **kwargs):
         step = getattr(trainer, "global_steps", None)
         if step is not None:
-            gen_batch.meta_info[STEP_KEY] = int(step)
+            gen_batch.meta_info[stash.STEP_META_KEY] = int(step)
         return original(gen_batch, *args, **kwargs)
 
     return generate_sequences

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-from verl_patches.patches.megatron.patch_core_transformer_transformer_block import FLAG, layer_list
+from verl_patches.train.layer_list import FLAG, layer_list
 
 
 def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[..., Any]:

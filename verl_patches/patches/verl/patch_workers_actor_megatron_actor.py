@@ -88,7 +88,7 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
 
     @functools.wraps(original)
     def forward_backward_batch(self, *args, **kwargs):
-        from verl_patches.patches.verl.patch_trainer_ppo_core_algos import active_probe
+        from verl_patches.train.old_log_prob import active_probe
 
         probe = active_probe()
         if probe is None:
@@ -171,7 +171,7 @@ def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, dataloader)
         from verl_patches.base import accelerator
         from verl_patches.train.mismatch import MismatchError
-        from verl_patches.patches.verl.patch_trainer_ppo_core_algos import reusing_old_log_prob
+        from verl_patches.train.old_log_prob import reusing_old_log_prob
 
         probe = stash.get(self, "update_probe")
         if probe is None:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-from verl_patches.patches.verl.patch_workers_megatron_workers_ddp_overlap import FLAG, REMOVE_WHEN
+from verl_patches.train.ddp_overlap import FLAG, REMOVE_WHEN
 
 
 def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:

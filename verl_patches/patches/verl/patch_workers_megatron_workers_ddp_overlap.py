@@ -10,20 +10,15 @@ get_model runs as upstream has it.
 
 from __future__ import annotations
 
-import contextvars
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.train.ddp_overlap import FLAG, OVERLAP, REMOVE_WHEN
 
-FLAG = "actor_rollout_ref.rollout.recipe.overlap_grad_reduce / overlap_param_gather (default false: upstream's DDP)"
-REMOVE_WHEN = ("verl passes a DDP config override to get_model (later verl has actor.megatron.override_ddp_config) "
-               "and finishes the deferred parameter gather before the weights leave the actor.")
 _W = "verl.workers.megatron_workers:ActorRolloutRefWorker."
 
-# The actor's overlap while its _build_model_optimizer runs (get_model receives no config).
-OVERLAP: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("verl_patches_ddp_overlap", default=None)
 
 
 def wrap_build_model_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:

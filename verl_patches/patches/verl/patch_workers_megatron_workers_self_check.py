@@ -20,12 +20,10 @@ from verl_patches.core.record import Patch
 def wrap_generate_sequences_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def generate_sequences(self, prompts):
-        from verl_patches.patches.verl.patch_trainer_ppo_ray_trainer_self_check import STEP_KEY
-
         manager = getattr(self, "sharding_manager", None)
         if manager is not None:
             meta = getattr(prompts, "meta_info", None) or {}
-            step = meta.get(STEP_KEY)
+            step = meta.get(stash.STEP_META_KEY)
             stash.put(manager, "step", None if step is None else
                       (f"{step} (validation)" if meta.get("validate") else step))
         return original(self, prompts)

@@ -83,7 +83,7 @@ def check_optimizer_offload(config: Any) -> None:
     host and move it each step, each behind the other's back: asking for both is refused by name, whether
     or not MindSpeed is loaded in this process."""
     from verl_patches.config import settings
-    from verl_patches.patches.verl.patch_utils_megatron_utils_switch import OptimizerOffloadError, offload_settings
+    from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
 
     optim = config.get("actor", {}).get("optim", None) if hasattr(config, "get") else None
     if optim is None or offload_settings(optim) is None:

@@ -163,8 +163,7 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
 
     stash.put(self.inference_engine, STASH_KEY, settings)
     if settings.recipe.offload:
-        from verl_patches.patches.vllm.patch_entrypoints_llm import attach_engine_memory
-        from verl_patches.rollout.engine_memory import VllmEngineMemory
+        from verl_patches.rollout.engine_memory import VllmEngineMemory, attach_engine_memory
 
         memory = VllmEngineMemory(self.inference_engine)
         stash.put(self, "engine_memory", memory)

@@ -18,18 +18,8 @@ from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
-# Set on the vllm.LLM instance by the rollout patch (verl.vllm_rollout.recipe_engine).
+# Set on the vllm.LLM instance by the rollout patch (verl_patches.rollout.engine_memory.attach_engine_memory).
 MEMORY_ATTR = stash.attr("memory")
-
-
-def attach_engine_memory(llm: Any, memory: Any) -> None:
-    """Put a recipe engine's memory (VllmEngineMemory) under the process's switch loop and route
-    the engine's sleep / wake_up to it. The loop starts where an update ends, so its weights and
-    KV cache are released now: what upstream's build-time sleep would do."""
-    from verl_patches.offload.live import live_switch
-
-    live_switch().attach(memory)
-    setattr(llm, MEMORY_ATTR, memory)
 
 
 def _switch(llm: Any) -> Any:

@@ -18,20 +18,13 @@ from __future__ import annotations
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.rollout import worker_regions
+from verl_patches.rollout.worker_regions import FLAG, REMOVE_WHEN, WHY
 
 
 # The wrappers are shared with the other accelerator's worker (same method shapes).
 wrap_load_model = worker_regions.wrap_load_model
 wrap_initialize_from_config = worker_regions.wrap_initialize_from_config
 
-
-FLAG = ("actor_rollout_ref.rollout.enforce_eager=False with actor_rollout_ref.rollout.recipe.offload (default on); "
-        "VERL_PATCHES_STABLE_MEMORY chooses the backend (auto | torch_memory_saver | vllm_cumem | none)")
-WHY = ("The recipe releases the rollout weights and KV cache after every generation and allocates them again before "
-       "the next; graphs captured at engine build read the old addresses, so both must live in an address-stable "
-       "region from the first build (docs/DESIGN.md section 3, address stability).")
-REMOVE_WHEN = ("vLLM (and vLLM-Ascend) can release and re-map the weights and the KV cache per tag at the same "
-               "addresses without sleep mode's host copy, or the recipe's offload moves onto sleep mode.")
 
 PATCHES = [
     Patch(

@@ -4,9 +4,10 @@ Upstream: vllm_ascend/worker/worker_v1.py:NPUWorker.load_model and NPUWorker.ini
 the NPU twins of vLLM's GPU worker methods (with sleep mode on they use CaMemAllocator's pool,
 tags "weights" and "kv_cache"). TorchAir graphs with frozen_parameter, compiled after these two
 calls, read the addresses the weights and the cache had then. Wrapped exactly as the GPU worker
-(verl_patches.patches.vllm.patch_v1_worker_gpu_worker, same code in verl_patches.rollout.graph_safe):
-in an armed graph-safe build both run inside CaMemAllocator regions of our own tags. The module needs torch_npu to import, so these
-patches are applied on Ascend only.
+(verl_patches.patches.vllm.patch_v1_worker_gpu_worker; the wrappers, and what both patches say of
+themselves, are in verl_patches.rollout.worker_regions): in an armed graph-safe build both run inside
+CaMemAllocator regions of our own tags. The module needs torch_npu to import, so these patches are
+applied on Ascend only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.rollout import worker_regions
-from verl_patches.patches.vllm.patch_v1_worker_gpu_worker import FLAG, REMOVE_WHEN, WHY
+from verl_patches.rollout.worker_regions import FLAG, REMOVE_WHEN, WHY
 
 
 # The wrappers are shared with the other accelerator's worker (same method shapes).
