@@ -32,8 +32,7 @@ parameter). Two code paths compute the same integers:
 - torch (every device; the one an NPU runs): torch's sum(dtype=int64) of an int32 tensor writes an int64
   copy first, so 2-byte values' products with the keys (each below 2**30 in magnitude) are added in
   pairs within int32 before the widening sum, and the plain sums of the bits in int32 groups of 2**15;
-  a sender's chunk keys come from a 512-entry table (``_RECEIVE`` keeps two other forms of the receive
-  sum, for timing: "wide", the previous one, and "split", keys split in bytes; all give the same integers);
+  a sender's chunk keys come from a 512-entry table;
 - a fused Triton kernel on CUDA (2-byte values; VERL_PATCHES_FINGERPRINT_TRITON=false turns it off):
   one pass that reads each value once and looks its key up in the (L2-resident) table.
 """
@@ -63,7 +62,6 @@ class WeightMismatchError(RuntimeError):
 
 
 _TABLES: dict[str, torch.Tensor] = {}
-_SPLIT: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 _CHUNK_KEYS: dict[str, torch.Tensor] = {}
 
 
@@ -75,15 +73,6 @@ def key_table(device: torch.device) -> torch.Tensor:
         g = torch.Generator().manual_seed(_KEY_SEED)
         _TABLES[dev] = torch.randint(1, (1 << 15) + 1, (CHUNK,), generator=g, dtype=torch.int32).to(device)
     return _TABLES[dev]
-
-
-def _split_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K >> 8, K & 255), int32, cached per device (the "split" form only)."""
-    dev = str(device)
-    if dev not in _SPLIT:
-        k = key_table(device)
-        _SPLIT[dev] = (k >> 8, k & 255)
-    return _SPLIT[dev]
 
 
 def _chunk_keys(device: torch.device) -> torch.Tensor:
@@ -118,32 +107,13 @@ def _dot(bits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 BLOCK = 1 << 24  # elements per kernel launch: bounds the temporaries (64 MiB of int32) and the launches
-_GROUP = 64  # products summed in int32 before widening: 64 * 2**15 * 255 < 2**31
-
-
-def _split_dot_rows(bits: torch.Tensor, kh: torch.Tensor, kl: torch.Tensor) -> torch.Tensor:
-    """Per row of ``bits`` (int16 [rows, L], L a multiple of _GROUP), sum(bits * (256 * kh + kl)) as int64,
-    exact, with int32 temporaries only (kh <= 128, kl <= 255 broadcast over the rows)."""
-    rows, L = bits.shape
-    out = torch.zeros(rows, dtype=torch.int64, device=bits.device)
-    for weight, table in ((256, kh), (1, kl)):
-        part = torch.mul(bits, table).view(rows, L // _GROUP, _GROUP).sum(dim=2, dtype=torch.int32)
-        out += part.sum(dim=1, dtype=torch.int64) * weight
-    return out
-
-
-_RECEIVE = "pairs"  # how the torch path sums bits * K per row (all give the same integers; timed on a GPU)
 
 
 def _receive_rows(bits: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Per row of int16 ``bits`` [rows, CHUNK], sum(bits * K) as int64, exact."""
-    if _RECEIVE == "split":
-        return _split_dot_rows(bits, *_split_tables(bits.device))
-    prod = bits * table  # |bits * K| <= 2**30
-    if _RECEIVE == "pairs":
-        # Two products add up within an int32 (-2**31 at the very least), so only half the count is widened.
-        prod = prod[:, 0::2] + prod[:, 1::2]
-    return prod.sum(dim=1, dtype=torch.int64)
+    """Per row of int16 ``bits`` [rows, CHUNK], sum(bits * K) as int64, exact. |bits * K| <= 2**30, so two
+    products add up within an int32 (-2**31 at the very least) and only half the count is widened."""
+    prod = bits * table
+    return (prod[:, 0::2] + prod[:, 1::2]).sum(dim=1, dtype=torch.int64)
 
 
 def _row_sums(bits: torch.Tensor) -> torch.Tensor:
