@@ -135,10 +135,10 @@ def check_logits(hf_config: dict[str, Any], placements: Placements, variants: di
     ids = torch.randint(0, config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
     logits: dict[str, torch.Tensor] = {}
     known = set(model.state_dict())
-    converted = via_checkpoint
+    # Decided once for every variant, so that all of them are loaded the same way and compared alike:
+    # where the installed release names any of them otherwise, its own loader converts them all.
+    converted = via_checkpoint or any(not set(state) <= known for state in variants.values())
     for label, state in variants.items():
-        if not converted and not set(state) <= known:
-            converted = True  # the installed release names them otherwise: its own loader converts them
         if converted:
             with torch.no_grad():
                 logits[label] = _load_converted(config, state, label)(input_ids=ids).logits.clone()
