@@ -382,9 +382,9 @@ def _forward(model: torch.nn.Module, batch: list[RequestState]) -> torch.Tensor:
     invariance at 1 and 2 threads, for batches of 1, 3, 8 and 17 requests.
 
     The cost is one forward per request instead of one per step, and the tiny model's forward is
-    mostly per-call overhead (transformers' MoE loops over its experts in Python): 16 requests of 16
-    tokens took 2.5 s against 0.48 s batched at one thread on the CI machine (docs/TINY_RUN.md gives
-    what it does to the tiny run)."""
+    mostly per-call overhead (transformers' MoE loops over its experts in Python): the tiny run's
+    generation takes several times as long as batched (``bash scripts/train_tiny.sh`` prints it per
+    step; docs/TINY_RUN.md gives the measured range)."""
     prefill = batch[0].kv is None
     if any((s.kv is None) != prefill for s in batch):
         raise CpuEngineError("a forward mixes prefill and decode requests")
