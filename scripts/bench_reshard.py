@@ -5,7 +5,11 @@ The all-to-all ceiling: before any layout, a plain all_to_all_single is timed ov
 sizes (--a2a-sizes-mb, 16 MiB to 2 GiB by default; bus bandwidth = bytes a rank sends to its peers /
 time, median of --a2a-repeats, slowest rank). Each method's bus bandwidth is then given as a fraction
 of two references: "of a2a" the all-to-all at the reshard's own per-collective size (half a bucket
-each way), "of peak" the best value of that curve (the large-message ceiling).
+each way), "of peak" the best value of that curve (the large-message ceiling). A third, "of staged":
+the same all-to-all with a copy of twice its bytes (a pack and an unpack) on a side stream beside it,
+timed until both finish: the most a reshard that stages its bytes through buffers can reach, since the
+copies and the collective share the device's memory bandwidth. direct@N in --methods runs the direct
+method with N buckets in flight (the executor's default is 2).
 
 Launch with torchrun (gloo on CPU, NCCL on GPU through the accelerator facade):
     torchrun --nproc-per-node 2 scripts/bench_reshard.py --train tp=1,pp=2,ep=1 --rollout tp=2,dp=1
@@ -31,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_patches.base import accelerator  # noqa: E402
 from verl_patches.reshard.baselines import recipe_stats, upstream_stats  # noqa: E402
+from verl_patches.reshard import METHODS  # noqa: E402
 from verl_patches.reshard.executor import execute  # noqa: E402
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout  # noqa: E402
 from verl_patches.reshard.model import ModelConfig  # noqa: E402
@@ -82,6 +87,47 @@ def a2a_busbw(nbytes: int, dtype: torch.dtype, device: torch.device, world: int,
     t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return total * es / float(t.item())
+
+
+def a2a_beside_copies(nbytes: int, dtype: torch.dtype, device: torch.device, world: int, rank: int,
+                      repeats: int) -> dict[str, float]:
+    """The staged ceiling: an all_to_all_single of nbytes per rank (as in a2a_busbw) with a copy of
+    2 x nbytes (a pack and an unpack of the same bytes) on a side stream beside it, the most that a
+    reshard which stages its bytes through buffers can overlap. Seconds (median, slowest rank) of
+    the all-to-all alone, the copy alone and both together; busbw = bytes sent / both."""
+    es = torch.empty((), dtype=dtype).element_size()
+    peers = max(1, world - 1)
+    n = max(peers, nbytes // es)
+    splits = [0 if p == rank and world > 1 else n // peers for p in range(world)]
+    sbuf = torch.ones(sum(splits), dtype=dtype, device=device)
+    rbuf = torch.empty(sum(splits), dtype=dtype, device=device)
+    csrc = torch.ones(2 * sum(splits), dtype=dtype, device=device)
+    cdst = torch.empty_like(csrc)
+    side = accelerator.new_stream()
+
+    def timed(a2a: bool, copy: bool) -> float:
+        times = []
+        for i in range(repeats + 2):
+            dist.barrier()
+            accelerator.synchronize()
+            t0 = time.perf_counter()
+            if copy:
+                with accelerator.stream(side):
+                    cdst.copy_(csrc)
+            if a2a:
+                dist.all_to_all_single(rbuf, sbuf, output_split_sizes=splits, input_split_sizes=splits)
+            accelerator.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    out = {"a2a_s": timed(True, False), "copy_s": timed(False, True), "both_s": timed(True, True)}
+    out["busbw"] = sum(splits) * es / out["both_s"]
+    del sbuf, rbuf, csrc, cdst
+    accelerator.empty_cache()
+    return out
 
 
 def a2a_curve(sizes_mb: list[float], dtype: torch.dtype, device: torch.device, world: int, rank: int,
@@ -143,6 +189,21 @@ def check_copy_kernel(device: torch.device) -> bool:
     return ok
 
 
+def base_method(name: str) -> str:
+    """'direct@3' -> 'direct' (the executor's method)."""
+    return name.split("@", 1)[0]
+
+
+def in_flight(name: str) -> int:
+    """'direct@3' -> 3 buckets in flight; a plain method name -> the executor's default, 2."""
+    if "@" not in name:
+        return 2
+    base, n = name.split("@", 1)
+    if base != "direct" or not n.isdigit() or int(n) < 1:
+        raise ValueError("only direct takes @N, N an integer of at least 1")
+    return int(n)
+
+
 def run(args: argparse.Namespace) -> int:
     backend = accelerator.dist_backend()
     rank = int(os.environ.get("RANK", "0"))
@@ -165,6 +226,13 @@ def run(args: argparse.Namespace) -> int:
     if rank == 0:
         print("all_to_all_single bus bandwidth by per-rank message size (GB/s): " +
               ", ".join(f"{c['mib_per_rank']:g} MiB {c['busbw'] / 1e9:.1f}" for c in curve), flush=True)
+    staged = {p.bucket_bytes: a2a_beside_copies(p.bucket_bytes // 2, torch_dtype(p.dtype), device, world, rank,
+                                                args.a2a_repeats) for p in plans}
+    if rank == 0:
+        for b, v in staged.items():
+            print(f"all-to-all of {b / 2 / (1 << 20):g} MiB per rank with a pack + unpack copy of its bytes on a side "
+                  f"stream (ms): alone {v['a2a_s'] * 1e3:.2f}, copy alone {v['copy_s'] * 1e3:.2f}, both "
+                  f"{v['both_s'] * 1e3:.2f}; staged ceiling {v['busbw'] / 1e9:.1f} GB/s", flush=True)
     a2a_first = {p.bucket_bytes: a2a_busbw(p.bucket_bytes // 2, torch_dtype(p.dtype), device, world, rank,
                                            3 * args.repeats) for p in plans}
     rows = []
@@ -188,7 +256,8 @@ def run(args: argparse.Namespace) -> int:
                 base = accelerator.memory_allocated()
                 accelerator.reset_peak_memory_stats()
                 t0 = time.perf_counter()
-                st = execute(plan, rank, train, roll, method=method, check=(i == 0))
+                st = execute(plan, rank, train, roll, method=base_method(method), check=(i == 0),
+                             in_flight=in_flight(method))
                 accelerator.synchronize()
                 dt_s = time.perf_counter() - t0
                 peaks.append(accelerator.max_memory_allocated() - base)
@@ -211,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({
                 "train": P.train, "rollout": P.rollout, "method": method, "seconds": float(med.item()),
                 "max_link_bytes": float(sent[0].item()), "max_recv_bytes": float(sent[1].item()),
-                "planned_max_recv_bytes": max(s.recv_bytes for s in modelled[method]),
+                "planned_max_recv_bytes": max(s.recv_bytes for s in modelled[base_method(method)]),
                 "peak_extra_bytes": float(sent[2].item()), "collectives": st.collectives,
                 "identical_to_first": int(flag.item()) == 0,
             })
@@ -240,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
                 r["a2a_peak_busbw"] = peak
                 r["busbw_fraction_of_peak"] = r["busbw"] / peak
                 r["ideal_seconds_at_peak"] = r["max_link_bytes"] / peak
+                r["staged_busbw"] = staged[plan.bucket_bytes]["busbw"]
+                r["busbw_fraction_of_staged"] = r["busbw"] / r["staged_busbw"]
     if rank == 0:
         info = accelerator.describe()
         print(f"\ndevice {info.get('device_name', 'cpu')} x{world}, backend {backend}, torch {torch.__version__}, "
@@ -247,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
               f"layers {plans[0].placements.model.num_layers}, experts {plans[0].placements.model.n_routed_experts}, "
               f"hidden {plans[0].placements.model.hidden_size}")
         print(f"{'train -> rollout':<44}{'method':<10}{'time ms':>9}{'vs direct':>10}{'recv GB':>9}"
-              f"{'peak GB':>9}{'coll':>6}{'busbw GB/s':>11}{'of a2a':>8}{'of peak':>8}{'same':>6}")
+              f"{'peak GB':>9}{'coll':>6}{'busbw GB/s':>11}{'of a2a':>8}{'of peak':>8}{'of staged':>10}{'same':>6}")
         for r in rows:
             d = next(x for x in rows if x["train"] is r["train"] and x["rollout"] is r["rollout"]
                      and x["method"] == "direct")
@@ -256,12 +327,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"{lay:<44}{r['method']:<10}{r['seconds'] * 1e3:>9.1f}{r['seconds'] / d['seconds']:>9.2f}x"
                   f"{r['max_recv_bytes'] / 1e9:>9.3f}{r['peak_extra_bytes'] / 1e9:>9.3f}{r['collectives']:>6}"
                   f"{r['busbw'] / 1e9:>11.1f}{r['busbw_fraction']:>8.2f}{r['busbw_fraction_of_peak']:>8.2f}"
+                  f"{r['busbw_fraction_of_staged']:>10.2f}"
                   f"{str(r['identical_to_first']):>6}")
         per = {p.bucket_bytes: r["a2a_busbw"] for p in plans for r in rows if r["train"] is p.placements.train}
         print(f"of a2a: over the all-to-all at the reshard's per-collective size (" +
               ", ".join(f"{b / 2 / (1 << 20):g} MiB per rank {v / 1e9:.1f} GB/s" for b, v in per.items()) +
               f", best of the curve's point and two more measurements); of peak: over the curve's best, "
-              f"{peak / 1e9:.1f} GB/s at {max(curve, key=lambda c: c['busbw'])['mib_per_rank']:g} MiB per rank")
+              f"{peak / 1e9:.1f} GB/s at {max(curve, key=lambda c: c['busbw'])['mib_per_rank']:g} MiB per rank; of staged: "
+              f"over the all-to-all at the per-collective size with a pack + unpack copy of its bytes beside it")
         if args.json_out:
             out = [dict(r, train=vars(r["train"]), rollout=vars(r["rollout"])) for r in rows]
             Path(args.json_out).write_text(json.dumps({"device": accelerator.describe(), "world": world,
@@ -282,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
     ap.add_argument("--bucket-mb", type=float, default=256.0)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--methods", default="direct,upstream,recipe")
+    ap.add_argument("--methods", default="direct,upstream,recipe",
+                    help="methods to time; direct@N runs direct with N buckets in flight (direct: 2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--a2a-sizes-mb", default="16,32,64,128,256,512,1024,2048",
@@ -294,6 +368,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", help="write the result rows as JSON (rank 0)")
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    for m in args.methods:
+        try:
+            in_flight(m)
+        except ValueError as e:
+            ap.error(f"--methods {m!r}: {e}")
+        if base_method(m) not in METHODS:
+            ap.error(f"--methods {m!r}: expected one of {METHODS} (direct@N for N buckets in flight)")
     try:
         args.a2a_sizes_mb = [float(x) for x in args.a2a_sizes_mb.split(",") if x.strip()]
     except ValueError:

@@ -43,7 +43,7 @@ def test_methods_bit_identical(results, case):
     plans, res = results
     for rank in range(W):
         out = res[rank][case]
-        methods = ("direct", "upstream", "recipe") if case in GROUPED else ("direct",)
+        methods = ("direct", "direct@3", "upstream", "recipe") if case in GROUPED else ("direct", "direct@3")
         assert set(methods) <= set(out), (CASES[case], rank)
         for method in methods:
             assert out[method]["mismatch"] == [], (CASES[case], rank, method)
@@ -66,6 +66,12 @@ def test_executed_costs_equal_planned(results, case):
         # zero redundancy: a rank receives its rollout shard minus what it already holds
         assert want.recv_bytes == want.shard_bytes - want.local_bytes
         assert want.peak_extra_bytes <= 2 * plan.bucket_bytes
+        # Three buckets in flight: the same traffic, one more staging buffer when there are 3+ buckets.
+        deep = res[rank][case]["direct@3"]["stats"]
+        nb = want.collectives
+        assert (deep["recv_bytes"], deep["sent_bytes"], deep["collectives"]) == (want.recv_bytes, want.sent_bytes, nb)
+        if nb:
+            assert deep["peak_extra_bytes"] * min(2, nb) == want.peak_extra_bytes * min(3, nb), (CASES[case], rank)
         for name, model in ((("upstream", ups), ("recipe", rec)) if grouped else ()):
             g = res[rank][case][name]["stats"]
             assert (g["recv_bytes"], g["collectives"], g["peak_extra_bytes"]) == (

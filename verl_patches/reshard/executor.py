@@ -77,18 +77,26 @@ def check_inputs(P: Placements, rank: int, train: dict[str, torch.Tensor],
 
 def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor],
             rollout_params: dict[str, torch.Tensor], group: Any = None, method: str = "direct",
-            check: bool = True) -> ExecStats:
+            check: bool = True, in_flight: int = 2) -> ExecStats:
     """Fill ``rollout_params`` (this rank's vLLM parameters, preallocated) from
     ``train_shards`` (its Megatron parameters). All ranks of the plan call it together with
-    the same method. ``group`` is the world group (None: the default group)."""
+    the same method. ``group`` is the world group (None: the default group). ``in_flight``
+    (method direct only): how many buckets are on the links at once, each with its own staging
+    buffer, so the extra memory is ``in_flight`` buckets."""
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight {in_flight!r}: expected an integer of at least 1 (buckets on the links at once)")
+    if method != "direct" and in_flight != 2:
+        raise ValueError(f"in_flight applies to method 'direct' only; method {method!r} runs its reference's schedule")
     P = plan.placements
     if check:
         check_inputs(P, rank, train_shards, rollout_params)
     if method != "direct" and P.train.expert_storage != "grouped":
         raise ValueError(f"method {method!r} emulates its reference on GroupedMLP storage; this training "
                          f"layout stores experts as {P.train.expert_storage!r}: use method 'direct'")
+    if method == "direct":
+        return _execute_direct(plan, rank, train_shards, rollout_params, group, in_flight)
     return _RUNNERS[method](plan, rank, train_shards, rollout_params, group)
 
 
@@ -144,11 +152,12 @@ def _local_chunks(local: list[Transfer], n: int) -> list[list[Transfer]]:
 
 
 def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
-                    roll: dict[str, torch.Tensor], group: Any) -> ExecStats:
-    """Two buckets in flight: bucket b+1 is packed and its all-to-all queued while bucket b is
-    on the links; bucket b is unpacked once its all-to-all is done (work.wait() orders the
-    device stream after the collective without blocking the host). Local copies are spread
-    over the buckets so they overlap the transfers too."""
+                    roll: dict[str, torch.Tensor], group: Any, in_flight: int = 2) -> ExecStats:
+    """``in_flight`` buckets on the links (two by default): bucket b+1 is packed and its
+    all-to-all queued while bucket b is on the links; bucket b is unpacked once its all-to-all is
+    done (work.wait() orders the device stream after the collective without blocking the host),
+    and its staging buffer then takes bucket b + in_flight. Local copies are spread over the
+    buckets so they overlap the transfers too."""
     P = plan.placements
     prog = _program(plan, rank)
     st = ExecStats("direct")
@@ -158,16 +167,16 @@ def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
     zero_padding(P, rank, roll)
     nb = len(prog.buckets)
     local = _local_chunks(prog.local, nb)
-    # Two staging buffers allocated once, each holding one bucket's send and receive parts:
-    # the extra memory is exactly two buckets (no per-bucket allocation, no allocator rounding).
+    # in_flight staging buffers allocated once, each holding one bucket's send and receive parts:
+    # the extra memory is exactly in_flight buckets (no per-bucket allocation, no allocator rounding).
     size = max((sum(ss) + sum(rs) for ss, rs, _, _ in prog.buckets), default=0)
-    stage = [torch.empty(size, dtype=ref.dtype, device=ref.device) for _ in range(min(2, nb))]
+    stage = [torch.empty(size, dtype=ref.dtype, device=ref.device) for _ in range(min(in_flight, nb))]
     st.peak_extra_bytes = size * len(stage) * es
     inflight: list[tuple[int, Any, torch.Tensor]] = []
 
     def issue(b: int) -> None:
         rsplit = prog.buckets[b][1]
-        buf = stage[b % 2]
+        buf = stage[b % len(stage)]
         sbuf, ssplit = pack(plan, rank, b, train, ref.dtype, ref.device, out=buf)
         rbuf = buf[sbuf.numel():sbuf.numel() + sum(rsplit)]
         work = dist.all_to_all_single(rbuf, sbuf, output_split_sizes=rsplit, input_split_sizes=ssplit,
@@ -185,7 +194,7 @@ def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
     if nb == 0:
         copy_local(plan, rank, train, roll)
     for b in range(nb):
-        if len(inflight) == 2:
+        if len(inflight) == len(stage):
             retire()
         issue(b)
         for tr in local[b]:
