@@ -27,7 +27,9 @@ if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
 fi
 export VENV="${VENV:-$ROOT/.venv}"
 
-bash "$ROOT/scripts/setup_test_env.sh"
+# SETUP_TEST_ENV=0: the environment is built already (scripts/rehearse_multinode.sh builds it once for
+# all its nodes).
+if [[ "${SETUP_TEST_ENV:-1}" != 0 ]]; then bash "$ROOT/scripts/setup_test_env.sh"; fi
 PY="$VENV/bin/python"
 TINY_OUT="${TINY_OUT:-$ROOT/out/tiny}"
 mkdir -p "$TINY_OUT"
@@ -51,7 +53,11 @@ UPSTREAM_ROOT="$TINY_OUT/upstream"
   || { echo "error: copying verl with the prelude line failed; see $SETUP_LOG" >&2; tail -n 20 "$SETUP_LOG" >&2; exit 1; }
 
 export RECIPE_ROOT="$ROOT" UPSTREAM_ROOT PYTHON="$PY" RAY_BIN="$VENV/bin/ray"
-export DEVICE="${DEVICE:-cpu}" NNODES=1 DEVICES_PER_NODE="${DEVICES_PER_NODE:-4}" MASTER_ADDR=127.0.0.1
+# One node by default; several as on a cluster (scripts/rehearse_multinode.sh): the same command on every
+# node with MASTER_ADDR (the head's address), NODE_RANK, NNODES and DEVICES_PER_NODE (NNODES x
+# DEVICES_PER_NODE = 4 workers for the tiny config's layout).
+export DEVICE="${DEVICE:-cpu}" NNODES="${NNODES:-1}" DEVICES_PER_NODE="${DEVICES_PER_NODE:-$((4 / ${NNODES:-1}))}"
+export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 export MODEL_PATH="$TINY_ASSETS/model" TRAIN_FILES="$TINY_ASSETS/data/train.parquet"
 export VAL_FILES="$TINY_ASSETS/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-$TINY_OUT/checkpoints}"
 export WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}" LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-steps}"
@@ -94,7 +100,7 @@ tiny_banner() {
     esac
   done
   echo "== train_tiny: ${steps} GRPO steps of a 4-layer DeepSeek-V3 through verl's trainer (verl.trainer.main_ppo)"
-  echo "   with every patch of the overlay, on ${DEVICES_PER_NODE} ${DEVICE} workers (train TP2 x PP2 x EP2, rollout DP2 x TP2)"
+  echo "   with every patch of the overlay, on $((NNODES * DEVICES_PER_NODE)) ${DEVICE} workers$( ((NNODES > 1)) && echo " (${NNODES} nodes x ${DEVICES_PER_NODE}, this node's rank ${NODE_RANK:-from MASTER_ADDR})") (train TP2 x PP2 x EP2, rollout DP2 x TP2)"
   echo "   outputs:     ${TINY_OUT}"
   echo "   logs:        ${LOG_DIR}/ (setup.log, launch.log: bring-up and checks, trainer.log: the trainer's whole output)"
   echo "   metrics:     ${TINY_OUT}/metrics.jsonl, tensorboard: ${TINY_OUT}/tensorboard, plots: ${TINY_OUT}/plots"
@@ -112,7 +118,8 @@ launch_main tiny_deepseek_v3 "$@" || rc=$?
 ((dry == 0)) || exit "$rc"
 # Ray and the trainer are stopped before the plots are drawn (the EXIT trap would do it after).
 bringup_stop
-if ((rc == 0)) || [[ -s "$TINY_OUT/metrics.jsonl" ]]; then
+# The head drew them (a worker node has no metrics of its own).
+if [[ "$(bringup_role)" == head ]] && { ((rc == 0)) || [[ -s "$TINY_OUT/metrics.jsonl" ]]; }; then
   # The curves of the run (also of a failed one, up to where it stopped).
   "$PY" -m verl_patches plot "$TINY_OUT" || rc=$((rc ? rc : 1))
 fi

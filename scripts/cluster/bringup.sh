@@ -131,8 +131,12 @@ bringup_ray_head_cmd() {
   mapfile -t -O "${#RAY_CMD[@]}" RAY_CMD < <(bringup_device_args)
 }
 
+# A worker joins with its own address: the one on the interface that reaches the head (NODE_IP, else
+# the address of SOCKET_IFNAME), the address the other nodes reach it at, as VLLM_HOST_IP.
 bringup_ray_worker_cmd() {
   RAY_CMD=("$RAY_BIN" start --block --address="${MASTER_ADDR}:${RAY_PORT}" --disable-usage-stats)
+  local ip="${NODE_IP:-$(recipe_env_node_ip)}"
+  if [[ -n "$ip" ]]; then RAY_CMD+=(--node-ip-address="$ip"); fi
   mapfile -t -O "${#RAY_CMD[@]}" RAY_CMD < <(bringup_device_args)
 }
 
@@ -146,6 +150,15 @@ bringup_export_env() {
   export PYTHONPATH="${RECIPE_ROOT}${UPSTREAM_ROOT:+:${UPSTREAM_ROOT}}${PYTHONPATH:+:${PYTHONPATH}}"
   export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME}"
+  # Node health (read by Ray's GCS on the head and by every raylet; README, "Node loss"): a node that
+  # misses RAY_health_check_failure_threshold checks, one every RAY_health_check_period_ms, each given
+  # RAY_health_check_timeout_ms, is dead, and the node watch stops the run; a worker's raylet that
+  # cannot reach the head for RAY_gcs_rpc_server_reconnect_timeout_s exits, and its launcher with it.
+  # Ray's own defaults; a value in the environment wins.
+  export RAY_health_check_period_ms="${RAY_health_check_period_ms:-3000}"
+  export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-10000}"
+  export RAY_health_check_failure_threshold="${RAY_health_check_failure_threshold:-5}"
+  export RAY_gcs_rpc_server_reconnect_timeout_s="${RAY_gcs_rpc_server_reconnect_timeout_s:-60}"
   if [[ "$DEVICE" == npu ]]; then
     export HCCL_SOCKET_IFNAME="${HCCL_SOCKET_IFNAME:-$SOCKET_IFNAME}"
   elif [[ "$DEVICE" == cuda ]]; then
@@ -219,6 +232,14 @@ bringup_wait_port() {
   done
 }
 
+# Worker only: whether the head's RAY_PORT actively refuses a connection (its Ray stopped). A head that
+# does not answer within 3 s (a partition, a busy head) is not "refused".
+bringup_head_refuses() {
+  local rc=0
+  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>/dev/null || rc=$?
+  ((rc != 0 && rc != 124))
+}
+
 bringup_start_worker() {
   bringup_wait_port || return $?
   bringup_ray_worker_cmd
@@ -257,6 +278,38 @@ bringup_wait_devices() {
 
 bringup_alive() {
   kill -0 "$1" 2>/dev/null
+}
+
+# Head only, once the trainer runs: the node watch in the background (BRINGUP_WATCH_PID; it is stopped
+# with the rest). It exits 4 with a line naming the node and the step when a node that joined is lost.
+bringup_start_node_watch() {
+  local trainer_log="$1"
+  "$PYTHON" -m verl_patches.launch.node_watch --address "${MASTER_ADDR}:${RAY_PORT}" --nodes "$NNODES" \
+    --log "$trainer_log" >"${LOG_DIR}/node_watch.log" 2>&1 </dev/null &
+  BRINGUP_WATCH_PID="$!"
+  BRINGUP_PIDS+=("$!")
+}
+
+# The seconds Ray takes to call a silent node dead (its health checks), plus two reads of the node table.
+bringup_node_loss_bound_s() {
+  echo $(( (RAY_health_check_failure_threshold * (RAY_health_check_period_ms + RAY_health_check_timeout_ms)) / 1000 + 4 ))
+}
+
+# Head only, after the trainer failed: whether the node watch reports a lost node within
+# NODE_LOSS_GRACE_S (default: the health checks' bound), or has already.
+bringup_node_watch_sees_loss() {
+  local pid="$1" waited=0 grace="${NODE_LOSS_GRACE_S:-$(bringup_node_loss_bound_s)}"
+  while bringup_alive "$pid" && ((waited < grace * 10)); do
+    # Only a crash of the trainer that a lost node explains is waited for: a node still alive in
+    # every check is known within one read (2 s); Ray's own message names a dead node at once.
+    if ! grep -qE 'ActorDiedError|NodeDiedError|node .* (died|dead)|RaySystemError|ActorUnavailableError' \
+         "${LOG_DIR}/trainer.log" 2>/dev/null; then
+      break
+    fi
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+  grep -q '^error: node ' "${LOG_DIR}/node_watch.log" 2>/dev/null
 }
 
 bringup_group_alive() {

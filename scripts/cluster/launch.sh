@@ -208,12 +208,24 @@ launch_run() {
 
   # CANN first: the doctor imports torch_npu on Ascend.
   bringup_source_cann || return $?
-  # The dry run's checks, the same function (a worker's Ray needs none of them).
+  # The dry run's checks, the same function, on every node before it starts or joins anything: a worker
+  # whose environment, doctor or prelude hook fails would only fail later inside verl's workers.
+  launch_validate "$role" || return 1
   if [[ "$role" == head ]]; then
-    launch_validate head || return 1
     launch_say "checks passed: python environment, head inputs, doctor, prelude hook, config composition, layout and data"
+  else
+    launch_say "checks passed: python environment, doctor, prelude hook, config composition, layout and data"
   fi
   launch_start "$role"
+}
+
+# The node watch saw a node go: say so on the console (its line names the node and the step).
+launch_node_lost() {
+  local line
+  line="$(grep -h '^error: node ' "${LOG_DIR}/node_watch.log" 2>/dev/null | head -n 3)"
+  launch_say "${line:-error: the node watch stopped without naming a node (${LOG_DIR}/node_watch.log)}"
+  if [[ "${LAUNCH_CONSOLE:-full}" != steps ]]; then echo "${line:-}" >&2; fi
+  launch_say "stopping the run: the trainer and this node's Ray are stopped; the other nodes' launchers end with their Ray"
 }
 
 # Start this node's part: Ray (and, on the head, the trainer once every device joined).
@@ -228,8 +240,21 @@ launch_start() {
   trap 'exit 129' HUP
   if [[ "$role" == worker ]]; then
     bringup_start_worker || return $?
-    # Stay up as long as this node's Ray runs; it ends when the head goes away.
-    wait "${BRINGUP_PIDS[0]}" || true
+    # Stay up as long as this node's Ray runs and the head is there: once the head's port refuses
+    # connections (its launcher stopped its Ray), this node's Ray is stopped at once instead of retrying a
+    # head that is gone for RAY_gcs_rpc_server_reconnect_timeout_s; a head that does not answer at all
+    # (a partition) is left to Ray's own reconnect timeout, after which this node's Ray exits.
+    local ray_pid="${BRINGUP_PIDS[0]}" refused=0 wrc=0
+    while bringup_alive "$ray_pid"; do
+      if bringup_head_refuses; then refused=$((refused + 1)); else refused=0; fi
+      if ((refused >= 2)); then
+        launch_say "the Ray head at ${MASTER_ADDR}:${RAY_PORT} is gone (its port refuses connections): stopping this node's Ray"
+        return 0
+      fi
+      sleep 2 & wait "$!" || true
+    done
+    wait "$ray_pid" || wrc=$?
+    launch_say "this node's Ray exited (status ${wrc}; ${LOG_DIR}/ray_worker_$(hostname 2>/dev/null || echo node).log)"
     return 0
   fi
   bringup_start_head
@@ -247,19 +272,35 @@ launch_start() {
   local trainer_pid=$!
   exec {out}>&-
   BRINGUP_PIDS=("$trainer_pid" "${BRINGUP_PIDS[@]}")
+  # Every node that joined is watched while the trainer runs (verl_patches/launch/node_watch.py): a node
+  # whose Ray dies or goes silent stops the run within Ray's health-check bound, naming the node and the
+  # step, instead of leaving the other ranks in a collective until its communication timeout.
+  bringup_start_node_watch "$log"
+  local watch_pid="$BRINGUP_WATCH_PID"
   local rc=0
   # The Ray head is watched while the trainer runs: if it exits, the run stops at once, saying so
   # (the trainer's Ray calls would otherwise retry a dead head for minutes). The short sleep runs in
   # the background and is waited for, so the traps still run at once on a signal.
   while bringup_alive "$trainer_pid"; do
     if ! bringup_head_alive "while the trainer ran"; then rc=3; break; fi
+    if ! bringup_alive "$watch_pid"; then rc=4; break; fi
     sleep 1 & wait "$!" || true
   done
-  if ((rc)); then
+  if ((rc == 3)); then
     launch_say "the Ray head exited while the trainer ran: stopping the run (${LOG_DIR}/ray_head.log)"
     return "$rc"
   fi
+  if ((rc == 4)); then
+    launch_node_lost
+    return "$rc"
+  fi
   wait "$trainer_pid" || rc=$?
+  # A trainer that failed because a node went (an actor on it died) is reported as the node's loss: the
+  # watch is given the health checks' time to see it (NODE_LOSS_GRACE_S).
+  if ((rc)) && bringup_node_watch_sees_loss "$watch_pid"; then
+    launch_node_lost
+    return 4
+  fi
   if [[ -n "$filter_pid" ]]; then
     # The console filter ends at the end of the trainer's output; teardown stops it if a leftover
     # process still holds that output open.

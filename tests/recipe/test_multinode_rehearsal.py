@@ -1,0 +1,149 @@
+"""Several nodes on one machine (issue 36): scripts/rehearse_multinode.sh makes 2 network namespaces
+joined by a bridge (in a third namespace), with addresses inside them only, and runs the tiny run's
+launcher (scripts/train_tiny.sh) in each as a user runs it on each node of a cluster (MASTER_ADDR,
+NODE_RANK, NNODES, DEVICES_PER_NODE): 2 nodes x 2 CPU workers.
+
+- The rehearsal: the head waits for both nodes and starts the trainer, verl's workers run on both Ray
+  nodes, the steps equal the single-node tiny run's bit for bit, every launcher exits 0 and no process
+  is left in either namespace.
+- Node loss in step 1: the worker node's Ray killed (SIGKILL to its process group), or its link set down
+  on the switch (a partition: the node runs on, silent). The head's launcher stops within the bound of
+  Ray's health checks (set short here: RAY_health_check_*), names the lost node and the step, exits 4;
+  the other launcher ends with its Ray; nothing is left in either namespace.
+
+Root only (network namespaces); everything is removed afterwards, by the script and again by the
+fixture's finalizer (only namespaces of this test's own tag).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+from tests.recipe.test_train_tiny import _compared
+
+pytestmark = pytest.mark.slow
+
+STEPS = 2
+# Ray's health checks in the node-loss cases: one check a second, each given 1 s, 5 missed = dead. The
+# head's launcher must stop within 5 x (1 + 1) s of the loss, plus the node watch's read (2 s) and the
+# teardown of the head (STOP_GRACE_S 15 at most, seconds in practice): LOSS_BOUND_S after the fault.
+HEALTH = ("RAY_health_check_period_ms=1000,RAY_health_check_timeout_ms=1000,RAY_health_check_failure_threshold=5,"
+          "RAY_gcs_rpc_server_reconnect_timeout_s=20")
+LOSS_BOUND_S = 5 * 2 + 2 + 15
+# The partitioned worker's launcher ends when its raylet gives up on the silent head
+# (RAY_gcs_rpc_server_reconnect_timeout_s 20) and stops its workers (STOP_GRACE_S).
+WORKER_END_BOUND_S = 20 + 15 + 15
+
+
+def _need_root():
+    if os.geteuid() != 0:
+        pytest.fail("the multi-node rehearsal makes network namespaces: run the tests as root (CI does)")
+
+
+@pytest.fixture
+def netns_tag():
+    """A tag for this test's namespaces; the finalizer removes any left with it (and what runs in them)."""
+    _need_root()
+    tag = f"t{os.getpid() % 100000}{int(time.monotonic() * 10) % 1000}"
+    yield tag
+    from verl_patches.launch.rehearse import Network
+
+    names = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+             if re.fullmatch(rf"{tag}(sw|n\d+)", n)]
+    if names:
+        net = Network(tag, 0)
+        net.made = names
+        failed = net.destroy()
+        assert not failed, f"namespaces not removed: {failed}"
+
+
+def _rehearse(out: Path, tag: str, *args: str, timeout: int = 900) -> tuple[subprocess.CompletedProcess, dict, float]:
+    env = dict(os.environ, SETUP_TEST_ENV="0", VENV=str(Path(sys.executable).parent.parent))
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(REPO / "scripts" / "rehearse_multinode.sh"), str(out), "--tag", tag, *args],
+                       env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+    took = time.monotonic() - t0
+    rec = json.loads((out / "rehearsal.json").read_text()) if (out / "rehearsal.json").exists() else {}
+    # The script removed its namespaces itself, before the finalizer.
+    left = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+            if n.startswith(tag)]
+    assert left == [], left
+    return r, rec, took
+
+
+def _diag(r, out: Path) -> str:
+    parts = [r.stdout[-3000:], r.stderr[-3000:]]
+    for f in sorted(out.glob("node*/console.log")) + sorted(out.glob("node*/logs/launch.log")):
+        parts.append(f"== {f}\n" + f.read_text(errors="replace")[-3000:])
+    return "\n".join(parts)
+
+
+def _metrics(path: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows}
+
+
+def test_two_nodes_train_like_one_and_leave_nothing(tmp_path, netns_tag, tiny_assets):
+    out = tmp_path / "rehearsal"
+    r, rec, took = _rehearse(out, netns_tag, f"trainer.total_training_steps={STEPS}")
+    assert r.returncode == 0 and rec.get("exit") == [0, 0], _diag(r, out)
+    head = (out / "node0" / "console.log").read_text()
+    worker = (out / "node1" / "console.log").read_text()
+    # The head waited for both nodes, then started the trainer; the worker checked before it joined.
+    launch = (out / "node0" / "logs" / "launch.log").read_text()
+    assert "ready: 2 node(s), 4 GPU (expected 4)" in launch, launch[-3000:]
+    assert "Ray head up with 2 x 2 GPU; starting the trainer" in head
+    assert "checks passed: python environment, doctor, prelude hook" in worker
+    assert "--node-ip-address=10.213.0.2" in (out / "node1" / "logs" / "launch.log").read_text()
+    # verl's workers (the worker group's actors) on both Ray nodes, the nodes being the two namespaces.
+    nodes = rec["ray"]["nodes"]
+    assert sorted(nodes.values()) == ["10.213.0.1", "10.213.0.2"], rec["ray"]
+    workers = [node for cls, node in rec["ray"]["actors"] if "WorkerDict" in cls]
+    assert len(workers) == 4 and set(workers) == set(nodes), rec["ray"]
+    # Nothing left running in either namespace once the launchers exited.
+    assert rec["leftovers"] == {}, rec["leftovers"]
+
+    # The same steps on one node (scripts/train_tiny.sh as the README runs it): bit for bit.
+    single = tmp_path / "single"
+    env = dict(os.environ, SETUP_TEST_ENV="0", VENV=str(Path(sys.executable).parent.parent), TINY_OUT=str(single),
+               TINY_ASSETS=str(tiny_assets))
+    s = subprocess.run(["bash", str(REPO / "scripts" / "train_tiny.sh"), f"trainer.total_training_steps={STEPS}"],
+                       env=env, cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert s.returncode == 0, s.stdout[-4000:]
+    multi, one = _metrics(out / "node0" / "metrics.jsonl"), _metrics(single / "metrics.jsonl")
+    assert sorted(multi) == sorted(one) and sorted(k for k in one if k > 0) == list(range(1, STEPS + 1))
+    for step in one:
+        assert _compared(multi[step]) == _compared(one[step]), (
+            step, {k: (one[step].get(k), multi[step].get(k)) for k in _compared(one[step])
+                   if one[step].get(k) != multi[step].get(k)})
+    print(f"rehearsal {took:.0f} s")
+
+
+@pytest.mark.parametrize("fault", ["kill-ray", "partition"])
+def test_a_node_lost_mid_step_stops_the_run_naming_node_and_step(tmp_path, netns_tag, fault):
+    out = tmp_path / fault
+    r, rec, took = _rehearse(out, netns_tag, "--fault", fault, "--fault-step", "1", "--health", HEALTH,
+                             "trainer.total_training_steps=2")
+    diag = _diag(r, out)
+    assert rec.get("fault_action"), diag
+    head_rc, worker_rc = rec["exit"]
+    assert head_rc == 4, diag
+    # Within the bound after the fault, with the node and the step on the head's console.
+    assert rec["exit_s"][0] - rec["fault_s"] < LOSS_BOUND_S, (rec, diag)
+    head = (out / "node0" / "console.log").read_text()
+    assert re.search(r"error: node 10\.213\.0\.2 \(Ray node [0-9a-f]{12}\) lost during step 1/2 "
+                     r"\(last completed step: 0\)", head), diag
+    assert "stopping the run" in head
+    # The other launcher ended what it started: nothing is left in either namespace.
+    assert worker_rc is not None and rec["exit_s"][1] - rec["fault_s"] < WORKER_END_BOUND_S, (rec, diag)
+    assert rec["leftovers"] == {}, rec["leftovers"]
+    print(f"{fault}: head stopped {rec['exit_s'][0] - rec['fault_s']:.1f} s after the fault; rehearsal {took:.0f} s")
