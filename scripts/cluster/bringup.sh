@@ -232,12 +232,12 @@ bringup_wait_port() {
   done
 }
 
-# Worker only: whether the head's RAY_PORT actively refuses a connection (its Ray stopped). A head that
-# does not answer within 3 s (a partition, a busy head) is not "refused".
+# Worker only: whether the head's host answers on RAY_PORT with a refusal (its Ray stopped). A head that
+# does not answer within 3 s, or cannot be reached (a partition, a busy head), is not "refused": that
+# is Ray's reconnect timeout's to decide.
 bringup_head_refuses() {
-  local rc=0
-  timeout 3 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>/dev/null || rc=$?
-  ((rc != 0 && rc != 124))
+  timeout 3 env LC_ALL=C bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>&1 \
+    | grep -q 'Connection refused'
 }
 
 bringup_start_worker() {
@@ -295,17 +295,15 @@ bringup_node_loss_bound_s() {
   echo $(( (RAY_health_check_failure_threshold * (RAY_health_check_period_ms + RAY_health_check_timeout_ms)) / 1000 + 4 ))
 }
 
-# Head only, after the trainer failed: whether the node watch reports a lost node within
-# NODE_LOSS_GRACE_S (default: the health checks' bound), or has already.
+# Head only, after the trainer failed on a multi-node run: whether the node watch reports a lost node,
+# given NODE_LOSS_GRACE_S (default: the health checks' bound) to see it. A trainer often fails first: its
+# collectives to a node whose processes died fail at once ("Connection reset by peer"), while Ray calls
+# the node dead only after its missed health checks.
 bringup_node_watch_sees_loss() {
   local pid="$1" waited=0 grace="${NODE_LOSS_GRACE_S:-$(bringup_node_loss_bound_s)}"
+  ((NNODES > 1)) || return 1
+  echo "the trainer failed: checking for up to ${grace} s whether a node was lost (${LOG_DIR}/node_watch.log)"
   while bringup_alive "$pid" && ((waited < grace * 10)); do
-    # Only a crash of the trainer that a lost node explains is waited for: a node still alive in
-    # every check is known within one read (2 s); Ray's own message names a dead node at once.
-    if ! grep -qE 'ActorDiedError|NodeDiedError|node .* (died|dead)|RaySystemError|ActorUnavailableError' \
-         "${LOG_DIR}/trainer.log" 2>/dev/null; then
-      break
-    fi
     sleep 0.1
     waited=$((waited + 1))
   done

@@ -226,6 +226,7 @@ launch_node_lost() {
   launch_say "${line:-error: the node watch stopped without naming a node (${LOG_DIR}/node_watch.log)}"
   if [[ "${LAUNCH_CONSOLE:-full}" != steps ]]; then echo "${line:-}" >&2; fi
   launch_say "stopping the run: the trainer and this node's Ray are stopped; the other nodes' launchers end with their Ray"
+  LAUNCH_FAILED_LOG=shown
 }
 
 # Start this node's part: Ray (and, on the head, the trainer once every device joined).
@@ -255,6 +256,8 @@ launch_start() {
     done
     wait "$ray_pid" || wrc=$?
     launch_say "this node's Ray exited (status ${wrc}; ${LOG_DIR}/ray_worker_$(hostname 2>/dev/null || echo node).log)"
+    # Killed (SIGKILL, the OOM killer): the node's part of the run was lost, which its status says.
+    if ((wrc > 128 && wrc != 143)); then return "$wrc"; fi
     return 0
   fi
   bringup_start_head
@@ -295,18 +298,18 @@ launch_start() {
     return "$rc"
   fi
   wait "$trainer_pid" || rc=$?
-  # A trainer that failed because a node went (an actor on it died) is reported as the node's loss: the
-  # watch is given the health checks' time to see it (NODE_LOSS_GRACE_S).
-  if ((rc)) && bringup_node_watch_sees_loss "$watch_pid"; then
-    launch_node_lost
-    return 4
-  fi
   if [[ -n "$filter_pid" ]]; then
     # The console filter ends at the end of the trainer's output; teardown stops it if a leftover
     # process still holds that output open.
     local waited=0
     while bringup_alive "$filter_pid" && ((waited < 50)); do sleep 0.1; waited=$((waited + 1)); done
     BRINGUP_PIDS+=("$filter_pid")
+  fi
+  # A trainer that failed because a node went (its collectives to the node's ranks broke, an actor there
+  # died) is reported as the node's loss: the watch is given the health checks' time to see it.
+  if ((rc)) && bringup_node_watch_sees_loss "$watch_pid"; then
+    launch_node_lost
+    return 4
   fi
   launch_say "trainer exited with status $rc"
   if ((rc)) && [[ "${LAUNCH_CONSOLE:-full}" == steps ]]; then

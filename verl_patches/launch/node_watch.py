@@ -27,6 +27,8 @@ EXIT_NODE_LOST = 4
 # The run report's line per step (verl_patches/reporting/report.py): "step N/M | ...", possibly after
 # Ray's "(TaskRunner pid=...)" prefix and colour codes. Step 0 is the validation before training.
 STEP_LINE = re.compile(r"(?:^|\s)step (\d+)/(\d+) \|")
+# verl's trainer, before its first step (verl/trainer/ppo/ray_trainer.py): "Total training steps: M".
+TOTAL_LINE = re.compile(r"Total training steps: (\d+)")
 
 
 def last_step(log: Path | None) -> tuple[int, int | None]:
@@ -38,6 +40,8 @@ def last_step(log: Path | None) -> tuple[int, int | None]:
         text = log.read_text(errors="replace")
     except OSError:
         return done, total
+    for m in TOTAL_LINE.finditer(text):
+        total = int(m.group(1))
     for m in STEP_LINE.finditer(text):
         done, total = int(m.group(1)), int(m.group(2))
     return done, total

@@ -10,8 +10,8 @@ launcher on each node of a cluster: ``MASTER_ADDR`` (the head's address), ``NODE
 ``OUT/nodeR/logs``; the head's metrics to ``OUT/node0/metrics.jsonl``.
 
 ``--fault kill-ray`` kills the last node's Ray (its whole process group, SIGKILL) ``--fault-delay``
-seconds into step ``--fault-step``; ``--fault partition`` sets that node's link down on the switch
-instead (the node stays up, silent). ``OUT/rehearsal.json`` records every launcher's exit status and
+seconds into step ``--fault-step``; ``--fault partition`` detaches that node's link from the switch
+instead (the node runs on, its link keeps its carrier, nothing arrives: silent). ``OUT/rehearsal.json`` records every launcher's exit status and
 time, the fault's time, the Ray node ids and where verl's workers ran, and every process still
 running in a namespace once its launcher had exited (none is expected).
 
@@ -96,8 +96,10 @@ class Network:
             _ip("-n", node, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0")
             _ip("-n", node, "link", "set", "eth0", "up")
 
-    def link_down(self, rank: int) -> None:
-        _ip("-n", self.switch, "link", "set", self.port(rank), "down")
+    def partition(self, rank: int) -> None:
+        """Detach the node's port from the bridge: both ends keep their carrier and addresses, and
+        nothing reaches the node or leaves it (a silent peer, not a dead one)."""
+        _ip("-n", self.switch, "link", "set", self.port(rank), "nomaster")
 
     def leftovers(self) -> dict[str, list[str]]:
         """Processes still running in the nodes' namespaces: name -> their command lines."""
@@ -244,8 +246,8 @@ def run(out: Path, nodes: int, overrides: list[str], fault: str | None, fault_st
                 if fault == "kill-ray":
                     record["fault_action"] = _kill_ray(net, victim)
                 else:
-                    net.link_down(victim)
-                    record["fault_action"] = f"link of {net.address(victim)} set down on the switch"
+                    net.partition(victim)
+                    record["fault_action"] = f"the link of {net.address(victim)} detached from the switch"
                 record["fault_s"] = round(time.monotonic() - t0, 1)
                 injected = True
             time.sleep(0.5)
