@@ -30,6 +30,7 @@ SCRIPTS = {
     "scripts/test.sh": ".ci/run",
     "scripts/install_mindspeed.sh": "tests/test_lock.py::test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_a_note",
     "scripts/preflight.sh": "tests/preflight/test_preflight.py::test_default_preflight_passes_and_ours_receives_least",
+    "scripts/rehearse_multinode.sh": "tests/recipe/test_multinode_rehearsal.py::test_two_nodes_train_like_one_and_leave_nothing",
     "scripts/train_tiny.sh": "tests/recipe/test_train_tiny.py::test_the_run_logs_every_step_without_nan_and_ends_with_a_summary",
     "scripts/train_deepseekv3_256die_true_weight.sh": "tests/recipe/test_launchers.py::test_true_weight_dry_run_composes_and_validates",
     "scripts/train_deepseekv3_256die_random_init.sh": "tests/recipe/test_launchers.py::test_random_init_dry_run_env_overrides_and_layout_error",

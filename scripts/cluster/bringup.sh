@@ -236,8 +236,9 @@ bringup_wait_port() {
 # does not answer within 3 s, or cannot be reached (a partition, a busy head), is not "refused": that
 # is Ray's reconnect timeout's to decide.
 bringup_head_refuses() {
-  timeout 3 env LC_ALL=C bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>&1 \
-    | grep -q 'Connection refused'
+  local said
+  said="$(timeout 3 env LC_ALL=C bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>&1)" && return 1
+  [[ "$said" == *"Connection refused"* ]]
 }
 
 bringup_start_worker() {

@@ -46,6 +46,10 @@ LOSS_BOUND_S = 5 * 2 + 2 + 15
 WORKER_END_BOUND_S = 20 + 15 + 15
 
 
+# A worker whose head stopped: two refused checks 2 s apart (3 s each at most), then its Ray's teardown.
+WORKER_AFTER_HEAD_S = 2 * (2 + 3) + 15
+
+
 def _need_root():
     if os.geteuid() != 0:
         pytest.fail("the multi-node rehearsal makes network namespaces: run the tests as root (CI does)")
@@ -111,7 +115,10 @@ def test_two_nodes_train_like_one_and_leave_nothing(tmp_path, netns_tag, tiny_as
     assert sorted(nodes.values()) == ["10.213.0.1", "10.213.0.2"], rec["ray"]
     workers = [node for cls, node in rec["ray"]["actors"] if "WorkerDict" in cls]
     assert len(workers) == 4 and set(workers) == set(nodes), rec["ray"]
-    # Nothing left running in either namespace once the launchers exited.
+    # The worker's launcher ended soon after the head's (it saw the head's port refuse), and nothing is
+    # left running in either namespace once the launchers exited.
+    assert "is gone (its port refuses connections): stopping this node's Ray" in worker, worker[-2000:]
+    assert rec["exit_s"][1] - rec["exit_s"][0] < WORKER_AFTER_HEAD_S, rec
     assert rec["leftovers"] == {}, rec["leftovers"]
 
     # The same steps on one node (scripts/train_tiny.sh as the README runs it): bit for bit.
