@@ -232,13 +232,17 @@ bringup_wait_port() {
   done
 }
 
-# Worker only: whether the head's host answers on RAY_PORT with a refusal (its Ray stopped). A head that
-# does not answer within 3 s, or cannot be reached (a partition, a busy head), is not "refused": that
-# is Ray's reconnect timeout's to decide.
-bringup_head_refuses() {
+# Worker only: what the head's RAY_PORT says to a connection, within 3 s: up (accepted), refused (its
+# host answers, its Ray stopped) or silent (no answer, no route: a partition, or a head too busy).
+bringup_head_state() {
   local said
-  said="$(timeout 3 env LC_ALL=C bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>&1)" && return 1
-  [[ "$said" == *"Connection refused"* ]]
+  if said="$(timeout 3 env LC_ALL=C bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>&1)"; then
+    echo up
+  elif [[ "$said" == *"Connection refused"* ]]; then
+    echo refused
+  else
+    echo silent
+  fi
 }
 
 bringup_start_worker() {

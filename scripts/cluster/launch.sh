@@ -241,16 +241,30 @@ launch_start() {
   trap 'exit 129' HUP
   if [[ "$role" == worker ]]; then
     bringup_start_worker || return $?
-    # Stay up as long as this node's Ray runs and the head is there: once the head's port refuses
-    # connections (its launcher stopped its Ray), this node's Ray is stopped at once instead of retrying a
-    # head that is gone for RAY_gcs_rpc_server_reconnect_timeout_s; a head that does not answer at all
-    # (a partition) is left to Ray's own reconnect timeout, after which this node's Ray exits.
-    local ray_pid="${BRINGUP_PIDS[0]}" refused=0 wrc=0
+    # Stay up as long as this node's Ray runs and the head is there. Once the head's port refuses
+    # connections (its launcher stopped its Ray), this node's Ray is stopped at once; a head that has not
+    # answered for HEAD_SILENT_S (default RAY_gcs_rpc_server_reconnect_timeout_s: a partition) stops it
+    # too, exit 4: Ray's raylet does not notice a silent head while it has no call to the head pending
+    # (measured: still up 2 minutes after its link was cut, in tests/recipe/test_multinode_rehearsal.py).
+    local ray_pid="${BRINGUP_PIDS[0]}" refused=0 wrc=0 last_up=$SECONDS
+    local silent_s="${HEAD_SILENT_S:-${RAY_gcs_rpc_server_reconnect_timeout_s:-60}}"
+    if ! [[ "$silent_s" =~ ^[1-9][0-9]*$ ]]; then
+      echo "error: HEAD_SILENT_S='${silent_s}' must be a positive number of seconds" >&2
+      return 2
+    fi
     while bringup_alive "$ray_pid"; do
-      if bringup_head_refuses; then refused=$((refused + 1)); else refused=0; fi
+      case "$(bringup_head_state)" in
+        up) refused=0; last_up=$SECONDS ;;
+        refused) refused=$((refused + 1)) ;;
+        *) refused=0 ;;
+      esac
       if ((refused >= 2)); then
         launch_say "the Ray head at ${MASTER_ADDR}:${RAY_PORT} is gone (its port refuses connections): stopping this node's Ray"
         return 0
+      fi
+      if ((SECONDS - last_up >= silent_s)); then
+        launch_say "error: the Ray head at ${MASTER_ADDR}:${RAY_PORT} has not answered for $((SECONDS - last_up)) s (HEAD_SILENT_S=${silent_s}): this node is cut off; stopping its Ray"
+        return 4
       fi
       sleep 2 & wait "$!" || true
     done

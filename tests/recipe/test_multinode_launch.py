@@ -33,14 +33,14 @@ def test_a_worker_joins_with_its_own_address():
     assert "--node-ip-address=127.0.0.1" in r.stdout.splitlines(), r.stdout + r.stderr
 
 
-def test_a_head_that_refuses_is_gone_one_that_is_silent_is_not():
+def test_a_worker_tells_a_head_that_is_up_from_one_that_refuses():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: connections are refused
-        check = 'if bringup_head_refuses; then echo GONE; else echo THERE; fi'
-        assert _bash(check, MASTER_ADDR="127.0.0.1", RAY_PORT=str(port)).stdout.strip() == "GONE"
+        check = "bringup_head_state"
+        assert _bash(check, MASTER_ADDR="127.0.0.1", RAY_PORT=str(port)).stdout.strip() == "refused"
         s.listen(1)
-        assert _bash(check, MASTER_ADDR="127.0.0.1", RAY_PORT=str(port)).stdout.strip() == "THERE"
+        assert _bash(check, MASTER_ADDR="127.0.0.1", RAY_PORT=str(port)).stdout.strip() == "up"
     # A silent head (no answer at all) is the partition case of tests/recipe/test_multinode_rehearsal.py.
 
 def test_the_node_loss_bound_follows_rays_health_checks():
