@@ -191,7 +191,8 @@ def run(out: Path, nodes: int, overrides: list[str], fault: str | None, fault_st
     if r.returncode:
         raise RehearsalError(f"building the tiny assets failed: {r.stderr[-2000:]}")
     net = Network(tag, nodes)
-    ray_tmp = Path(tempfile.mkdtemp(prefix=f"r{tag}", dir="/tmp"))  # short: Ray's socket paths
+    # Short (Ray's socket paths are limited to 107 characters): the system's temp directory, not OUT.
+    ray_tmp = Path(tempfile.mkdtemp(prefix=f"r{tag}"))
     procs: list[subprocess.Popen] = []
     record: dict = {"nodes": nodes, "fault": fault, "addresses": [net.address(i) for i in range(nodes)]}
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
