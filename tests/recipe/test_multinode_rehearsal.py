@@ -37,18 +37,20 @@ STEPS = 2
 RUN = (f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=False", "trainer.test_freq=-1")
 # Ray's health checks in the node-loss cases: one check a second, each given 1 s, 5 missed = dead. The
 # head's launcher must stop within 5 x (1 + 1) s of the loss, plus the node watch's read (2 s) and the
-# teardown of the head (STOP_GRACE_S 15 at most, seconds in practice): LOSS_BOUND_S after the fault.
+# teardown of the head (STOP_GRACE_S, 5 here), with 10 s to spare on a loaded machine.
 HEALTH = ("RAY_health_check_period_ms=1000,RAY_health_check_timeout_ms=1000,RAY_health_check_failure_threshold=5,"
-          "RAY_gcs_rpc_server_reconnect_timeout_s=20")
-LOSS_BOUND_S = 5 * 2 + 2 + 15
+          "RAY_gcs_rpc_server_reconnect_timeout_s=10")
+STOP_GRACE_S = 5
+LOSS_BOUND_S = 5 * 2 + 2 + STOP_GRACE_S + 10
 # The other launcher: the killed node's ends with its Ray at once; the partitioned node's once the head
-# has not answered for HEAD_SILENT_S (RAY_gcs_rpc_server_reconnect_timeout_s, 20 here; one check takes
-# 3 s at most, one every 2 s), then its Ray's teardown (STOP_GRACE_S 15 at most).
-WORKER_END_BOUND_S = 20 + 3 + 2 + 15
+# has not answered for HEAD_SILENT_S (RAY_gcs_rpc_server_reconnect_timeout_s, 10 here; one check takes
+# 3 s at most, one every 2 s), then its Ray's teardown (STOP_GRACE_S, 5 here; a worker's Ray whose head is
+# gone ignores SIGTERM and is killed after it), with 10 s to spare on a loaded machine.
+WORKER_END_BOUND_S = 10 + 3 + 2 + STOP_GRACE_S + 10
 
 
 # A worker whose head stopped: two refused checks 2 s apart (3 s each at most), then its Ray's teardown.
-WORKER_AFTER_HEAD_S = 2 * (2 + 3) + 15
+WORKER_AFTER_HEAD_S = 2 * (2 + 3) + STOP_GRACE_S + 10
 
 
 def _need_root():
@@ -74,7 +76,8 @@ def netns_tag():
 
 
 def _rehearse(out: Path, tag: str, *args: str, timeout: int = 900) -> tuple[subprocess.CompletedProcess, dict, float]:
-    env = dict(os.environ, SETUP_TEST_ENV="0", VENV=str(Path(sys.executable).parent.parent))
+    env = dict(os.environ, SETUP_TEST_ENV="0", VENV=str(Path(sys.executable).parent.parent),
+               STOP_GRACE_S=str(STOP_GRACE_S))
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(REPO / "scripts" / "rehearse_multinode.sh"), str(out), "--tag", tag, *args],
                        env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
