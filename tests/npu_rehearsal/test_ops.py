@@ -203,6 +203,11 @@ def test_scaled_masked_softmax_matches_reference():
     out = ops.npu_scaled_masked_softmax(x, mask, 0.5, False)
     close(out, masked_softmax_reference(x, mask, 0.5))
     close(out[:, 0, 3], torch.full((2, 64), 1 / 64))
+    # The fill is the constant -10000, not -inf: it outweighs visible scores far below it.
+    low = torch.full((1, 1, 32, 32), -30000.0)
+    low_mask = torch.zeros(1, 1, 32, 32, dtype=torch.bool)
+    low_mask[..., 5] = True
+    close(ops.npu_scaled_masked_softmax(low, low_mask, 1.0)[0, 0, :, 5], torch.ones(32))
     triu = torch.ones(32, 64, dtype=torch.bool).triu(1).view(1, 1, 32, 64)
     zeros = torch.zeros(2, 2, 32, 64, dtype=torch.bool)
     close(ops.npu_scaled_masked_softmax(x, zeros, 0.5, True), masked_softmax_reference(x, triu, 0.5))
@@ -814,6 +819,30 @@ def test_fused_adamw_v2_matches_torch_adamw(amsgrad, maximize):
         kernel(param, grad, m, v, None, 0, 0.01, 0.8, 0.95, 0.1, 1e-6, False, False)
     with pytest.raises(ValueError, match="amsgrad needs"):
         kernel(param, grad, m, v, None, 1, 0.01, 0.8, 0.95, 0.1, 1e-6, True, False)
+
+
+@exercises("npu_apply_adam_w")
+@pytest.mark.parametrize("maximize", [False, True])
+def test_apply_adam_w_matches_torch_adamw(maximize):
+    """As MindSpeed-LLM's O2AdamW calls it: powers before the step, out=(param, m, v)."""
+    reference = torch.nn.Parameter(torch.randn(4, 3))
+    optimizer = torch.optim.AdamW([reference], lr=0.02, betas=(0.9, 0.99), eps=1e-8,
+                                  weight_decay=0.05, maximize=maximize)
+    param = reference.detach().clone()
+    m, v = torch.zeros_like(param), torch.zeros_like(param)
+    for step in range(1, 4):
+        grad = torch.randn_like(param)
+        reference.grad = grad.clone()
+        optimizer.step()
+        result = ops.npu_apply_adam_w(0.9 ** (step - 1), 0.99 ** (step - 1), 0.02, 0.05, 0.9, 0.99,
+                                      1e-8, grad, None, False, maximize, out=(param, m, v))
+        assert result[0] is param
+        close(param, reference.detach())
+    with pytest.raises(ValueError, match="out="):
+        ops.npu_apply_adam_w(1.0, 1.0, 0.02, 0.05, 0.9, 0.99, 1e-8, grad, None, False, False)
+    with pytest.raises(ValueError, match="amsgrad needs max_grad_norm"):
+        ops.npu_apply_adam_w(1.0, 1.0, 0.02, 0.05, 0.9, 0.99, 1e-8, grad, None, True, False,
+                             out=(param, m, v))
 
 
 # --------------------------------------------------------------------------- the tables

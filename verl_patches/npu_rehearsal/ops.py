@@ -1202,8 +1202,54 @@ def npu_apply_fused_adamw_v2(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, s
     param.copy_(p)
 
 
+def npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2, epsilon, grad,
+                     max_grad_norm=None, amsgrad=False, maximize=False, *, out=None):
+    """``torch_npu.npu_apply_adam_w(beta1_power, beta2_power, lr, weight_decay, beta1, beta2,
+    epsilon, grad, max_grad_norm, amsgrad, maximize, out=(var, m, v)) -> (var, m, v)``, in place
+    on ``out`` (MindSpeed-LLM's ``O2AdamW``; torch_npu implements only the ``out=`` form).
+
+    torch_npu's ApplyAdamW: ``beta1_power`` / ``beta2_power`` are the powers *before* this step
+    (the kernel multiplies them by ``beta1`` / ``beta2``; MindSpeed-LLM passes ``beta**(step-1)``);
+    ``g = -grad`` when ``maximize``; ``m = beta1 m + (1 - beta1) g``; ``v = beta2 v + (1 - beta2)
+    g^2``; ``var *= 1 - lr * weight_decay``; ``denom = sqrt(v' / (1 - beta2_power * beta2)) +
+    epsilon`` with ``v' = max(max_grad_norm, v)`` under ``amsgrad``, else ``v``; ``var -= lr * m /
+    (1 - beta1_power * beta1) / denom``. Reading chosen: ``max_grad_norm`` is read, not updated
+    (the op returns only var, m, v). Math in fp32.
+    """
+    op = "npu_apply_adam_w"
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        _fail(op, "out=(var, m, v) is required: torch_npu implements npu_apply_adam_w only in its "
+                  "out= form")
+    var, m, v = out
+    _tensor(op, "grad", grad, floating=True)
+    for name, t in (("var", var), ("m", m), ("v", v)):
+        _tensor(op, name, t, floating=True)
+        if t.shape != grad.shape:
+            _fail(op, f"{name} {tuple(t.shape)} must have grad's shape {tuple(grad.shape)}")
+    if amsgrad and (not isinstance(max_grad_norm, torch.Tensor)
+                    or max_grad_norm.shape != grad.shape):
+        _fail(op, "amsgrad needs max_grad_norm, a tensor of grad's shape")
+    if not 0 <= beta1 < 1 or not 0 <= beta2 < 1:
+        _fail(op, f"beta1 and beta2 must be in [0, 1), got {beta1}, {beta2}")
+    bias1, bias2 = 1 - beta1_power * beta1, 1 - beta2_power * beta2
+    if bias1 <= 0 or bias2 <= 0:
+        _fail(op, f"1 - beta1_power * beta1 and 1 - beta2_power * beta2 must be > 0, got {bias1}, "
+                  f"{bias2}")
+    g = -_f32(grad) if maximize else _f32(grad)
+    m_new = _f32(m) * beta1 + g * (1 - beta1)
+    v_new = _f32(v) * beta2 + g * g * (1 - beta2)
+    second = torch.maximum(_f32(max_grad_norm), v_new) if amsgrad else v_new
+    denom = torch.sqrt(second / bias2) + epsilon
+    var_new = _f32(var) * (1 - lr * weight_decay) - lr * m_new / bias1 / denom
+    m.copy_(m_new)
+    v.copy_(v_new)
+    var.copy_(var_new)
+    return var, m, v
+
+
 OPERATORS: dict[str, Callable] = {
     "npu_rms_norm": npu_rms_norm,
+    "npu_apply_adam_w": npu_apply_adam_w,
     "npu_rotary_mul": npu_rotary_mul,
     "npu_rotary_position_embedding": npu_rotary_position_embedding,
     "npu_swiglu": npu_swiglu,
