@@ -854,6 +854,49 @@ def test_every_operator_and_kernel_has_a_test():
     assert EXERCISED - names == set(), "tests name operators the tables do not hold"
 
 
+DOCUMENTED_PARAMETERS = {
+    # torch_npu / CANN documentation, and the mindspeed/ops wrappers' calls for the kernels.
+    "npu_rms_norm": "self gamma epsilon=1e-06",
+    "npu_rotary_mul": "input r1 r2 rotary_mode='half'",
+    "npu_rotary_position_embedding": "x cos sin mode=0",
+    "npu_swiglu": "input dim=-1",
+    "npu_swiglu_backward": "grad_output input dim=-1",
+    "npu_scaled_masked_softmax": "x mask scale=1.0 fixed_triu_mask=False",
+    "npu_fusion_attention": "query key value head_num input_layout pse=None padding_mask=None "
+                            "atten_mask=None scale=1.0 keep_prob=1.0 pre_tockens=2147483647 "
+                            "next_tockens=2147483647 inner_precise=0 prefix=None "
+                            "actual_seq_qlen=None actual_seq_kvlen=None sparse_mode=0 "
+                            "gen_mask_parallel=True sync=False",
+    "npu_fusion_attention_grad": "query key value dy head_num input_layout pse=None "
+                                 "padding_mask=None atten_mask=None softmax_max=None "
+                                 "softmax_sum=None softmax_in=None attention_in=None "
+                                 "scale_value=1.0 keep_prob=1.0 pre_tockens=2147483647 "
+                                 "next_tockens=2147483647 inner_precise=0 seed=0 offset=0 "
+                                 "numels=0 prefix=None actual_seq_qlen=None "
+                                 "actual_seq_kvlen=None sparse_mode=0 gen_mask_parallel=True "
+                                 "sync=False",
+    "npu_grouped_matmul": "x weight bias=None scale=None offset=None antiquant_scale=None "
+                          "antiquant_offset=None per_token_scale=None group_list=None "
+                          "activation_input=None activation_quant_scale=None "
+                          "activation_quant_offset=None split_item=0 group_type=-1 "
+                          "group_list_type=0 act_type=0 output_dtype=None",
+    "npu_moe_token_permute_with_routing_map": "tokens routing_map probs=None num_out_tokens=None "
+                                              "drop_and_pad=False",
+    "npu_apply_adam_w": "beta1_power beta2_power lr weight_decay beta1 beta2 epsilon grad "
+                        "max_grad_norm=None amsgrad=False maximize=False out=None",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED_PARAMETERS))
+def test_signatures_are_the_documented_ones(name):
+    import inspect
+
+    params = inspect.signature(ops.OPERATORS[name]).parameters.values()
+    rendered = " ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
+                        for p in params)
+    assert rendered == DOCUMENTED_PARAMETERS[name]
+
+
 def test_tables_hold_only_callables_under_their_documented_names():
     for name, fn in ops.OPERATORS.items():
         assert callable(fn) and fn.__name__ == name

@@ -127,9 +127,9 @@ def _rope(op: str, x, r1, r2, interleaved: bool, names=("x", "cos", "sin")) -> t
     return out.to(x.dtype)
 
 
-def npu_rotary_mul(self: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
+def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,  # noqa: A002
                    rotary_mode: str = "half") -> torch.Tensor:
-    """``torch_npu.npu_rotary_mul(self, r1, r2, rotary_mode='half') -> Tensor``.
+    """``torch_npu.npu_rotary_mul(input, r1, r2, rotary_mode='half') -> Tensor``.
 
     torch_npu docs: ``out = x * r1 + rotate(x) * r2`` on 4-D ``x``; ``rotate`` for ``'half'``
     is ``cat(-x[..., D/2:], x[..., :D/2])``, for ``'interleave'`` it maps each pair
@@ -139,7 +139,7 @@ def npu_rotary_mul(self: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
     op = "npu_rotary_mul"
     if rotary_mode not in ("half", "interleave"):
         _fail(op, f"rotary_mode must be 'half' or 'interleave', got {rotary_mode!r}")
-    return _rope(op, self, r1, r2, rotary_mode == "interleave", names=("self", "r1", "r2"))
+    return _rope(op, input, r1, r2, rotary_mode == "interleave", names=("input", "r1", "r2"))
 
 
 def npu_rotary_position_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -291,6 +291,16 @@ def _cumulative(op: str, name: str, value, total: int) -> list:
     return values
 
 
+_COMPRESSED_MASKS: dict = {}
+
+
+def _compressed_mask(device) -> torch.Tensor:
+    if device not in _COMPRESSED_MASKS:
+        _COMPRESSED_MASKS[device] = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE,
+                                               dtype=torch.bool, device=device).triu(1)
+    return _COMPRESSED_MASKS[device]
+
+
 def _visible(op: str, sparse_mode: int, atten_mask, pre_tockens: int, next_tockens: int,
              shape, batch_heads, varlen=None):
     """The boolean [B|1, N|1, S1, S2] matrix of (query, key) pairs attention may use."""
@@ -304,9 +314,7 @@ def _visible(op: str, sparse_mode: int, atten_mask, pre_tockens: int, next_tocke
             _fail(op, f"sparse_mode {sparse_mode} needs the compressed atten_mask of shape "
                       f"({COMPRESSED_MASK_SIZE}, {COMPRESSED_MASK_SIZE}), got "
                       f"{None if atten_mask is None else tuple(atten_mask.shape)}")
-        expected = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool,
-                              device=atten_mask.device).triu(1)
-        if not torch.equal(atten_mask.bool(), expected):
+        if not torch.equal(atten_mask.bool(), _compressed_mask(atten_mask.device)):
             _fail(op, f"sparse_mode {sparse_mode}: atten_mask must be the compressed causal mask "
                       f"triu(ones({COMPRESSED_MASK_SIZE}, {COMPRESSED_MASK_SIZE}), diagonal=1)")
     if varlen is None:
@@ -624,10 +632,10 @@ def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None,
                        activation_input=None, activation_quant_scale=None,
-                       activation_quant_offset=None, split_item=0, group_type=None,
+                       activation_quant_offset=None, split_item=0, group_type=-1,
                        group_list_type=0, act_type=0, output_dtype=None):
     """``torch_npu.npu_grouped_matmul(x, weight, *, ..., group_list=None, split_item=0,
-    group_type=None, group_list_type=0, act_type=0, output_dtype=None) -> List[Tensor]``,
+    group_type=-1, group_list_type=0, act_type=0, output_dtype=None) -> List[Tensor]``,
     the non-quantised scenario (every quantisation / activation argument must be None / 0).
 
     torch_npu docs: ``y_i = x_i @ weight_i (+ bias_i)`` per group. ``group_type`` -1 (or None): no
