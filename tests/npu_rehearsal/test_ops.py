@@ -897,6 +897,13 @@ def test_signatures_are_the_documented_ones(name):
     assert rendered == DOCUMENTED_PARAMETERS[name]
 
 
+def test_not_implemented_tables_are_disjoint_from_the_implemented_ones():
+    assert set(ops.NOT_IMPLEMENTED).isdisjoint(ops.OPERATORS)
+    assert set(ops.MINDSPEED_KERNELS_NOT_IMPLEMENTED).isdisjoint(ops.MINDSPEED_KERNELS)
+    for reason in [*ops.NOT_IMPLEMENTED.values(), *ops.MINDSPEED_KERNELS_NOT_IMPLEMENTED.values()]:
+        assert reason.strip()
+
+
 def test_tables_hold_only_callables_under_their_documented_names():
     for name, fn in ops.OPERATORS.items():
         assert callable(fn) and fn.__name__ == name

@@ -1293,3 +1293,46 @@ host implementation}. Not provided: ``swiglu`` / ``rms_norm`` (``SwigluOpBuilder
 ``RmsNormOpBuilder``: no caller in MindSpeed 2.2.0 loads them; the path calls torch_npu's
 ``npu_swiglu`` / ``npu_rms_norm``), ``fusion_attention_v2`` (ALiBi ``pse`` only), quantised GMMs,
 communication-fused and ring-attention-update kernels."""
+
+NOT_IMPLEMENTED: dict[str, str] = {
+    "npu_all_gather_base_mm": "fuses an HCCL all-gather into the matmul (MindSpeed's MC2 / CoC "
+                              "tensor parallelism); needs HCCL",
+    "npu_mm_reduce_scatter_base": "fuses an HCCL reduce-scatter into the matmul (MC2 / CoC); "
+                                  "needs HCCL",
+    "npu_prompt_flash_attention": "inference attention (generation), not the training path",
+    "npu_incre_flash_attention": "inference attention (generation), not the training path",
+    "npu_fusion_attention_v2": "MindSpeed-LLM calls it only with --mla-fa-divide-qk, which the "
+                               "recipe does not set",
+    "npu_apply_fused_ema_adamw": "the EMA AdamW optimizer, which the recipe does not select",
+    "npu_hans_encode": "checkpoint compression, not the training path",
+    "npu_hans_decode": "checkpoint compression, not the training path",
+}
+"""torch_npu operators MindSpeed 2.2.0 / MindSpeed-LLM 2.2.0 call that the stand-in does not
+implement, with the reason; the stand-in package names the operator (and this reason) when asked
+for one, instead of a no-op."""
+
+MINDSPEED_KERNELS_NOT_IMPLEMENTED: dict[str, str] = {
+    "swiglu": "no caller loads SwigluOpBuilder in MindSpeed 2.2.0 (the path calls "
+              "torch_npu.npu_swiglu)",
+    "rms_norm": "no caller loads RmsNormOpBuilder in MindSpeed 2.2.0 (the path calls "
+                "torch_npu.npu_rms_norm)",
+    "fusion_attention_v2": "MindSpeed's --use-fusion-attn-v2 (ALiBi pse) only",
+    "npu_ring_attention_update": "ring context parallelism (context_parallel_size > 1) only",
+    "quant_grouped_matmul": "quantised grouped matmul, not the bf16 training path",
+    "weight_quant_grouped_matmul": "quantised grouped matmul, not the bf16 training path",
+    "npu_apply_fused_ema_adamw": "the EMA AdamW optimizer, which the recipe does not select",
+    "npu_alltoall_allgather_bmm": "communication-fused batched matmul; needs HCCL",
+    "npu_bmm_reducescatter_alltoall": "communication-fused batched matmul; needs HCCL",
+    "npu_grouped_mat_mul_all_reduce": "communication-fused grouped matmul; needs HCCL",
+    "npu_mm_all_reduce_add_rms_norm": "communication-fused matmul + RMSNorm; needs HCCL",
+    "npu_mm_all_reduce_add_rms_norm_": "communication-fused matmul + RMSNorm; needs HCCL",
+    "lcal": "MindSpeed's CoC communication library; needs HCCL",
+    "npu_dropout_add_layer_norm": "not called on the DeepSeek-V3 path",
+    "npu_ffn": "not called on the DeepSeek-V3 path",
+    "adaptive_cp": "adaptive context parallelism only",
+    "algorithm": "--reuse-fp32-param only (reuse_data_ptr), which MindSpeed refuses with the swap "
+                 "optimizer the recipe uses",
+    "smart_swap": "MindSpeed's smart swap memory feature, not enabled by the recipe",
+    "AdaptiveRecomputing": "MindSpeed's adaptive recomputing feature, not enabled by the recipe",
+}
+"""MindSpeed op builder names the stand-in does not answer, with the reason."""
