@@ -16,12 +16,10 @@ Call forms follow the callers in MindSpeed 2.2.0 (``mindspeed/ops/*.py``, ``mind
 ``ValueError`` naming the argument and the rule; what the stand-in does not implement (a layout,
 sparse mode or option the path does not use) is rejected the same way, never silently accepted.
 
-Operators called as ``torch_npu.<name>`` that are not implemented (absent from ``OPERATORS``, so the
-stand-in package fails naming them): communication-fused matmuls (``npu_all_gather_base_mm``,
-``npu_mm_reduce_scatter_base``: need HCCL), inference attention (``npu_prompt_flash_attention``,
-``npu_incre_flash_attention``: vLLM-Ascend generation, not the training path),
-``npu_fusion_attention_v2`` (MindSpeed-LLM's ``mla_fa_divide_qk`` option only),
-``npu_apply_fused_ema_adamw``, ``npu_hans_encode``/``npu_hans_decode``.
+What MindSpeed / MindSpeed-LLM call that is not implemented is absent from the two tables (so the
+stand-in package fails naming it) and listed with its reason in ``NOT_IMPLEMENTED`` (torch_npu
+operators: the HCCL-fused matmuls, inference attention, ``npu_fusion_attention_v2``, ...) and
+``MINDSPEED_KERNELS_NOT_IMPLEMENTED`` (MindSpeed op builders).
 """
 from __future__ import annotations
 
@@ -302,10 +300,9 @@ def _compressed_mask(device) -> torch.Tensor:
 
 
 def _visible(op: str, sparse_mode: int, atten_mask, pre_tockens: int, next_tockens: int,
-             shape, batch_heads, varlen=None):
+             shape, batch_heads, device, varlen=None):
     """The boolean [B|1, N|1, S1, S2] matrix of (query, key) pairs attention may use."""
     s1, s2 = shape
-    device = atten_mask.device if isinstance(atten_mask, torch.Tensor) else None
     rows = torch.arange(s1, device=device).unsqueeze(1)
     cols = torch.arange(s2, device=device).unsqueeze(0)
     if sparse_mode in (2, 3, 4):
@@ -314,7 +311,7 @@ def _visible(op: str, sparse_mode: int, atten_mask, pre_tockens: int, next_tocke
             _fail(op, f"sparse_mode {sparse_mode} needs the compressed atten_mask of shape "
                       f"({COMPRESSED_MASK_SIZE}, {COMPRESSED_MASK_SIZE}), got "
                       f"{None if atten_mask is None else tuple(atten_mask.shape)}")
-        if not torch.equal(atten_mask.bool(), _compressed_mask(atten_mask.device)):
+        if not torch.equal(atten_mask.bool().to(device), _compressed_mask(device)):
             _fail(op, f"sparse_mode {sparse_mode}: atten_mask must be the compressed causal mask "
                       f"triu(ones({COMPRESSED_MASK_SIZE}, {COMPRESSED_MASK_SIZE}), diagonal=1)")
     if varlen is None:
@@ -349,7 +346,7 @@ def _visible(op: str, sparse_mode: int, atten_mask, pre_tockens: int, next_tocke
         if tuple(atten_mask.shape) not in allowed:
             _fail(op, f"atten_mask's shape {tuple(atten_mask.shape)} must be one of {allowed} "
                       f"for sparse_mode {sparse_mode}")
-        mask = atten_mask.bool()
+        mask = atten_mask.bool().to(device)
         visible = visible & ~(mask if mask.dim() == 4 else mask.view(1, 1, s1, s2))
     elif sparse_mode == 1:
         _fail(op, "sparse_mode 1 (allMask) needs the full atten_mask")
@@ -429,7 +426,7 @@ def _attention_args(op, query, key, value, head_num, input_layout, pse, padding_
         _fail(op, f"actual_seq_qlen / actual_seq_kvlen apply to input_layout 'TND' only, got "
                   f"{input_layout!r}")
     visible = _visible(op, sparse_mode, atten_mask, pre_tockens, next_tockens,
-                       (q.shape[2], k.shape[2]), (q.shape[0], n1), varlen)
+                       (q.shape[2], k.shape[2]), (q.shape[0], n1), query.device, varlen)
     group = n1 // n2
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
