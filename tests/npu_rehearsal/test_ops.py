@@ -5,7 +5,9 @@ tolerances; bf16 ones (the path runs bf16) allow bf16 rounding of the output. Ba
 with gradcheck in float64 on tiny shapes and against autograd of the reference.
 """
 
+import inspect
 import math
+import re
 
 import pytest
 import torch
@@ -17,8 +19,16 @@ EXERCISED: set = set()
 
 
 def exercises(*names):
-    EXERCISED.update(names)
-    return lambda test: test
+    """Records what the decorated test exercises; each operator's name (a kernel's function name)
+    must appear in the test's body, so a record cannot stand for a test that never calls it."""
+    def record(test):
+        source = inspect.getsource(test)
+        body = source[re.search(r"^\s*def ", source, re.MULTILINE).start():]
+        for name in names:
+            assert name.split(":")[-1] in body, f"{test.__name__} records {name} but never names it"
+        EXERCISED.update(names)
+        return test
+    return record
 
 
 def close(actual, expected, dtype=torch.float32):
@@ -889,8 +899,6 @@ DOCUMENTED_PARAMETERS = {
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTED_PARAMETERS))
 def test_signatures_are_the_documented_ones(name):
-    import inspect
-
     params = inspect.signature(ops.OPERATORS[name]).parameters.values()
     rendered = " ".join(p.name if p.default is inspect.Parameter.empty else f"{p.name}={p.default!r}"
                         for p in params)
