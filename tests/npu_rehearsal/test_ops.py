@@ -652,6 +652,10 @@ def test_gmm_kernels_match_reference(builder):
         kernel["npu_gmm"]([x.detach()], [w.detach()], [], group_list, 2, list_type)
     with pytest.raises(ValueError, match="float32"):
         add(x.detach(), grad, ends, main_grad.bfloat16())
+    with pytest.raises(ValueError, match=r"must be \[M, N\]"):
+        kernel["npu_gmm_backward"]([grad[:, :4]], [x.detach()], [w.detach()], group_list, list_type)
+    with pytest.raises(ValueError, match="weight's N"):
+        kernel["npu_gmm_backward_fusion"]([grad[:, :4]], [w.detach()], group_list, list_type)
 
 
 @exercises("npu_matmul_add_fp32:npu_matmul_add_fp32")
