@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 PLATFORM = "npu-rehearsal"
 ENV = "VERL_PATCHES_PLATFORM"
 SITE = Path(__file__).resolve().parent / "site"
-STAND_INS = ("torch_npu", "torchair")
+STAND_INS = ("torch_npu", "torchair", "acl")
 
 
 class RehearsalError(RuntimeError):
@@ -91,6 +91,17 @@ def activate() -> Any:
     return mod
 
 
+def activate_mindspeed_kernels() -> list[str]:
+    """Bind MindSpeed's op builders to the host kernels (op_builders.PATCHES); needs the stand-in active and
+    MindSpeed importable. Returns the ids applied."""
+    if not active():
+        raise RehearsalError("activate() the torch_npu stand-in before binding MindSpeed's op builders to host kernels")
+    from verl_patches.core import apply
+    from verl_patches.npu_rehearsal.op_builders import PATCHES
+
+    return apply.apply_all(PATCHES)
+
+
 def describe() -> str:
     """Which torch_npu is in use (or would be), for the doctor and the run's banner."""
     if active():
@@ -139,4 +150,5 @@ def missing_operator(qualified: str) -> AttributeError:
     """The error for a torch_npu name the stand-in does not implement."""
     return AttributeError(f"{qualified} is not implemented by the torch_npu stand-in of the NPU rehearsal platform "
                           f"({ENV}={PLATFORM}); add a host implementation with torch_npu's documented signature and "
-                          f"a reference test to verl_patches/npu_rehearsal/ops.py (OPERATORS)")
+                          f"a reference test to verl_patches/npu_rehearsal/ops.py (OPERATORS), or a device-API name to the "
+                          f"stand-in package ({SITE})")

@@ -21,6 +21,9 @@ if not _platform.selected():
 
 __version__ = "rehearsal-stand-in"
 STAND_IN = True
+# torch_npu's list of the dtypes the NPU does not hold (the quantized ones); MindSpeed skips them when it
+# enumerates torch's dtypes (mindspeed/core/multi_modal/dist_train/dist_communication.py).
+unsupported_dtype = [torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8]
 
 if torch._C._get_privateuse1_backend_name() != "npu":
     torch.utils.rename_privateuse1_backend("npu")
