@@ -31,9 +31,9 @@ class MissingKernel(RuntimeError):
 
 
 def host_kernels(name: str) -> types.ModuleType:
-    from verl_patches import npu_rehearsal
+    from verl_patches.npu_rehearsal.platform import mindspeed_kernels
 
-    table = npu_rehearsal.mindspeed_kernels()
+    table = mindspeed_kernels()
     if name not in table:
         raise MissingKernel(f"MindSpeed op builder {name!r} has no host implementation on the NPU rehearsal platform "
                             f"(known: {sorted(table)}); add it to MINDSPEED_KERNELS in verl_patches/npu_rehearsal/ops.py "
@@ -48,9 +48,9 @@ def host_kernels(name: str) -> types.ModuleType:
 def wrap_load(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(self, verbose=True):
-        from verl_patches import npu_rehearsal
+        from verl_patches.npu_rehearsal.platform import active
 
-        if not npu_rehearsal.active():
+        if not active():
             return original(self, verbose)
         return host_kernels(self.name)
 
@@ -61,9 +61,9 @@ def wrap_library_impl(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False):
         result = original(self, op_name, fn, dispatch_key, with_keyset=with_keyset)
-        from verl_patches import npu_rehearsal
+        from verl_patches.npu_rehearsal.platform import active
 
-        if npu_rehearsal.active() and self.ns == "mindspeed" and dispatch_key == "PrivateUse1":
+        if active() and self.ns == "mindspeed" and dispatch_key == "PrivateUse1":
             original(self, op_name, fn, "CPU", with_keyset=with_keyset)  # the host is the NPU here
         return result
 
