@@ -89,6 +89,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("VERL_PATCHES_DEVICE", "choice", "",
         "forces the accelerator (default: the first of npu, cuda, cpu available)",
         "verl_patches/base/accelerator.py", choices=("npu", "cuda", "cpu")),
+    Var("VERL_PATCHES_PLATFORM", "choice", "",
+        "npu-rehearsal: the NPU rehearsal platform, a declared stand-in: the torch_npu (and torchair) stand-in "
+        "packages map the NPU device API onto the host and answer torch_npu's operators and MindSpeed's kernels "
+        "with host implementations; refused where a real torch_npu imports. Default: no stand-in",
+        "verl_patches/npu_rehearsal/__init__.py", choices=("npu-rehearsal",)),
     Var("VERL_PATCHES_PHASE", "choice", "",
         "forces the process phase the prelude applies patches for (default: detected)",
         "verl_patches/core/phase.py", choices=("driver", "worker", "engine_core")),

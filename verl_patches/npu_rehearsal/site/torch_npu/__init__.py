@@ -1,0 +1,45 @@
+"""STAND-IN for torch_npu (Ascend's PyTorch adapter), of the NPU rehearsal platform only.
+
+Imported only through verl_patches.npu_rehearsal.activate() (VERL_PATCHES_PLATFORM=npu-rehearsal), never
+where a real torch_npu is installed. What it does, as the real package does on import:
+- renames torch's PrivateUse1 backend to ``npu`` and registers ``torch.npu`` (here: ``torch_npu.npu``, the
+  device API answered by the host: see that module);
+- exposes torch_npu's operators (``torch_npu.npu_*``) as attributes: here the host implementations of
+  verl_patches/npu_rehearsal (ops.OPERATORS, ops_extra.OPERATORS), looked up at each access; a name that
+  is not there raises AttributeError naming it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_patches import npu_rehearsal as _platform
+
+if not _platform.selected():
+    raise ImportError(f"this torch_npu is the NPU rehearsal platform's STAND-IN ({__file__}); it is used only with "
+                      f"{_platform.ENV}={_platform.PLATFORM} (verl_patches.npu_rehearsal.activate())")
+
+__version__ = "rehearsal-stand-in"
+STAND_IN = True
+# torch_npu's list of the dtypes the NPU does not hold (the quantized ones); MindSpeed skips them when it
+# enumerates torch's dtypes (mindspeed/core/multi_modal/dist_train/dist_communication.py).
+unsupported_dtype = [torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32, torch.qint8]
+
+if torch._C._get_privateuse1_backend_name() != "npu":
+    torch.utils.rename_privateuse1_backend("npu")
+
+from torch_npu import npu  # noqa: E402  (the device module; registered as torch.npu below)
+
+if getattr(torch, "npu", None) is not npu:
+    torch._register_device_module("npu", npu)
+
+from torch_npu import _C, contrib  # noqa: E402,F401
+
+
+def __getattr__(name: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    ops = _platform.operators()
+    if name in ops:
+        return ops[name]
+    raise _platform.missing_operator(f"torch_npu.{name}")
