@@ -269,7 +269,7 @@ def test_mindspeed_stands_in_for_every_apex_name_megatron_core_imports():
     assert importlib.util.find_spec("apex") is None, "apex is installed here; row 116 says it is not"
     spec = importlib.util.find_spec("mindspeed")
     if spec is None:
-        pytest.skip("MindSpeed not installed (scripts/install_mindspeed.sh found no archive): its apex "
+        pytest.skip("MindSpeed not installed (scripts/install_upstream_sources.sh found no archive): its apex "
                     "registrations cannot be read here")
     source = (Path(spec.submodule_search_locations[0]) / "features_manager" / "megatron_basic" /
               "requirements_basic.py").read_text()
