@@ -28,7 +28,7 @@ SCRIPTS = {
     "scripts/fetch_sdist.py": "scripts/setup_test_env.sh (fetches vLLM's sdist for every CI run)",
     "scripts/setup_test_env.sh": "scripts/test.sh (CI's command)",
     "scripts/test.sh": ".ci/run",
-    "scripts/install_mindspeed.sh": "tests/test_lock.py::test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_a_note",
+    "scripts/install_upstream_sources.sh": "tests/test_lock.py::test_install_upstream_sources_picks_each_archive_checks_its_sha_and_else_skips_with_a_note",
     "scripts/preflight.sh": "tests/preflight/test_preflight.py::test_default_preflight_passes_and_ours_receives_least",
     "scripts/train_tiny.sh": "tests/recipe/test_train_tiny.py::test_the_run_logs_every_step_without_nan_and_ends_with_a_summary",
     "scripts/train_deepseekv3_256die_true_weight.sh": "tests/recipe/test_launchers.py::test_true_weight_dry_run_composes_and_validates",

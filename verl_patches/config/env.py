@@ -126,8 +126,8 @@ VARIABLES: tuple[Var, ...] = (
         "verl_patches/reshard/checksum.py"),
     Var("VERL_PATCHES_CACHE", "path", None, "where the test environment setup keeps its downloads",
         "scripts/setup_test_env.sh"),
-    Var("VERL_PATCHES_UPSTREAM_DIR", "path", None, "the folder with upstream release archives (MindSpeed)",
-        "scripts/install_mindspeed.sh, scripts/setup_test_env.sh"),
+    Var("VERL_PATCHES_UPSTREAM_DIR", "path", None, "the folder with upstream release archives (MindSpeed, "
+        "MindSpeed-LLM, Megatron-LM's training package)", "scripts/install_upstream_sources.sh, scripts/setup_test_env.sh"),
     Var("VERL_PATCHES_INJECT_FAULT", "text", "",
         "TESTS ONLY: corrupt rollout weights after a named step's reshard, so the weight fingerprint must stop "
         "the run there (e.g. flip,step=3,rank=1); never set in production", "verl_patches/reshard/faults.py",

@@ -58,7 +58,7 @@ def hand_to_mindspeed(values: dict[str, Any]) -> None:
     set_pending_mindspeed_args(values)
     adaptor = sys.modules.get("mindspeed.megatron_adaptor")
     if adaptor is None:
-        # First import: MindSpeed parses its arguments through the patched process_args and
+        # First import: MindSpeed parses its arguments through the patched register_features_args and
         # registers the feature patches these flags select.
         adaptor = importlib.import_module("mindspeed.megatron_adaptor")
         _IMPORTED_BY_US = values
