@@ -9,8 +9,7 @@ each way), "of peak" the best value of that curve (the large-message ceiling). A
 the same all-to-all with a copy of twice its bytes (a pack and an unpack) on a side stream beside it,
 timed until both finish: the most a reshard that stages its bytes through buffers can reach, since the
 copies and the collective share the device's memory bandwidth. direct@N in --methods runs the direct
-method with N buckets in flight (the executor's default is 2); direct/p2p (and direct/p2p@N) runs it
-over point-to-point transfers that read and write the parameters directly where a box is contiguous.
+method with N buckets in flight (the executor's default is 2).
 
 Launch with torchrun (gloo on CPU, NCCL on GPU through the accelerator facade):
     torchrun --nproc-per-node 2 scripts/bench_reshard.py --train tp=1,pp=2,ep=1 --rollout tp=2,dp=1
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verl_patches.base import accelerator  # noqa: E402
 from verl_patches.reshard.baselines import recipe_stats, upstream_stats  # noqa: E402
 from verl_patches.reshard import METHODS  # noqa: E402
-from verl_patches.reshard.executor import TRANSPORTS, execute  # noqa: E402
+from verl_patches.reshard.executor import execute  # noqa: E402
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout  # noqa: E402
 from verl_patches.reshard.model import ModelConfig  # noqa: E402
 from verl_patches.reshard.placements import build_placements  # noqa: E402
@@ -191,19 +190,8 @@ def check_copy_kernel(device: torch.device) -> bool:
 
 
 def base_method(name: str) -> str:
-    """'direct/p2p@3' -> 'direct' (the executor's method)."""
-    return name.split("@", 1)[0].split("/", 1)[0]
-
-
-def transport(name: str) -> str:
-    """'direct/p2p' -> 'p2p' (the executor's transport); a plain name -> 'a2a'."""
-    base = name.split("@", 1)[0]
-    if "/" not in base:
-        return "a2a"
-    method, t = base.split("/", 1)
-    if method != "direct" or t not in TRANSPORTS:
-        raise ValueError(f"only direct takes /TRANSPORT, one of {TRANSPORTS}")
-    return t
+    """'direct@3' -> 'direct' (the executor's method)."""
+    return name.split("@", 1)[0]
 
 
 def in_flight(name: str) -> int:
@@ -211,7 +199,7 @@ def in_flight(name: str) -> int:
     if "@" not in name:
         return 2
     base, n = name.split("@", 1)
-    if base_method(base) != "direct" or not n.isdigit() or int(n) < 1:
+    if base != "direct" or not n.isdigit() or int(n) < 1:
         raise ValueError("only direct takes @N, N an integer of at least 1")
     return int(n)
 
@@ -269,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
                 accelerator.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 st = execute(plan, rank, train, roll, method=base_method(method), check=(i == 0),
-                             in_flight=in_flight(method), transport=transport(method))
+                             in_flight=in_flight(method))
                 accelerator.synchronize()
                 dt_s = time.perf_counter() - t0
                 peaks.append(accelerator.max_memory_allocated() - base)
@@ -368,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=float, default=256.0)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--methods", default="direct,upstream,recipe",
-                    help="methods to time; direct@N runs direct with N buckets in flight (direct: 2); "
-                         "direct/p2p[@N] over point-to-point transfers without staging contiguous boxes")
+                    help="methods to time; direct@N runs direct with N buckets in flight (direct: 2)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--a2a-sizes-mb", default="16,32,64,128,256,512,1024,2048",
@@ -384,7 +371,6 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.methods:
         try:
             in_flight(m)
-            transport(m)
         except ValueError as e:
             ap.error(f"--methods {m!r}: {e}")
         if base_method(m) not in METHODS:

@@ -106,12 +106,12 @@ def test_bench_reshard_tiny(tmp_path):
                         "--model", str(REPO / "configs" / "model" / "tiny_deepseek_v3.json"),
                         "--train", "tp=1,pp=2,ep=1", "--rollout", "tp=2,dp=1", "--layers", "2", "--experts", "4",
                         "--warmup", "0", "--repeats", "1", "--a2a-sizes-mb", "0.25,0.0625", "--a2a-repeats", "1",
-                        "--methods", "direct,direct@3,direct/p2p,upstream,recipe", "--json-out", str(out)],
+                        "--methods", "direct,direct@3,upstream,recipe", "--json-out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=str(REPO))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert {row["method"] for row in rows} == {"direct", "direct@3", "direct/p2p", "upstream", "recipe"}
+    assert {row["method"] for row in rows} == {"direct", "direct@3", "upstream", "recipe"}
     # The all-to-all curve, smallest size first; each row against its own size and against the best.
     assert [c["mib_per_rank"] for c in res["a2a_curve"]] == [0.0625, 0.25]
     assert all(c["busbw"] > 0 for c in res["a2a_curve"]) and res["a2a_peak_busbw"] == max(c["busbw"] for c in res["a2a_curve"])

@@ -23,8 +23,6 @@ from verl_patches.reshard import METHODS
 from verl_patches.reshard.planner import Plan, RankProgram, Transfer, rank_program
 
 
-TRANSPORTS = ("a2a", "p2p")
-
 
 def _rel(box: Box, part: Part) -> tuple[slice, ...]:
     return tuple(slice(a - pa, b - pa) for (a, b), (pa, _) in zip(box, part.box))
@@ -79,32 +77,24 @@ def check_inputs(P: Placements, rank: int, train: dict[str, torch.Tensor],
 
 def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor],
             rollout_params: dict[str, torch.Tensor], group: Any = None, method: str = "direct",
-            check: bool = True, in_flight: int = 2, transport: str = "a2a") -> ExecStats:
+            check: bool = True, in_flight: int = 2) -> ExecStats:
     """Fill ``rollout_params`` (this rank's vLLM parameters, preallocated) from
     ``train_shards`` (its Megatron parameters). All ranks of the plan call it together with
     the same method. ``group`` is the world group (None: the default group). ``in_flight``
     (method direct only): how many buckets are on the links at once, each with its own staging
-    buffer, so the extra memory is ``in_flight`` buckets. ``transport`` (method direct only): "a2a",
-    one all_to_all_single per bucket over packed buffers; "p2p", one batch of point-to-point sends and
-    receives per bucket that read straight from a training parameter and write straight into a
-    rollout parameter wherever the box is contiguous there, staging only the rest."""
+    buffer, so the extra memory is ``in_flight`` buckets."""
     if method not in METHODS:
         raise ValueError(f"method {method!r}: expected one of {METHODS}")
     if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
         raise ValueError(f"in_flight {in_flight!r}: expected an integer of at least 1 (buckets on the links at once)")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport {transport!r}: expected one of {TRANSPORTS}")
-    if method != "direct" and (in_flight != 2 or transport != "a2a"):
-        raise ValueError(f"in_flight and transport apply to method 'direct' only; method {method!r} runs its "
-                         f"reference's schedule")
+    if method != "direct" and in_flight != 2:
+        raise ValueError(f"in_flight applies to method 'direct' only; method {method!r} runs its reference's schedule")
     P = plan.placements
     if check:
         check_inputs(P, rank, train_shards, rollout_params)
     if method != "direct" and P.train.expert_storage != "grouped":
         raise ValueError(f"method {method!r} emulates its reference on GroupedMLP storage; this training "
                          f"layout stores experts as {P.train.expert_storage!r}: use method 'direct'")
-    if method == "direct" and transport == "p2p":
-        return _execute_direct_p2p(plan, rank, train_shards, rollout_params, group, in_flight)
     if method == "direct":
         return _execute_direct(plan, rank, train_shards, rollout_params, group, in_flight)
     return _RUNNERS[method](plan, rank, train_shards, rollout_params, group)
@@ -205,86 +195,6 @@ def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
         copy_local(plan, rank, train, roll)
     for b in range(nb):
         if len(inflight) == len(stage):
-            retire()
-        issue(b)
-        for tr in local[b]:
-            copy_into(dst_view(P, tr, roll), src_view(P, tr, train))
-    while inflight:
-        retire()
-    st.local_bytes = sum(t.numel for t in prog.local) * es
-    accelerator.synchronize()
-    st.seconds = time.perf_counter() - t0
-    return st
-
-
-def _execute_direct_p2p(plan: Plan, rank: int, train: dict[str, torch.Tensor],
-                        roll: dict[str, torch.Tensor], group: Any, in_flight: int = 2) -> ExecStats:
-    """The direct method over point-to-point transfers: per bucket one batch_isend_irecv whose sends
-    read a box straight from the training parameter and whose receives write straight into the
-    rollout parameter wherever that view is contiguous; only the other boxes (transposed expert
-    weights, column slices) go through a staging buffer, packed before the batch and unpacked after.
-    Sends to a peer and the peer's receives from this rank are issued in the same order (both are
-    the bucket's transfers of that pair in plan order), which is how point-to-point messages match.
-    ``in_flight`` buckets on the links, as in the all-to-all form; the staging buffers are sized for
-    the largest bucket's staged part only."""
-    P = plan.placements
-    prog = _program(plan, rank)
-    st = ExecStats("direct")
-    t0 = time.perf_counter()
-    ref = next(iter(roll.values()))
-    es = ref.element_size()
-    zero_padding(P, rank, roll)
-    nb = len(prog.buckets)
-    local = _local_chunks(prog.local, nb)
-    # Per bucket: (peer, view, staged) for each send and each receive, in issue order.
-    sends, recvs, need = [], [], []
-    for _, _, send, recv in prog.buckets:
-        s_ = [(tr.dst, src_view(P, tr, train), tr) for tr in send]
-        r_ = [(tr.src, dst_view(P, tr, roll), tr) for tr in recv]
-        sends.append(s_)
-        recvs.append(r_)
-        need.append(sum(tr.numel for _, v, tr in s_ + r_ if not v.is_contiguous()))
-    size = max(need, default=0)
-    stage = [torch.empty(size, dtype=ref.dtype, device=ref.device) for _ in range(min(in_flight, nb))]
-    st.peak_extra_bytes = size * len(stage) * es
-    inflight: list[tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor]]]] = []
-
-    def issue(b: int) -> None:
-        buf = stage[b % len(stage)] if stage else None
-        off = 0
-        ops, later = [], []
-        for peer, v, tr in sends[b]:
-            if v.is_contiguous():
-                t = v.view(-1)
-            else:
-                t = buf[off:off + tr.numel]
-                off += tr.numel
-                copy_into(t.view(_shape(tr.box)), v)
-            ops.append(dist.P2POp(dist.isend, t, peer, group))
-            st.sent_bytes += tr.numel * es
-        for peer, v, tr in recvs[b]:
-            if v.is_contiguous():
-                t = v.view(-1)
-            else:
-                t = buf[off:off + tr.numel]
-                off += tr.numel
-                later.append((v, t.view(_shape(tr.box))))
-            ops.append(dist.P2POp(dist.irecv, t, peer, group))
-            st.recv_bytes += tr.numel * es
-        inflight.append((dist.batch_isend_irecv(ops) if ops else [], later))
-        st.collectives += 1
-
-    def retire() -> None:
-        works, later = inflight.pop(0)
-        for w in works:
-            w.wait()
-        for v, t in later:
-            copy_into(v, t)
-
-    if nb == 0:
-        copy_local(plan, rank, train, roll)
-    for b in range(nb):
-        if len(inflight) == in_flight:
             retire()
         issue(b)
         for tr in local[b]:

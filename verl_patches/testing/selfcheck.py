@@ -23,9 +23,8 @@ def check_plan(rank: int, plan: Plan, methods: tuple[str, ...] = METHODS, seed: 
                device: Any = "cpu") -> dict[str, Any]:
     """Returns {"plan": this rank's planned stats, method: {"mismatch": [names], ...}}.
     Rollout buffers start as NaN so that an element nobody writes shows as a mismatch.
-    With "direct" among the methods, it also runs as "direct@3" (three buckets in flight instead
-    of two, the executor's ``in_flight``) and "direct/p2p" (point-to-point transfers straight from
-    and into the parameters, the executor's ``transport``), which must give the same bits."""
+    With "direct" among the methods, it also runs as "direct@3": three buckets in flight
+    instead of two (the executor's ``in_flight``), which must give the same bits."""
     P = plan.placements
     logical = logical_state(P, full_state(P, seed=seed, dtype=plan.dtype))
     mine = train_shards(P, rank, logical, device=device)
@@ -33,13 +32,11 @@ def check_plan(rank: int, plan: Plan, methods: tuple[str, ...] = METHODS, seed: 
     out: dict[str, Any] = {"plan": vars(plan.ranks[rank]).copy()}
     if P.train.expert_storage != "grouped":  # the baselines emulate GroupedMLP storage only
         methods = tuple(m for m in methods if m == "direct")
-    runs = [(m, m, 2, "a2a") for m in methods]
-    if "direct" in methods:
-        runs += [("direct@3", "direct", 3, "a2a"), ("direct/p2p", "direct", 2, "p2p")]
-    for name, method, in_flight, transport in runs:
+    runs = [(m, m, 2) for m in methods] + ([("direct@3", "direct", 3)] if "direct" in methods else [])
+    for name, method, in_flight in runs:
         got = allocate(P.rollout_storage[rank], torch_dtype(plan.dtype), device, fill=float("nan"))
         before = {n: v.clone() for n, v in mine.items()}
-        st = execute(plan, rank, mine, got, method=method, in_flight=in_flight, transport=transport)
+        st = execute(plan, rank, mine, got, method=method, in_flight=in_flight)
         bad = sorted(n for n in want if not torch.equal(got[n], want[n]))
         untouched = all(torch.equal(before[n], mine[n]) for n in mine)
         out[name] = {"mismatch": bad, "train_unchanged": untouched,
