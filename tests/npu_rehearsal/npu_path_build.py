@@ -57,6 +57,10 @@ def main() -> None:
         from verl_patches.npu_rehearsal import ops
 
         del ops.OPERATORS[drop]
+    from verl_patches.core import apply
+    from verl_patches.patches.mindspeed import patch_features_manager_features_manager as no_text_generation
+
+    apply.apply_all(no_text_generation.PATCHES)  # before the adaptor runs (its docstring: why)
     cfg = json.loads((REPO / "configs/model/tiny_deepseek_v3.json").read_text())
     sys.argv = ["verl_worker", *megatron_argv(cfg)]
     import mindspeed_llm  # noqa: F401  (MindSpeed-LLM's adaptor: the features applied as on an NPU)

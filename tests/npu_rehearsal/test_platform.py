@@ -2,8 +2,8 @@
 stand-in's device mapping and loud failures, and the NPU path it exists for (tests/npu_rehearsal/npu_path_build.py).
 
 Activation renames torch's PrivateUse1 backend and MindSpeed patches megatron-core in place, so everything that
-activates runs in its own process. The NPU-path test needs MindSpeed-LLM, Megatron-LM's training and inference
-packages and MindSpeed >= v2.2.0_core_r0.12.1 importable; it is skipped, saying which is missing, otherwise.
+activates runs in its own process. The NPU-path test needs MindSpeed-LLM, Megatron-LM's training
+package and MindSpeed >= v2.2.0_core_r0.12.1 importable; it is skipped, saying which is missing, otherwise.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_the_stand_in_maps_the_device_api_onto_the_host_and_fails_loudly():
 
 
 def _npu_stack_missing() -> str | None:
-    for name in ("mindspeed_llm", "megatron.training", "megatron.inference", "mindspeed.te.pytorch.module"):
+    for name in ("mindspeed_llm", "megatron.training", "mindspeed.te.pytorch.module"):
         try:
             if importlib.util.find_spec(name) is None:
                 return name
@@ -119,7 +119,7 @@ def _npu_stack_missing() -> str | None:
 
 needs_npu_stack = pytest.mark.skipif(_npu_stack_missing() is not None,
                                      reason=f"{_npu_stack_missing()} is not importable (MindSpeed v2.2.0_core_r0.12.1, "
-                                            "MindSpeed-LLM v2.2.0 and Megatron-LM core_v0.12.1's training and inference "
+                                            "MindSpeed-LLM v2.2.0 and Megatron-LM core_v0.12.1's training "
                                             "packages are needed)")
 
 

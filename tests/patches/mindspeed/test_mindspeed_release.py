@@ -45,11 +45,17 @@ def recipe_megatron(**changes) -> ma.RecipeMegatron:
 @pytest.fixture(autouse=True)
 def forget_mindspeed_modules():
     # Other tests in this process decide by "mindspeed" in sys.modules (MindSpeed loaded = Ascend run).
-    before = set(sys.modules)
+    # Each test imports MindSpeed afresh: a test that ran before it in this process may have left part of
+    # it imported (an import of mindspeed.features_manager that failed on torch_npu, say, keeps the
+    # submodules imported before the failure, with an empty feature list); those are set aside and put back.
+    def ours(name):
+        return name == "mindspeed" or name.startswith("mindspeed.")
+
+    earlier = {name: sys.modules.pop(name) for name in [n for n in sys.modules if ours(n)]}
     yield
-    for name in set(sys.modules) - before:
-        if name == "mindspeed" or name.startswith("mindspeed."):
-            del sys.modules[name]
+    for name in [n for n in sys.modules if ours(n)]:
+        del sys.modules[name]
+    sys.modules.update(earlier)
 
 
 @pytest.fixture
