@@ -162,10 +162,18 @@ class AssetsError(RuntimeError):
 
 def build(out_dir: Path) -> dict[str, Path]:
     """Everything, built once: written under ``out_dir/.partial`` and moved in whole, so a finished
-    build is reused by later runs and tests, and an interrupted one never passes for finished."""
-    import shutil
+    build is reused by later runs and tests, and an interrupted one never passes for finished. Two builds
+    into one directory at once are serialised: the second waits for the first's lock, then reuses its build."""
+    from verl_patches.base import atomic
 
     out_dir = Path(out_dir)
+    with atomic.dir_lock(out_dir, wait=True):  # a second build into the same place waits, then reuses it
+        return _build(out_dir)
+
+
+def _build(out_dir: Path) -> dict[str, Path]:
+    import shutil
+
     done = out_dir / ".complete"
     parts = ("model", "dist_ckpt", "data")
     if not done.is_file():
@@ -181,7 +189,7 @@ def build(out_dir: Path) -> dict[str, Path]:
         write_data(partial / "data")
         for p in parts:
             (partial / p).rename(out_dir / p)
-        partial.rmdir()
+        shutil.rmtree(partial)  # and the converter's lock file beside dist_ckpt
         done.write_text("model, dist_ckpt and data written by python -m verl_patches.tiny.assets\n")
     return {"MODEL_PATH": out_dir / "model", "DIST_CKPT_PATH": out_dir / "dist_ckpt",
             "TRAIN_FILES": out_dir / "data" / "train.parquet", "VAL_FILES": out_dir / "data" / "val.parquet"}
