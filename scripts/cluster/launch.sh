@@ -90,9 +90,10 @@ PY
   fi
   echo "  torch, hydra-core, verl, ray importable"
   if [[ "$role" == head ]]; then
-    launch_check_head || rc=1
+    launch_check_head head || rc=1
   else
-    echo "== head inputs (RAY_PORT free, model, data, checkpoint): checked by the head, not on a worker"
+    # The inputs every node reads are checked here too, with the head's messages (its Ray port is the head's).
+    launch_check_head worker || rc=1
   fi
   echo "== doctor"
   if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
@@ -116,11 +117,16 @@ PY
 # run and the real run): RAY_PORT free on MASTER_ADDR, MODEL_PATH's config.json, the data files and,
 # for a real-weight run (LAUNCH_CKPT_DIR), a complete checkpoint of that config's model.
 launch_check_head() {
-  echo "== head inputs: RAY_PORT, model, data${LAUNCH_CKPT_DIR:+, checkpoint ${LAUNCH_CKPT_DIR}}"
+  local what="${1:-head}"
+  if [[ "$what" == head ]]; then
+    echo "== head inputs: RAY_PORT, model, data${LAUNCH_CKPT_DIR:+, checkpoint ${LAUNCH_CKPT_DIR}}"
+  else
+    echo "== shared inputs (as the head checks them): model, data${LAUNCH_CKPT_DIR:+, checkpoint ${LAUNCH_CKPT_DIR}}"
+  fi
   local ckpt=()
   if [[ -n "${LAUNCH_CKPT_DIR:-}" ]]; then ckpt=(--ckpt "$LAUNCH_CKPT_DIR"); fi
   MODEL_PATH="$MODEL_PATH" TRAIN_FILES="$TRAIN_FILES" VAL_FILES="$VAL_FILES" MASTER_ADDR="$MASTER_ADDR" \
-    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch.cluster_checks head "${ckpt[@]}"
+    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch.cluster_checks "$what" "${ckpt[@]}"
 }
 
 launch_main() {
