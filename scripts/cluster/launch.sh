@@ -25,7 +25,8 @@ usage: $(basename "$0") [--dry-run] [HYDRA_OVERRIDE ...]
 
   --dry-run   print the environment, the Ray commands and the composed trainer command,
               validate them with the real run's own checks (environment values, on the head its
-              port, model, data and checkpoint, doctor, config composition, layout); start nothing.
+              port, on every node the model, data and checkpoint, doctor, config composition,
+              layout); start nothing.
   HYDRA_OVERRIDE  passed to verl.trainer.main_ppo, e.g. trainer.total_training_steps=5
 
 Run the same command on every node. Environment (defaults in parentheses):
@@ -214,10 +215,13 @@ launch_run() {
 
   # CANN first: the doctor imports torch_npu on Ascend.
   bringup_source_cann || return $?
-  # The dry run's checks, the same function (a worker's Ray needs none of them).
+  # The dry run's checks, the same function; a worker checks the inputs it shares with the head (its Ray
+  # needs none of the rest).
   if [[ "$role" == head ]]; then
     launch_validate head || return 1
     launch_say "checks passed: python environment, head inputs, doctor, prelude hook, config composition, layout and data"
+  else
+    launch_check_head worker || return 1
   fi
   launch_start "$role"
 }

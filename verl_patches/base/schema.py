@@ -54,6 +54,10 @@ class Rule:
         """Values this declaration refuses (the property suite passes each to the entry point)."""
         return ["\0"]
 
+    def example(self) -> str:
+        """A value this declaration accepts (what the property suite puts before a bad positional value)."""
+        return "x"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.allowed()})"
 
@@ -100,6 +104,11 @@ class Number(Rule):
         if self.high is not None:
             out.append(repr(self.high * 2 + 1))
         return out
+
+    def example(self) -> str:
+        x = 1 if self.low is None else self.low + (1 if self.low_open else 0)
+        x = x if self.high is None else min(x, self.high)
+        return str(int(x)) if self.kind == "integer" else repr(float(x))
 
     def accepts(self, value: float) -> bool:
         if not math.isfinite(value):
@@ -212,3 +221,27 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     if bad:
         parser.error("; ".join(bad))
     return args
+
+
+class IntList(Rule):
+    """Comma-separated whole numbers, each within [low, high]."""
+
+    kind = "list of whole numbers"
+
+    def __init__(self, low: int | None = None, high: int | None = None, env: str | None = None, doc: str = "") -> None:
+        super().__init__(env, doc)
+        self.item = Integer(low=low, high=high)
+
+    def allowed(self) -> str:
+        return f"comma-separated whole numbers, each {self.item.allowed().removeprefix('a whole number').strip() or 'any'}"
+
+    def check(self, raw: str) -> Any:
+        if not raw.strip():
+            raise ValueError("")
+        return tuple(self.item.check(x) for x in raw.split(","))
+
+    def example(self) -> str:
+        return self.item.example()
+
+    def bad_values(self) -> list[str]:
+        return ["", "1,,2", "1,x", "1,nan", *[f"1,{v}" for v in self.item.bad_values() if v and "," not in v][:4]]

@@ -253,9 +253,10 @@ def check_files(files: Iterable[Path], scorer: Callable[..., Any], prompt_key: s
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.data.check", description=__doc__)
-    p.add_argument("files", nargs="+", type=Path, help="verl RL parquet files (train / val)")
-    p.add_argument("--prompt-key", default=PROMPT_KEY, help="the prompt column (verl's data.prompt_key)")
+    p.add_argument("files", nargs="+", type=PathArg("parquet file"), help="verl RL parquet files (train / val)")
+    p.add_argument("--prompt-key", type=Text(), default=PROMPT_KEY, help="the prompt column (verl's data.prompt_key)")
     args = p.parse_args(argv)
     missing = [str(f) for f in args.files if not f.is_file()]
     if missing:

@@ -250,14 +250,15 @@ def prepare(kind: str, input_path: Path | None, out_dir: Path, test_size: float 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import Integer, Number, PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.data.prepare", description=__doc__)
     p.add_argument("kind", choices=sorted(SAMPLES))
-    p.add_argument("--input", type=Path, default=None, help="raw file (default: the shipped sample)")
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--test-size", type=float, default=0.1, help="fraction (<1) or row count (>=1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input", type=PathArg("input file"), default=None, help="raw file (default: the shipped sample)")
+    p.add_argument("--out-dir", type=PathArg("output directory"), required=True)
+    p.add_argument("--test-size", type=Number(low=0), default=0.1, help="fraction (<1) or row count (>=1)")
+    p.add_argument("--seed", type=Integer(low=0, high=2 ** 64 - 1), default=0)
     p.add_argument("--skip-invalid", action="store_true", help="drop malformed rows and report how many")
-    p.add_argument("--data-source", default=None,
+    p.add_argument("--data-source", type=Text(), default=None,
                    help=f"value of the data_source column, one the recipe's reward scores: {sorted(RECIPE_REWARD_SOURCES)}")
     p.add_argument("--overwrite", action="store_true", help="replace train.parquet / test.parquet already in --out-dir")
     args = p.parse_args(argv)

@@ -184,12 +184,13 @@ def shared_problems(environ: Mapping[str, str] | None = None, ckpt: str | None =
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.launch.cluster_checks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("env", "head", "worker"),
                    help="env: every node's values; head: the head's inputs; worker: the inputs a worker shares with "
                         "the head (model, data, checkpoint)")
-    p.add_argument("--ckpt", default=None, help="the real-weight run's checkpoint (DIST_CKPT_PATH)")
+    p.add_argument("--ckpt", type=Text(), default=None, help="the real-weight run's checkpoint (DIST_CKPT_PATH)")
     args = p.parse_args(argv)
     if args.what == "env":
         return finish(env_problems(), code=2, warnings=env_warnings())

@@ -196,8 +196,9 @@ def _build(out_dir: Path) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.assets", description=__doc__.split("\n")[0])
-    p.add_argument("out_dir", type=Path)
+    p.add_argument("out_dir", type=PathArg("output directory"))
     args = p.parse_args(argv)
     try:
         paths = build(args.out_dir)
