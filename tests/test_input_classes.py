@@ -254,3 +254,29 @@ def test_two_asset_builds_into_one_directory_are_serialised(tmp_path, monkeypatc
     assert errors == [] and waited
     assert len(calls) == 1  # the second reused the first's build
     assert sorted(p.name for p in out.iterdir()) == [".complete", "data", "dist_ckpt", "model"]
+
+
+def test_asset_build_into_an_unwritable_place_is_named(tmp_path, capsys):
+    """Beyond the ten: the asset build under a path that cannot be created ended in a FileExistsError traceback."""
+    from verl_patches.tiny import assets
+
+    (tmp_path / "f").write_text("a file\n")
+    assert assets.main([str(tmp_path / "f" / "assets")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'f' / 'assets'}: cannot write the assets" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_data_check_refuses_a_ground_truth_no_response_can_match(tmp_path, capsys):
+    """The data check (what the launchers' dry run runs) applies the preparation's rule to rows the recipe's
+    boxed-answer reward scores, so a parquet file prepared elsewhere gets the same refusal."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from verl_patches.data import check
+
+    rows = [{"data_source": "deepscaler", "prompt": [{"role": "user", "content": "q"}],
+             "reward_model": {"ground_truth": gt}, "extra_info": {"index": i}} for i, gt in enumerate(["2", "N/A"])]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
+    with pytest.raises(ValueError, match=r"row 2: column reward_model.ground_truth: ground truth 'N/A' is a placeholder"):
+        check.read_rows(tmp_path / "d.parquet")

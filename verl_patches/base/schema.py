@@ -76,11 +76,14 @@ class Number(Rule):
         return float(text)
 
     def allowed(self) -> str:
+        def show(x: float) -> str:
+            return str(int(x)) if self.kind == "integer" else f"{x:g}"
+
         parts = []
         if self.low is not None:
-            parts.append(f"{'>' if self.low_open else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.low_open else '>='} {show(self.low)}")
         if self.high is not None:
-            parts.append(f"<= {self.high:g}")
+            parts.append(f"<= {show(self.high)}")
         what = "a finite number" if self.kind == "number" else "a whole number"
         return what + (" " + " and ".join(parts) if parts else "")
 

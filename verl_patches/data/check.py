@@ -123,6 +123,12 @@ def schema_problems(schema, prompt_key: str = PROMPT_KEY) -> list[str]:
     return out
 
 
+def _boxed_sources() -> frozenset:
+    from verl_patches.reward import DEEPSCALER_SOURCES
+
+    return frozenset(DEEPSCALER_SOURCES)
+
+
 def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tuple[str, str]]:
     """(column, problem) for one row whose columns have the right types."""
     out = []
@@ -148,6 +154,14 @@ def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tupl
         out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", "null or empty"))
     elif isinstance(gt, float) and not math.isfinite(gt):
         out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", f"{gt} is not a finite number"))
+    elif isinstance(gt, str) and src in _boxed_sources():
+        # The recipe's boxed-answer rule scores these rows: a value no response can match is no ground truth
+        # (the same rule as the data preparation's, verl_patches/data/prepare.py answer_problem).
+        from verl_patches.data.prepare import answer_problem
+
+        why = answer_problem("deepscaler", gt)
+        if why:
+            out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", why))
     if EXTRA_INFO in row and row[EXTRA_INFO] is None:
         out.append((EXTRA_INFO, "null (verl reads extra_info.index from every row)"))
     return out

@@ -205,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     except AssetsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # Unwritable, full disk: no .complete is written, so nothing passes for a finished build.
+        where = e.filename or args.out_dir
+        print(f"error: {args.out_dir}: cannot write the assets ({where}: {e.strerror or e})", file=sys.stderr)
+        return 2
     for key, path in paths.items():
         print(f"{key}={path}")
     return 0
