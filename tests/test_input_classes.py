@@ -254,6 +254,10 @@ def test_two_asset_builds_into_one_directory_are_serialised(tmp_path, monkeypatc
     assert errors == [] and waited
     assert len(calls) == 1  # the second reused the first's build
     assert sorted(p.name for p in out.iterdir()) == [".complete", "data", "dist_ckpt", "model"]
+    # Reuse verifies the build against its index: a damaged file is named, with the fix.
+    (out / "dist_ckpt" / ".metadata").write_text("damaged")
+    with pytest.raises(assets.AssetsError, match=r"dist_ckpt/.metadata differs from what was written\): remove"):
+        assets.build(out)
 
 
 def test_asset_build_into_an_unwritable_place_is_named(tmp_path, capsys):

@@ -156,6 +156,28 @@ def write_data(out: Path) -> tuple[Path, Path]:
     return train, val
 
 
+def _index(out_dir: Path, parts: tuple[str, ...]) -> dict[str, dict]:
+    from verl_patches.tools.manifest import file_record
+
+    return {str(f.relative_to(out_dir)): file_record(f) for p in parts for f in sorted((out_dir / p).rglob("*"))
+            if f.is_file()}
+
+
+def _changed(out_dir: Path, done: Path, parts: tuple[str, ...]) -> list[str]:
+    """One line per file of the finished build that is missing, new or other than written (the index, .complete,
+    lists them by size and SHA-256); an index that cannot be read is one line too."""
+    try:
+        want = json.loads(done.read_text())["files"]
+        if not isinstance(want, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"its index {done.name} is not readable (written by an older version, or damaged)"]
+    have = _index(out_dir, parts)
+    return ([f"{k} is missing" for k in sorted(set(want) - set(have))]
+            + [f"{k} was not written by the build" for k in sorted(set(have) - set(want))]
+            + [f"{k} differs from what was written" for k in sorted(set(want) & set(have)) if want[k] != have[k]])
+
+
 class AssetsError(RuntimeError):
     """The output directory holds something this tool did not write."""
 
@@ -190,7 +212,18 @@ def _build(out_dir: Path) -> dict[str, Path]:
         for p in parts:
             (partial / p).rename(out_dir / p)
         shutil.rmtree(partial)  # and the converter's lock file beside dist_ckpt
-        done.write_text("model, dist_ckpt and data written by python -m verl_patches.tiny.assets\n")
+        from verl_patches.base import atomic
+
+        # The index, written last: what the build wrote, by content; a later run reuses the build only
+        # when every file still has it.
+        atomic.write_text(done, json.dumps({"tool": "python -m verl_patches.tiny.assets",
+                                            "files": _index(out_dir, parts)}, indent=1, sort_keys=True) + "\n")
+    else:
+        changed = _changed(out_dir, done, parts)
+        if changed:
+            raise AssetsError(f"{out_dir} holds a build of this tool that changed since it was written ("
+                              + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+                              + f"): remove {out_dir} and run again to rebuild it")
     return {"MODEL_PATH": out_dir / "model", "DIST_CKPT_PATH": out_dir / "dist_ckpt",
             "TRAIN_FILES": out_dir / "data" / "train.parquet", "VAL_FILES": out_dir / "data" / "val.parquet"}
 
