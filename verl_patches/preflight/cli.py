@@ -122,10 +122,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-# The package each distributed backend needs for its devices (gloo runs on the host).
-BACKEND_PACKAGES = {"hccl": ("torch_npu", "the Ascend NPU device package"), "nccl": (None, "CUDA")}
-
-
 def backend_problem(backend: str) -> str | None:
     """Why ``--backend`` cannot run here (its device package absent, no device), or None."""
     import importlib.util
