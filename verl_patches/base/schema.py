@@ -31,7 +31,7 @@ class Rule:
 
     def __init__(self, env: str | None = None, doc: str = "") -> None:
         self.env = env  # an environment variable that sets the same thing
-        self.doc = doc
+        self.doc = doc  # said with a refusal: why the rule is what it is
 
     @property
     def __name__(self) -> str:  # argparse names the type in some messages
@@ -48,7 +48,8 @@ class Rule:
             return self.check(raw)
         except (ValueError, TypeError, OverflowError) as e:
             why = f" ({e})" if str(e) else ""
-            raise argparse.ArgumentTypeError(f"{raw!r}: expected {self.allowed()}{why}") from None
+            doc = f"; {self.doc}" if self.doc else ""
+            raise argparse.ArgumentTypeError(f"{raw!r}: expected {self.allowed()}{why}{doc}") from None
 
     def bad_values(self) -> list[str]:
         """Values this declaration refuses (the property suite passes each to the entry point)."""

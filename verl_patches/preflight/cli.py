@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA graph of a forward over them at the first switch, and require every later replay to "
                         "equal the eager forward bit for bit at unchanged addresses")
     p.add_argument("--heartbeat-timeout", type=Number(low=0, low_open=True, high=86400.0,
-                                                      env="VERL_PATCHES_HEARTBEAT_TIMEOUT_S"),
+                                                      env="VERL_PATCHES_HEARTBEAT_TIMEOUT_S",
+                                                      doc="0 would switch the liveness check off"),
                    default=None, metavar="S",
                    help="a local rank silent this many seconds (stopped, stuck) is named and the run ends "
                         "(default: VERL_PATCHES_HEARTBEAT_TIMEOUT_S, else 120)")
