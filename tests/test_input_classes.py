@@ -284,3 +284,14 @@ def test_data_check_refuses_a_ground_truth_no_response_can_match(tmp_path, capsy
     pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
     with pytest.raises(ValueError, match=r"row 2: column reward_model.ground_truth: ground truth 'N/A' is a placeholder"):
         check.read_rows(tmp_path / "d.parquet")
+
+
+def test_two_preparations_into_one_directory_at_once_the_second_is_refused(tmp_path, capsys):
+    """Beyond the ten: two data preparations into one --out-dir at once could pair one run's train.parquet
+    with the other's test.parquet; the second is refused by name and writes nothing."""
+    from verl_patches.base import atomic
+
+    with atomic.dir_lock(tmp_path / "o", wait=False):
+        assert P.main(["deepscaler", "--out-dir", str(tmp_path / "o"), "--test-size", "4"]) == 2
+    assert f"{tmp_path / 'o'} is being written by another run (process" in capsys.readouterr().err
+    assert list((tmp_path / "o").iterdir()) == []

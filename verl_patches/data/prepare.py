@@ -236,6 +236,16 @@ def prepare(kind: str, input_path: Path | None, out_dir: Path, test_size: float 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
+        # One writer per output directory: a second run into it at the same time is refused by name (it could
+        # otherwise pair one run's train.parquet with the other's test.parquet). Checked again under the lock.
+        try:
+            stack.enter_context(atomic.dir_lock(out_dir, wait=False))
+        except atomic.DirLockedError as e:
+            raise OutputExistsError(str(e)) from None
+        existing = [name for name in OUTPUTS if (out_dir / name).exists()]
+        if existing and not overwrite:
+            raise OutputExistsError(f"{out_dir} already holds {', '.join(existing)}; pass --overwrite to replace "
+                                    f"them, or choose another --out-dir")
         # Both temporaries first, renames last: a failure anywhere leaves the old pair intact. No test
         # split (--test-size 0): no test.parquet, and an earlier run's one goes (it is not this run's).
         for split, rows in (("train", train), ("test", test)):
@@ -243,8 +253,8 @@ def prepare(kind: str, input_path: Path | None, out_dir: Path, test_size: float 
                 continue
             tmp = stack.enter_context(atomic.atomic_path(out_dir / f"{split}.parquet"))
             pq.write_table(pa.Table.from_pylist([to_record(ex, split, i, source) for i, ex in enumerate(rows)]), str(tmp))
-    if not test:
-        (out_dir / "test.parquet").unlink(missing_ok=True)
+        if not test:
+            (out_dir / "test.parquet").unlink(missing_ok=True)
     return {"input": str(path), "train": len(train), "test": len(test), "skipped": len(problems),
             "skipped_rows": problems, "out_dir": str(out_dir), "data_source": source}
 
