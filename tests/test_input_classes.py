@@ -86,6 +86,9 @@ def test_preflight_option_and_overlay_variable_disagree(capsys, monkeypatch):
     rc, err = _preflight(capsys, "--heartbeat-timeout", "20", "--no-plan")
     assert rc == 2
     assert "--heartbeat-timeout 20.0 and VERL_PATCHES_HEARTBEAT_TIMEOUT_S='30' disagree" in err
+    # An abbreviation argparse accepts is the same option.
+    rc, err = _preflight(capsys, "--heartbeat-t", "20", "--no-plan")
+    assert rc == 2 and "--heartbeat-timeout 20.0 and VERL_PATCHES_HEARTBEAT_TIMEOUT_S='30' disagree" in err
     # The same value in both is no contradiction.
     assert preflight.parse_args(["--heartbeat-timeout", "30"]).heartbeat_timeout == 30.0
 

@@ -196,8 +196,10 @@ def disagreements(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
             continue
         given = [o for o in a.option_strings if any(x == o or x.startswith(o + "=") for x in argv)]
         value = getattr(args, a.dest, None)
-        if not given or value is None:
+        # Given: named on the command line, or (an abbreviation argparse accepts) a value other than the default.
+        if value is None or (not given and value == a.default):
             continue
+        given = given or a.option_strings[:1]
         raw = env[rule.env]
         try:
             from verl_patches.config import env as overlay_env
