@@ -8,7 +8,6 @@ import importlib
 import inspect
 import json
 import sys
-from pathlib import Path
 
 # Subcommands implemented by an engine's own CLI module: name -> "module:function(argv) -> int".
 DELEGATED = {

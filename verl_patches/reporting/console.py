@@ -16,7 +16,6 @@ import argparse
 import re
 import signal
 import sys
-from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from verl_patches.reporting.report import CONSOLE_LINE
