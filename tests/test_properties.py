@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import shutil
+import sys
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -509,6 +510,7 @@ def _parsers(monkeypatch) -> dict[str, tuple[object, list[str]]]:
     with monkeypatch.context() as m:
         m.setattr(argparse.ArgumentParser, "parse_known_args", capture)
         m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        m.setattr(sys, "dont_write_bytecode", True)  # no __pycache__ left in scripts/ (it holds only scripts)
         for f in _entry_point_files():
             rel = f.relative_to(REPO)
             if rel.parts[0] == "verl_patches":
