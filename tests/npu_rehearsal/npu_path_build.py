@@ -52,7 +52,7 @@ def main() -> None:
     # MindSpeed-LLM's adaptor BEFORE megatron-core is imported and seeded: it replaces megatron-core's
     # _set_cuda_rng_state and jit_fuser (torch.compile) and must come first, as in the reference recipe. verl's
     # worker imports megatron-core and seeds it before the binding runs (where the overlay builds the global
-    # arguments today): wiring this early call into the rank boot is open (docs/STATUS.md, issue 35 item 4).
+    # arguments today): wiring this early call into the rank boot is open (docs/RECIPE.md, the NPU path).
     # Here the binding's own function runs first, with the layout the worker will have; the binding's call
     # below then finds the same arguments built.
     apply.apply_all(no_text_generation.PATCHES)  # before the adaptor runs (its docstring: why)
