@@ -54,6 +54,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return code
     for f in findings + settings:
         print(f.line())
+    from verl_patches import npu_rehearsal
+
+    if platform == "npu" or npu_rehearsal.selected():
+        # Which torch_npu is in use: the real one, or the NPU rehearsal platform's stand-in (never both).
+        print(npu_rehearsal.describe())
     bad = [f for f in findings if is_failing(f, args.strict)]
     notes = [f for f in findings if f.status != "ok" and f.id.startswith("lock:") and f not in bad]
     mode = "strict" if args.strict else "patches and presence; --strict also enforces the lock's versions"

@@ -23,7 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run(code_or_file: str, *, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "VERL_PATCHES_PLATFORM": "npu-rehearsal", **env}
+    # As the launcher runs a rehearsal process: the stand-in's site on PYTHONPATH, one rank, vLLM's plugins ours.
+    path = os.pathsep.join(x for x in (str(REPO), str(npu_rehearsal.SITE), os.environ.get("PYTHONPATH")) if x)
+    environ = {**os.environ, "VERL_PATCHES_PLATFORM": "npu-rehearsal", "PYTHONPATH": path, "WORLD_SIZE": "1",
+               "RANK": "0", "VLLM_PLUGINS": "verl_patches", **env}
     args = [sys.executable, code_or_file] if code_or_file.endswith(".py") else [sys.executable, "-c", code_or_file]
     return subprocess.run(args, env=environ, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
@@ -132,6 +135,12 @@ def test_verls_initializer_builds_the_npu_model_with_no_dummy_module_and_it_trai
             "mindspeed.core.transformer.moe.moe_feature.adaptor.MindSpeedGmmExperts"} <= set(out["classes"])
     assert out["shape"] == [1, 16, 1000] and out["finite"] and out["no_grad"] == []
     assert out["torch_npu"].startswith("torch_npu: STAND-IN")
+    # Through the overlay's records: the spec record and the binding (Megatron's arguments from verl's config).
+    assert {"verl.deepseek_v3_mindspeed_llm_layer_spec", "verl.recipe_megatron.binding"} <= set(out["applied"])
+    assert out["spec"] == ["mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"] and out["seq_length"] == 64
+    # MindSpeed-LLM's fused MLA down-projection (q_down + kv_down in one linear_qkv) and grouped experts.
+    assert out["params"]["decoder.layers.1.self_attention.linear_qkv.weight"] == [48 + 32 + 8, 64]
+    assert "decoder.layers.1.mlp.experts.weight1" in out["params"]
 
 
 @needs_npu_stack

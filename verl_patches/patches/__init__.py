@@ -44,6 +44,7 @@ RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.vllm_ascend.patch_worker_worker_v1",
     "verl_patches.patches.vllm_ascend.patch_ops_fused_moe",
     "verl_patches.patches.verl.patch_models_mcore_registry",
+    "verl_patches.patches.verl.patch_models_mcore_model_initializer",
     "verl_patches.patches.verl.patch_single_controller_base_megatron_worker",
     "verl_patches.patches.verl.patch_utils_megatron_utils",
     "verl_patches.patches.verl.patch_utils_megatron_utils_switch",

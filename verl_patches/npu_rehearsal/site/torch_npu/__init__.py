@@ -19,6 +19,13 @@ if not _platform.selected():
     raise ImportError(f"this torch_npu is the NPU rehearsal platform's STAND-IN ({__file__}); it is used only with "
                       f"{_platform.ENV}={_platform.PLATFORM} (verl_patches.npu_rehearsal.activate())")
 
+# Put first on PYTHONPATH by the launcher (DEVICE=npu-rehearsal), this package would shadow a real torch_npu:
+# refuse, as activate() does.
+if _platform.real_torch_npu_origin() is not None:
+    raise ImportError(f"a real torch_npu is installed ({_platform.real_torch_npu_origin()}); the NPU rehearsal "
+                      f"platform's stand-in ({__file__}) is never used beside it: unset {_platform.ENV} and take "
+                      f"{_platform.SITE} off PYTHONPATH to run on the NPU")
+
 __version__ = "rehearsal-stand-in"
 STAND_IN = True
 # torch_npu's list of the dtypes the NPU does not hold (the quantized ones); MindSpeed skips them when it
@@ -34,6 +41,16 @@ if getattr(torch, "npu", None) is not npu:
     torch._register_device_module("npu", npu)
 
 from torch_npu import _C, contrib  # noqa: E402,F401
+
+
+def _hccl_on_host(store, rank, size, timeout):
+    """The real torch_npu registers the ``hccl`` c10d backend at import (verl initialises its groups with it
+    before anything imports transfer_to_npu); here an ``hccl`` group is a gloo group on the host."""
+    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+
+
+if "hccl" not in torch.distributed.Backend.backend_list:
+    torch.distributed.Backend.register_backend("hccl", _hccl_on_host, devices=["cpu"])
 
 
 def __getattr__(name: str):
