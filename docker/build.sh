@@ -53,9 +53,6 @@ else:
         "VLLM_SDIST_SHA256": c["vllm"]["sdist_sha256"],
         "VLLM_ASCEND_VERSION": c["vllm_ascend"]["version"],
         "MEGATRON_CORE_VERSION": c["megatron_core"]["version"],
-        "MINDSPEED_REPO": c["mindspeed"]["repo"],
-        "MINDSPEED_REF": c["mindspeed"]["ref"],
-        "MINDSPEED_COMMIT": c["mindspeed"]["commit"],
     }
 for k, v in args.items():
     print("--build-arg")

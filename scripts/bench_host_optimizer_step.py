@@ -30,21 +30,25 @@ import sys
 import time
 from pathlib import Path
 
+# The option rules (verl_patches/base/schema.py, standard library only) from this checkout.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PARAMS_B = 64.3 * (1 << 30) / 12 / 1e9  # the H100 layout's optimizer shard: 64.3 GiB at 12 bytes
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
+    from verl_patches.base.schema import Integer, Number, Text
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--params", type=float, default=DEFAULT_PARAMS_B, help="billions of parameters per process")
-    p.add_argument("--tensor-m", type=float, default=256.0, help="millions of parameters per tensor")
-    p.add_argument("--procs", type=int, default=1, help="processes at once, one per GPU")
-    p.add_argument("--threads", type=int, default=16, help="host cores (and torch threads) per process")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (after one untimed)")
-    p.add_argument("--json-out", default=None)
-    p.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--params", type=Number(low=0, low_open=True, high=64), default=DEFAULT_PARAMS_B, help="billions of parameters per process")
+    p.add_argument("--tensor-m", type=Number(low=0, low_open=True), default=256.0, help="millions of parameters per tensor")
+    p.add_argument("--procs", type=Integer(low=1), default=1, help="processes at once, one per GPU")
+    p.add_argument("--threads", type=Integer(low=1), default=16, help="host cores (and torch threads) per process")
+    p.add_argument("--steps", type=Integer(low=1), default=3, help="timed steps (after one untimed)")
+    p.add_argument("--json-out", type=Text(), default=None)
+    p.add_argument("--worker", type=Integer(low=0), default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if not 0 < a.params <= 64:
         p.error(f"--params must be in (0, 64] (billions), got {a.params}")

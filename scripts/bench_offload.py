@@ -423,16 +423,17 @@ def bench_switch_regions(unit_bytes: int, iterations: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from verl_patches.base.schema import Integer, Number, Text
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2, help="MoE layers of the stage shard (a stage has 7-8)")
-    ap.add_argument("--shrink", type=int, default=1, help="divide large dims (CPU smoke runs)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--bucket-mb", type=int, default=256)
-    ap.add_argument("--schedule-unit-mb", type=float, default=128.0,
+    ap.add_argument("--layers", type=Integer(low=1), default=2, help="MoE layers of the stage shard (a stage has 7-8)")
+    ap.add_argument("--shrink", type=Integer(low=1), default=1, help="divide large dims (CPU smoke runs)")
+    ap.add_argument("--reps", type=Integer(low=1), default=5)
+    ap.add_argument("--bucket-mb", type=Integer(low=1), default=256)
+    ap.add_argument("--schedule-unit-mb", type=Number(low=0, low_open=True), default=128.0,
                     help="bytes per reference-layout GB in the schedule model")
-    ap.add_argument("--stable-mib", type=float, default=4096.0,
+    ap.add_argument("--stable-mib", type=Number(low=0), default=4096.0,
                     help="bytes released and allocated per repetition in the stable-vs-resize comparison")
-    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "out"), "bench_offload.json"))
+    ap.add_argument("--json", type=Text(), default=os.path.join(os.environ.get("OUT", "out"), "bench_offload.json"))
     ap.add_argument("--only", choices=("all", "graph"), default="all",
                     help="graph: only the graph-mode sections (release + allocate, switch with regions)")
     args = ap.parse_args(argv)

@@ -34,20 +34,21 @@ sys.path.insert(0, str(ROOT))
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
+    from verl_patches.base.schema import Integer, Number, Text
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--model", default=str(ROOT / "configs" / "model" / "tiny_deepseek_v3.json"),
+    p.add_argument("--model", type=Text(), default=str(ROOT / "configs" / "model" / "tiny_deepseek_v3.json"),
                    help="DeepSeek-V3 config.json")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=INT",
+    p.add_argument("--set", action="append", type=Text(), default=[], metavar="KEY=INT",
                    help="override an integer field of the model config (repeatable)")
-    p.add_argument("--steps", type=int, default=6, help="updates per variant (at least 2)")
-    p.add_argument("--fractions", default="1.0", help="comma-separated offload fractions in (0, 1]")
+    p.add_argument("--steps", type=Integer(low=2), default=6, help="updates per variant (at least 2)")
+    p.add_argument("--fractions", type=Text(), default="1.0", help="comma-separated offload fractions in (0, 1]")
     p.add_argument("--overlap", action="store_true", help="overlap_cpu_optimizer_d2h_h2d for the hybrid variants")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--lr", type=Number(low=0, low_open=True), default=1e-3)
+    p.add_argument("--batch", type=Integer(low=1), default=2)
+    p.add_argument("--seq", type=Integer(low=1), default=32)
+    p.add_argument("--json-out", type=Text(), default=None)
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error(f"--steps must be at least 2 (the first builds Adam's state), got {args.steps}")

@@ -346,26 +346,27 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import Integer, Number, Text
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--train", action="append", help="Megatron layout (repeat for several cases)")
-    ap.add_argument("--rollout", action="append", help="vLLM layout, one per --train")
-    ap.add_argument("--model", default=str(REPO / "configs/model/deepseek_v3.json"),
+    ap.add_argument("--train", action="append", type=Text(), help="Megatron layout (repeat for several cases)")
+    ap.add_argument("--rollout", action="append", type=Text(), help="vLLM layout, one per --train")
+    ap.add_argument("--model", type=Text(), default=str(REPO / "configs/model/deepseek_v3.json"),
                     help="HF config whose sizes are used (default: DeepSeek-V3)")
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers (first one dense)")
-    ap.add_argument("--experts", type=int, default=16, help="routed experts per MoE layer")
-    ap.add_argument("--bucket-mb", type=float, default=256.0)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--methods", default="direct,upstream,recipe",
+    ap.add_argument("--layers", type=Integer(low=1), default=4, help="decoder layers (first one dense)")
+    ap.add_argument("--experts", type=Integer(low=1), default=16, help="routed experts per MoE layer")
+    ap.add_argument("--bucket-mb", type=Number(low=0, low_open=True), default=256.0)
+    ap.add_argument("--dtype", type=Text(), default="bfloat16")
+    ap.add_argument("--methods", type=Text(), default="direct,upstream,recipe",
                     help="methods to time; direct@N runs direct with N buckets in flight (direct: 2)")
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--a2a-sizes-mb", default="16,32,64,128,256,512,1024,2048",
+    ap.add_argument("--warmup", type=Integer(low=0), default=1)
+    ap.add_argument("--repeats", type=Integer(low=1), default=5)
+    ap.add_argument("--a2a-sizes-mb", type=Text(), default="16,32,64,128,256,512,1024,2048",
                     help="per-rank message sizes (MiB, comma-separated) of the all-to-all curve")
-    ap.add_argument("--a2a-repeats", type=int, default=10, help="timed all-to-alls per size (median)")
+    ap.add_argument("--a2a-repeats", type=Integer(low=1), default=10, help="timed all-to-alls per size (median)")
     ap.add_argument("--phases", action="store_true", help="also time the direct method's phases one by one")
-    ap.add_argument("--plan", help="load plans pickled by --save-plan instead of planning here")
-    ap.add_argument("--save-plan", help="plan (metadata only), pickle to this file and exit")
-    ap.add_argument("--json-out", help="write the result rows as JSON (rank 0)")
+    ap.add_argument("--plan", type=Text(), help="load plans pickled by --save-plan instead of planning here")
+    ap.add_argument("--save-plan", type=Text(), help="plan (metadata only), pickle to this file and exit")
+    ap.add_argument("--json-out", type=Text(), help="write the result rows as JSON (rank 0)")
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     for m in args.methods:

@@ -47,20 +47,21 @@ DEFAULT_ROLLOUT = "tp=2,dp=128"
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
+    from verl_patches.base.schema import Integer, Number, Text
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="auto", help="cuda, npu, cpu or auto (the accelerator if any)")
-    p.add_argument("--gib", type=float, default=None, help="test tensor size in GiB (default 1 on a device, 0.25 on cpu)")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="HF config JSON for the paper share")
-    p.add_argument("--train", default=DEFAULT_TRAIN)
-    p.add_argument("--rollout", default=DEFAULT_ROLLOUT)
-    p.add_argument("--switch-s", type=float, default=17.0, help="the switch's seconds to compare with")
-    p.add_argument("--entropy-tokens", type=int, default=8192, help="tokens of the timed entropy pass")
-    p.add_argument("--vocab-shard", type=int, default=129280 // 4, help="vocabulary per tensor-parallel rank")
-    p.add_argument("--step-tokens", type=float, default=512 * 16 * (77.8 + 1576.6) / 8,
+    p.add_argument("--device", default="auto", choices=("cuda", "npu", "cpu", "auto"), help="cuda, npu, cpu or auto (the accelerator if any)")
+    p.add_argument("--gib", type=Number(low=0, low_open=True, high=64), default=None, help="test tensor size in GiB (default 1 on a device, 0.25 on cpu)")
+    p.add_argument("--repeats", type=Integer(low=1), default=5)
+    p.add_argument("--model", type=Text(), default=DEFAULT_MODEL, help="HF config JSON for the paper share")
+    p.add_argument("--train", type=Text(), default=DEFAULT_TRAIN)
+    p.add_argument("--rollout", type=Text(), default=DEFAULT_ROLLOUT)
+    p.add_argument("--switch-s", type=Number(low=0, low_open=True), default=17.0, help="the switch's seconds to compare with")
+    p.add_argument("--entropy-tokens", type=Integer(low=1), default=8192, help="tokens of the timed entropy pass")
+    p.add_argument("--vocab-shard", type=Integer(low=1), default=129280 // 4, help="vocabulary per tensor-parallel rank")
+    p.add_argument("--step-tokens", type=Number(low=0, low_open=True), default=512 * 16 * (77.8 + 1576.6) / 8,
                    help="tokens the last pipeline stage of one training DP rank processes per step")
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--json-out", type=Text(), default=None)
     a = p.parse_args(argv)
     if a.gib is not None and not 0 < a.gib <= 64:
         p.error(f"--gib must be in (0, 64], got {a.gib}")

@@ -22,6 +22,9 @@ import sys
 import tempfile
 import urllib.request
 
+# The option rules (verl_patches/base/schema.py, standard library only) from this checkout.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def find_url(name: str, version: str) -> str:
     fname = f"{name}-{version}.tar.gz"
@@ -44,12 +47,13 @@ def find_url(name: str, version: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from verl_patches.base.schema import Text
     p = argparse.ArgumentParser(prog="fetch_sdist.py", description=__doc__.split("\n\n", 1)[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("name", help="the distribution's name, e.g. vllm")
-    p.add_argument("version", help="its exact version, e.g. 0.9.1")
-    p.add_argument("out", metavar="OUT_FILE", help="where the .tar.gz is written (via OUT_FILE.part)")
-    p.add_argument("sha256", nargs="?", default=None, help="the sdist's sha256 (from the lock); checked when given")
+    p.add_argument("name", type=Text(), help="the distribution's name, e.g. vllm")
+    p.add_argument("version", type=Text(), help="its exact version, e.g. 0.9.1")
+    p.add_argument("out", type=Text(), metavar="OUT_FILE", help="where the .tar.gz is written (via OUT_FILE.part)")
+    p.add_argument("sha256", nargs="?", type=Text(), default=None, help="the sdist's sha256 (from the lock); checked when given")
     args = p.parse_args(argv)
     name, version, out = args.name, args.version, args.out
     url = find_url(name, version)

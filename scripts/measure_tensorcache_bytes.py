@@ -278,14 +278,15 @@ def markdown(res: dict, args) -> str:
 
 
 def main(argv=None) -> int:
+    from verl_patches.base.schema import Integer, PathArg
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--n", type=int, default=8, help="samples per prompt (sequences = prompts x n)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--response-len", type=int, default=3072)
-    p.add_argument("--workers", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--prompts", type=Integer(low=1), default=8)
+    p.add_argument("--n", type=Integer(low=1), default=8, help="samples per prompt (sequences = prompts x n)")
+    p.add_argument("--prompt-len", type=Integer(low=1), default=1024)
+    p.add_argument("--response-len", type=Integer(low=1), default=3072)
+    p.add_argument("--workers", type=Integer(low=1), default=8)
+    p.add_argument("--seed", type=Integer(low=0), default=0)
+    p.add_argument("--json", type=PathArg("output file"), default=None)
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
     if args.workers != TP * PP * 2:

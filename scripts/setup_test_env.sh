@@ -24,13 +24,14 @@ log() { printf '[setup_test_env] %s\n' "$*" >&2; }
 command -v "$PYTHON" >/dev/null || { log "error: $PYTHON not found (the recipe targets Python 3.11; set PYTHON=...)"; exit 2; }
 
 # pyproject.toml is part of the stamp (its entry points name the vLLM plugins: a module that moves
-# must be reinstalled, or vLLM loads no plugin). MindSpeed's source (release archive, git tag, or
-# skipped) is too: an archive that appears later, or a tag that becomes reachable, rebuilds the venv
-# with it.
-MINDSPEED_SOURCE=$(bash "$ROOT/scripts/install_mindspeed.sh" --print "$PYTHON")
+# must be reinstalled, or vLLM loads no plugin). The source-only components' sources (MindSpeed,
+# Megatron-LM's training package, MindSpeed-LLM: release archive, git tag, or skipped) are too: an
+# archive that appears later, or a tag that becomes reachable, rebuilds the venv with it.
+UPSTREAM_SOURCES=$(bash "$ROOT/scripts/install_upstream_sources.sh" --print "$PYTHON")
 stamp_of() {
   { cat "$LOCK" "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "${BASH_SOURCE[0]}" \
-        "$ROOT/scripts/install_mindspeed.sh" "$ROOT/pyproject.toml"; echo "$MINDSPEED_SOURCE"; } | sha256sum | cut -c1-16
+        "$ROOT/scripts/install_upstream_sources.sh" "$ROOT/verl_patches/core/sources.py" "$ROOT/pyproject.toml"
+    echo "$UPSTREAM_SOURCES"; } | sha256sum | cut -c1-16
 }
 STAMP=$(stamp_of)
 if [ -f "$VENV/.verl_patches_stamp" ] && [ "$(cat "$VENV/.verl_patches_stamp")" = "$STAMP" ]; then
@@ -140,11 +141,13 @@ uvq "$WHEELS"/vllm-*.whl \
 log "megatron-core $MCORE_V and vllm-ascend $VASC_V without dependencies"
 uvq --no-deps "megatron-core==$MCORE_V" "vllm-ascend==$VASC_V"
 
-# 3b. MindSpeed at the lock's release, without dependencies (no registry carries it): from the
-#     release archive (VERL_PATCHES_UPSTREAM_DIR, else upstream/ in or beside the checkout), else the git tag, else skipped
-#     with a note. Its argument and feature modules import on CPU; its NPU kernels are never loaded.
-log "mindspeed: $MINDSPEED_SOURCE"
-bash "$ROOT/scripts/install_mindspeed.sh" "$VENV/bin/python"
+# 3b. The source-only components at the lock's releases, without dependencies (no registry carries
+#     them): MindSpeed, Megatron-LM's training package and MindSpeed-LLM, each from its release archive
+#     (VERL_PATCHES_UPSTREAM_DIR, else upstream/ in or beside the checkout), else its git tag, else
+#     skipped with a note. MindSpeed's argument and feature modules import on CPU; its NPU kernels are
+#     never loaded; nothing imports mindspeed_llm by installing it.
+while read -r line; do log "$line"; done <<<"$UPSTREAM_SOURCES"
+bash "$ROOT/scripts/install_upstream_sources.sh" "$VENV/bin/python"
 
 # 4. The overlay itself, editable, so its vLLM plugin entry point is registered.
 uvq --no-deps --no-build-isolation -e "$ROOT"

@@ -20,7 +20,8 @@ from verl_patches.core.lock import CUDA_LOCK_PATH, LOCK_PATH, load_lock
 ALIASES = {
     "verl": "verl", "vLLM": "vllm", "vllm": "vllm", "vLLM-Ascend": "vllm_ascend", "vllm-ascend": "vllm_ascend",
     "vllm_ascend": "vllm_ascend", "megatron-core": "megatron_core", "megatron_core": "megatron_core",
-    "Megatron": "megatron_core", "MindSpeed": "mindspeed", "mindspeed": "mindspeed", "torch": "torch",
+    "Megatron": "megatron_core", "MindSpeed": "mindspeed", "mindspeed": "mindspeed", "MindSpeed-LLM": "mindspeed_llm",
+    "mindspeed_llm": "mindspeed_llm", "torch": "torch",
     "torch-npu": "torch_npu", "torch_npu": "torch_npu", "CANN": "cann", "transformers": "transformers",
     "numpy": "numpy", "Ray": "ray", "ray": "ray", "Hydra": "hydra_core", "hydra-core": "hydra_core",
     "tensorboard": "tensorboard", "matplotlib": "matplotlib", "torch_memory_saver": "torch_memory_saver",
@@ -35,6 +36,7 @@ INLINE = re.compile(rf"(?<![\w./-])`?({NAME})`?(?![\w-])(?: |==)" + VERSION + r"
 NOT_OURS = {
     ("docs/RECIPE.md", "vLLM-Ascend", "0.9.1rc2"): "the reference's vLLM-Ascend",
     ("docs/RECIPE.md", "MindSpeed", "2.0.0"): "the reference's MindSpeed",
+    ("docs/RECIPE.md", "MindSpeed", "2.1.0"): "the MindSpeed release locked before 2.2.0, where a row's reason changed with the move",
     ("docs/RECIPE.md", "megatron-core", "0.8"): "the reference's Megatron (core_r0.8.0)",
     ("docs/PERFORMANCE.md", "torch", "2.11"): "the benchmark machines' own torch",
     ("docs/GRAPH_MODE.md", "torch", "2.11"): "the H100 machine's own torch, where the backend was checked",

@@ -116,3 +116,23 @@ def test_the_alltoall_overlap_needs_moe_tp_extend_ep():
     ma.check_layout(ma.parse({"moe_alltoall_overlap_comm": True, "moe_tp_extend_ep": True}), num_layers=4, pp=1)
     args = ma.mindspeed_args(ma.parse({"moe_alltoall_overlap_comm": True, "moe_tp_extend_ep": True}))
     assert args["moe_permutation_async_comm"] and args["moe_grouped_gemm"]
+
+
+def test_megatron_argv_from_the_hf_config_layout_and_recipe_flags():
+    hf = json.loads((Path(__file__).resolve().parents[1] / "configs/model/tiny_deepseek_v3.json").read_text())
+    recipe = ma.parse({"num_layer_list": [3, 1], "use_flash_attn": True, "swap_optimizer": True})
+    argv = ma.megatron_argv(hf, recipe, seq_length=96, tp=2, pp=2, ep=2, etp=1)
+    opts = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")
+            and not argv[i + 1].startswith("--")}
+    assert opts["--num-layers"] == "4" and opts["--q-lora-rank"] == "48" and opts["--kv-lora-rank"] == "32"
+    assert opts["--num-experts"] == "16" and opts["--moe-router-topk"] == "4" and opts["--seq-length"] == "96"
+    assert (opts["--tensor-model-parallel-size"], opts["--pipeline-model-parallel-size"],
+            opts["--expert-model-parallel-size"], opts["--expert-tensor-parallel-size"]) == ("2", "2", "2", "1")
+    assert opts["--num-layer-list"] == "3,1"
+    assert {"--use-flash-attn", "--swap-optimizer", "--bf16", "--multi-latent-attention"} <= set(argv)
+    assert "--use-fused-swiglu" not in argv  # off in the recipe: no flag
+    assert argv[-3:] == ["--spec", "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
+    with pytest.raises(ma.RecipeMegatronError, match=r"\['q_lora_rank'\] missing"):
+        ma.megatron_argv({k: v for k, v in hf.items() if k != "q_lora_rank"}, seq_length=96)
+    with pytest.raises(ma.RecipeMegatronError, match="dtype must be"):
+        ma.megatron_argv(hf, seq_length=96, dtype="fp8")

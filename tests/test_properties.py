@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import shutil
+import sys
 from collections import Counter
 from datetime import timedelta
 from pathlib import Path
@@ -473,3 +474,149 @@ def test_recipe_config_properties():
 
     prop()
     _finish("recipe_config")
+
+
+# ---------- every entry point's options, from their declarations (verl_patches/base/schema.py) ----------
+
+def _entry_point_files() -> list[Path]:
+    """Every module or script that parses a command line: found in the source tree, not listed here, so a
+    new entry point is covered the day it is added."""
+    found = []
+    for root in (REPO / "verl_patches", REPO / "scripts"):
+        for f in sorted(root.rglob("*.py")):
+            text = f.read_text(encoding="utf-8")
+            if "ArgumentParser(" in text and "def main(" in text:
+                found.append(f)
+    return found
+
+
+class _Captured(Exception):
+    def __init__(self, parser):
+        super().__init__("parser captured")
+        self.parser = parser
+
+
+def _parsers(monkeypatch) -> dict[str, tuple[object, list[str]]]:
+    """name -> (parser, argv prefix): each entry point's parser, taken at its first parse (its main is called
+    and stopped there), and each subcommand's parser of ``python -m verl_patches``."""
+    import argparse
+    import importlib
+    import importlib.util
+
+    def capture(self, *a, **k):
+        raise _Captured(self)
+
+    out = {}
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+        m.setattr(argparse.ArgumentParser, "parse_args", capture)
+        m.setattr(sys, "dont_write_bytecode", True)  # no __pycache__ left in scripts/ (it holds only scripts)
+        for f in _entry_point_files():
+            rel = f.relative_to(REPO)
+            if rel.parts[0] == "verl_patches":
+                mod = importlib.import_module(".".join(rel.with_suffix("").parts))
+            else:
+                spec = importlib.util.spec_from_file_location(f"_entry_{f.stem}", f)
+                mod = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(mod)
+            try:
+                mod.main([])
+            except _Captured as c:
+                out[str(rel)] = (c.parser, [])
+                continue
+            raise AssertionError(f"{rel}: its main([]) parsed no command line")
+    top = out["verl_patches/cli.py"][0]
+    for action in top._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out[f"python -m verl_patches {name}"] = (sub, [])  # its own parser: no subcommand word
+    return out
+
+
+def _value_actions(parser):
+    import argparse
+
+    return [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+            and a.nargs != 0]
+
+
+def test_every_entry_point_declares_its_options(monkeypatch):
+    """Every option that takes a value is declared with a rule (type, range, finiteness) or a closed set of
+    choices; one without fails here, naming it."""
+    import argparse
+
+    from verl_patches.base import schema
+
+    parsers = _parsers(monkeypatch)
+    undeclared = [f"{name}: {'/'.join(a.option_strings) or a.dest}" for name, (p, _) in parsers.items()
+                  for a in _value_actions(p) if not schema.declared(a)]
+    assert undeclared == [], "options without a declaration (verl_patches/base/schema.py):\n" + "\n".join(undeclared)
+    options = [a for p, _ in parsers.values() for a in p._actions if not isinstance(a, argparse._HelpAction)
+               and not isinstance(a, argparse._SubParsersAction)]
+    rules = Counter(type(a.type).__name__ for a in options if isinstance(a.type, schema.Rule))
+    env_linked = sorted(f"{'/'.join(a.option_strings)}={a.type.env}" for a in options
+                        if isinstance(a.type, schema.Rule) and a.type.env)
+    print(f"\n{len(parsers)} entry points, {len(options)} options: {sum(a.nargs == 0 for a in options)} flags, "
+          f"{sum(rules.values())} with a rule {dict(rules)}, {sum(a.choices is not None for a in options)} with choices; "
+          f"linked to an environment variable: {', '.join(env_linked)}")
+    assert len(parsers) >= 25
+
+
+def test_every_declared_option_refuses_bad_values_by_name(monkeypatch, capsys):
+    """Bad values generated from each declaration (non-numbers, nan, inf, 1e400, below and above the range,
+    a fraction for a whole number, an unknown choice, NUL bytes, empty text), one at a time, to each entry
+    point's own parser: each ends in exit 2 naming the option, the value and the rule."""
+    from verl_patches.base import schema
+
+    def good(action) -> str:
+        return str(list(action.choices)[0]) if action.choices is not None else action.type.example()
+
+    per_entry = Counter()
+    for name, (parser, prefix) in _parsers(monkeypatch).items():
+        positionals = [a for a in _value_actions(parser) if not a.option_strings]
+        for a in _value_actions(parser):
+            if not schema.declared(a):
+                continue
+            opt = a.option_strings[0] if a.option_strings else None
+            before = [] if opt else [good(p) for p in positionals[:positionals.index(a)]]
+            if isinstance(a.type, schema.Rule):
+                bad = a.type.bad_values()
+            else:
+                bad = ["no-such-choice"]
+            for value in bad:
+                argv = [*prefix, *before, f"{opt}={value}" if opt else value]  # "=": a value may begin with "-"
+                try:
+                    parser.parse_args(argv)
+                    raise AssertionError(f"{name}: {argv} was accepted")
+                except SystemExit as e:
+                    assert e.code == 2, (name, argv)
+                err = capsys.readouterr().err
+                assert "Traceback" not in err
+                assert f"argument {opt or a.metavar or a.dest}" in err and repr(value) in err, (name, argv, err)
+                assert "expected" in err or "invalid choice" in err, (name, argv, err)
+                per_entry[name] += 1
+    COUNTS["schema"] = sum(per_entry.values())
+    print("\nbad inputs per entry point:\n" + "\n".join(f"  {k}: {v}" for k, v in sorted(per_entry.items())))
+    _finish("schema")
+
+
+def test_declared_numbers_accept_exactly_their_range():
+    """For numbers drawn at random, a rule accepts a value exactly when the declaration allows it."""
+    from verl_patches.base import schema
+
+    rules = [schema.Number(low=0, low_open=True, high=100), schema.Integer(low=1, high=4096), schema.Number()]
+
+    @settings(max_examples=200, **SETTINGS)
+    @given(rule=st.sampled_from(rules), x=st.one_of(st.floats(), st.integers(-10 ** 6, 10 ** 6)))
+    def prop(rule, x):
+        COUNTS["schema.numbers"] += 1
+        try:
+            got = rule(str(x))
+        except Exception as e:  # noqa: BLE001 - argparse's ArgumentTypeError, checked below
+            assert type(e).__name__ == "ArgumentTypeError" and "expected" in str(e)
+            assert not rule.accepts(float(x)) or (isinstance(rule, schema.Integer) and isinstance(x, float))
+            return
+        assert rule.accepts(float(got)) and float(got) == float(x)
+
+    prop()
+    _finish("schema.numbers")

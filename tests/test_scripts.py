@@ -28,7 +28,7 @@ SCRIPTS = {
     "scripts/fetch_sdist.py": "scripts/setup_test_env.sh (fetches vLLM's sdist for every CI run)",
     "scripts/setup_test_env.sh": "scripts/test.sh (CI's command)",
     "scripts/test.sh": ".ci/run",
-    "scripts/install_mindspeed.sh": "tests/test_lock.py::test_install_mindspeed_picks_the_archive_checks_its_sha_and_else_skips_with_a_note",
+    "scripts/install_upstream_sources.sh": "tests/test_lock.py::test_install_upstream_sources_picks_each_archive_checks_its_sha_and_else_skips_with_a_note",
     "scripts/preflight.sh": "tests/preflight/test_preflight.py::test_default_preflight_passes_and_ours_receives_least",
     "scripts/rehearse_multinode.sh": "tests/recipe/test_multinode_rehearsal.py::test_two_nodes_train_like_one_and_leave_nothing",
     "scripts/train_tiny.sh": "tests/recipe/test_train_tiny.py::test_the_run_logs_every_step_without_nan_and_ends_with_a_summary",
@@ -163,7 +163,7 @@ def test_bench_host_optimizer_step_tiny(tmp_path):
     assert res["median_step_s_max"] > 0 and "needs a GPU" in res["hybrid_not_run"]
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_host_optimizer_step.py"), "--params", "0"],
                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
-    assert bad.returncode == 2 and "--params must be in (0, 64]" in bad.stderr
+    assert bad.returncode == 2 and "argument --params: '0': expected a finite number > 0 and <= 64" in bad.stderr
 
 
 def test_bench_self_check_tiny(tmp_path):
@@ -183,7 +183,7 @@ def test_bench_self_check_tiny(tmp_path):
     assert res["mismatch"]["entropy_gib_s"] > 0 and res["mismatch"]["paper_entropy_s"] > 0
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_self_check.py"), "--gib", "0"],
                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
-    assert bad.returncode == 2 and "--gib must be in (0, 64]" in bad.stderr
+    assert bad.returncode == 2 and "argument --gib: '0': expected a finite number > 0 and <= 64" in bad.stderr
 
 
 @pytest.mark.slow

@@ -8,7 +8,6 @@ import importlib
 import inspect
 import json
 import sys
-from pathlib import Path
 
 # Subcommands implemented by an engine's own CLI module: name -> "module:function(argv) -> int".
 DELEGATED = {
@@ -55,6 +54,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return code
     for f in findings + settings:
         print(f.line())
+    from verl_patches import npu_rehearsal
+
+    if platform == "npu" or npu_rehearsal.selected():
+        # Which torch_npu is in use: the real one, or the NPU rehearsal platform's stand-in (never both).
+        print(npu_rehearsal.describe())
     bad = [f for f in findings if is_failing(f, args.strict)]
     notes = [f for f in findings if f.status != "ok" and f.id.startswith("lock:") and f not in bad]
     mode = "strict" if args.strict else "patches and presence; --strict also enforces the lock's versions"
@@ -199,11 +203,12 @@ def _delegate(name: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from verl_patches.base.schema import PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("doctor", help="check upstream versions and every patch target (no upstream import)")
-    d.add_argument("--upstream-root", type=Path, default=None,
+    d.add_argument("--upstream-root", type=PathArg("directory of upstream packages"), default=None,
                    help="directory holding copied-in upstream packages (default: what Python would import)")
     d.add_argument("--strict", action="store_true", help="also fail on lock mismatches and missing components")
     d.add_argument("--json", action="store_true", help="a JSON list of findings")
@@ -216,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_patches)
 
     df = sub.add_parser("diff", help="unified diff: upstream original vs our replacement")
-    df.add_argument("id")
-    df.add_argument("--upstream-root", type=Path, default=None)
+    df.add_argument("id", type=Text())
+    df.add_argument("--upstream-root", type=PathArg("directory of upstream packages"), default=None)
     df.set_defaults(func=cmd_diff)
 
     dc = sub.add_parser("docs", help="render docs/PATCHES.md from the registry")
@@ -228,12 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     hk = sub.add_parser("hook", help="add/check/remove the prelude line in verl's worker module")
     hk.add_argument("action", choices=("install", "check", "remove"))
-    hk.add_argument("--upstream-root", type=Path, default=None)
+    hk.add_argument("--upstream-root", type=PathArg("directory of upstream packages"), default=None)
     hk.set_defaults(func=cmd_hook)
 
     fp = sub.add_parser("fingerprint", help="print the fingerprint of an upstream target (for new patch records)")
-    fp.add_argument("target", help="module:qualname")
-    fp.add_argument("--upstream-root", type=Path, default=None)
+    fp.add_argument("target", type=Text(), help="module:qualname")
+    fp.add_argument("--upstream-root", type=PathArg("directory of upstream packages"), default=None)
     fp.set_defaults(func=cmd_fingerprint)
 
     for name, (_, help_text) in DELEGATED.items():

@@ -9,6 +9,10 @@ to verl's worker module, which every Ray worker imports), vLLM's general-plugin 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
+from verl_patches import npu_rehearsal
 from verl_patches.config import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
@@ -28,8 +32,35 @@ def patches_for(phase: str, registry: list[Patch] | None = None, device_type: st
 
     off = disabled_ids()
     dev = device_type or accelerator.device_type()
+    applies = lambda p: p.applies_on(dev)  # noqa: E731
+    if dev == "npu" and device_type is None and npu_rehearsal.active():
+        # The NPU rehearsal platform: the NPU's records, and the host records decided per record
+        # (verl_patches/npu_rehearsal/records.py: APPLY where the host lacks what the stand-in's device
+        # mapping cannot give, never the host layer spec).
+        from verl_patches.npu_rehearsal.records import applies_on_rehearsal as applies
     return [p for p in in_application_order(registry if registry is not None else load_catalogue())
-            if phase in p.phases and p.id not in off and p.applies_on(dev)]
+            if phase in p.phases and p.id not in off and applies(p)]
+
+
+def boot_rehearsal() -> bool:
+    """On the NPU rehearsal platform (VERL_PATCHES_PLATFORM=npu-rehearsal, only then): the torch_npu stand-in
+    active and MindSpeed's op builders bound to the host kernels, before verl's device helpers, MindSpeed or the
+    patch records read the accelerator. Refuses beside a real torch_npu (npu_rehearsal.activate). Returns whether
+    the platform is selected. Idempotent."""
+    if not npu_rehearsal.selected():
+        return False
+    npu_rehearsal.activate()
+    device = sys.modules.get("verl.utils.device")
+    if device is not None and not getattr(device, "is_npu_available", False):
+        # verl decides its device once, at `import verl` (verl/utils/device.py: is_npu_available), by importing
+        # torch_npu: the stand-in must be importable before that, in every process.
+        raise npu_rehearsal.RehearsalError(
+            f"verl was imported before the torch_npu stand-in was importable, so verl runs on "
+            f"{device.get_device_name()}: put {npu_rehearsal.SITE} first on PYTHONPATH for every process "
+            "(scripts/train_tiny.sh and scripts/cluster/launch.sh do for DEVICE=npu-rehearsal)")
+    if importlib.util.find_spec("mindspeed") is not None:
+        npu_rehearsal.activate_mindspeed_kernels()
+    return True
 
 
 def apply_prelude(phase: str | None = None) -> list[str]:
@@ -39,6 +70,7 @@ def apply_prelude(phase: str | None = None) -> list[str]:
     # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/rollout/compile_context.py).
     from verl_patches.rollout.compile_context import save_real_compile
 
+    boot_rehearsal()  # before anything reads the accelerator (the stand-in is the NPU there)
     save_real_compile()
     return apply_all(patches_for(phase or current_phase()))
 

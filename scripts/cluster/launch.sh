@@ -25,7 +25,8 @@ usage: $(basename "$0") [--dry-run] [HYDRA_OVERRIDE ...]
 
   --dry-run   print the environment, the Ray commands and the composed trainer command,
               validate them with the real run's own checks (environment values, on the head its
-              port, model, data and checkpoint, doctor, config composition, layout); start nothing.
+              port, on every node the model, data and checkpoint, doctor, config composition,
+              layout); start nothing.
   HYDRA_OVERRIDE  passed to verl.trainer.main_ppo, e.g. trainer.total_training_steps=5
 
 Run the same command on every node. Environment (defaults in parentheses):
@@ -90,9 +91,10 @@ PY
   fi
   echo "  torch, hydra-core, verl, ray importable"
   if [[ "$role" == head ]]; then
-    launch_check_head || rc=1
+    launch_check_head head || rc=1
   else
-    echo "== head inputs (RAY_PORT free, model, data, checkpoint): checked by the head, not on a worker"
+    # The inputs every node reads are checked here too, with the head's messages (its Ray port is the head's).
+    launch_check_head worker || rc=1
   fi
   echo "== doctor"
   if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
@@ -116,11 +118,16 @@ PY
 # run and the real run): RAY_PORT free on MASTER_ADDR, MODEL_PATH's config.json, the data files and,
 # for a real-weight run (LAUNCH_CKPT_DIR), a complete checkpoint of that config's model.
 launch_check_head() {
-  echo "== head inputs: RAY_PORT, model, data${LAUNCH_CKPT_DIR:+, checkpoint ${LAUNCH_CKPT_DIR}}"
+  local what="${1:-head}"
+  if [[ "$what" == head ]]; then
+    echo "== head inputs: RAY_PORT, model, data${LAUNCH_CKPT_DIR:+, checkpoint ${LAUNCH_CKPT_DIR}}"
+  else
+    echo "== shared inputs (as the head checks them): model, data${LAUNCH_CKPT_DIR:+, checkpoint ${LAUNCH_CKPT_DIR}}"
+  fi
   local ckpt=()
   if [[ -n "${LAUNCH_CKPT_DIR:-}" ]]; then ckpt=(--ckpt "$LAUNCH_CKPT_DIR"); fi
   MODEL_PATH="$MODEL_PATH" TRAIN_FILES="$TRAIN_FILES" VAL_FILES="$VAL_FILES" MASTER_ADDR="$MASTER_ADDR" \
-    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch.cluster_checks head "${ckpt[@]}"
+    RAY_PORT="$RAY_PORT" "$PYTHON" -m verl_patches.launch.cluster_checks "$what" "${ckpt[@]}"
 }
 
 launch_main() {
@@ -209,12 +216,13 @@ launch_run() {
   # CANN first: the doctor imports torch_npu on Ascend.
   bringup_source_cann || return $?
   # The dry run's checks, the same function, on every node before it starts or joins anything: a worker
-  # whose environment, doctor or prelude hook fails would only fail later inside verl's workers.
+  # checks the inputs it shares with the head, its environment, doctor, prelude hook and config (one that
+  # failed any would only fail later inside verl's workers).
   launch_validate "$role" || return 1
   if [[ "$role" == head ]]; then
     launch_say "checks passed: python environment, head inputs, doctor, prelude hook, config composition, layout and data"
   else
-    launch_say "checks passed: python environment, doctor, prelude hook, config composition, layout and data"
+    launch_say "checks passed: python environment, shared inputs, doctor, prelude hook, config composition, layout and data"
   fi
   launch_start "$role"
 }

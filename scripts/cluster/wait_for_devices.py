@@ -82,17 +82,18 @@ def _wait(args: argparse.Namespace, deadline: float, result: list[int]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import Integer, Number, Text
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--address", required=True, help="ray head address host:port")
-    p.add_argument("--resource", required=True, help="resource name: NPU, GPU or CPU")
-    p.add_argument("--expected", type=float, required=True, help="total count across the cluster")
-    p.add_argument("--nodes", type=int, required=True, help="expected number of alive nodes")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--interval", type=float, default=2.0)
-    p.add_argument("--head-pid", type=int, default=None,
+    p.add_argument("--address", type=Text(), required=True, help="ray head address host:port")
+    p.add_argument("--resource", type=Text(), required=True, help="resource name: NPU, GPU or CPU")
+    p.add_argument("--expected", type=Number(low=0, low_open=True), required=True, help="total count across the cluster")
+    p.add_argument("--nodes", type=Integer(low=1), required=True, help="expected number of alive nodes")
+    p.add_argument("--timeout", type=Number(low=0, low_open=True), default=600.0)
+    p.add_argument("--interval", type=Number(low=0, low_open=True), default=2.0)
+    p.add_argument("--head-pid", type=Integer(low=1), default=None,
                    help="the Ray head's process on this node: if it exits, stop waiting at once and say so")
-    p.add_argument("--head-log", default=None, help="the Ray head's log, whose end is shown when it exits")
-    p.add_argument("--tail-lines", type=int, default=20)
+    p.add_argument("--head-log", type=Text(), default=None, help="the Ray head's log, whose end is shown when it exits")
+    p.add_argument("--tail-lines", type=Integer(low=0), default=20)
     args = p.parse_args(argv)
     host, _, port = args.address.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -76,7 +76,7 @@ def test_patches_listing_and_json():
         assert {"id", "target", "kind", "phases", "upstream", "versions", "fingerprint", "why", "remove_when",
                 "feature", "requires", "after", "platforms", "upstream_lines"} <= p.keys()
         # The upstream lines come from the installed release: every target is found here (MindSpeed
-        # only where its release archive was available: scripts/install_mindspeed.sh).
+        # only where its release archive was available: scripts/install_upstream_sources.sh).
         if not (p["upstream"] == "mindspeed" and p["upstream_lines"].endswith("(not installed here)")):
             assert re.fullmatch(r"\S+ \S+ \S+\.py#L\d+-L\d+", p["upstream_lines"]), p
     by_id = {p["id"]: p for p in rows}

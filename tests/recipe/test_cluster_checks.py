@@ -100,8 +100,9 @@ def test_good_values_pass():
 
 # --- what the head reads: launch_check_head, the function both launch_validate paths call -----------------------
 
-def _check_head(ckpt=None, **env):
-    """The launcher's own launch_check_head, as launch_validate runs it on the head (dry or real)."""
+def _check_head(ckpt=None, what="head", **env):
+    """The launcher's own launch_check_head, as launch_validate runs it on the head (dry or real), or on a
+    worker (``what="worker"``: the inputs it shares with the head)."""
     script = f"""
 set -euo pipefail
 source {SCRIPTS}/cluster/bringup.sh
@@ -110,7 +111,7 @@ bringup_defaults
 CONFIG_NAME=deepseekv3_256die_true_weight
 launch_defaults
 LAUNCH_CKPT_DIR={ckpt or ''}
-launch_check_head
+launch_check_head {what}
 """
     return subprocess.run(["bash", "-c", script], env=_env(PYTHONPATH=str(REPO), **env), capture_output=True,
                           text=True, timeout=300)
@@ -146,6 +147,37 @@ def test_a_checkpoint_of_another_model_size_is_named(model, data, tmp_path, chan
     assert r.returncode == 2
     assert _errors(r) == [f"error: DIST_CKPT_PATH={ckpt} does not hold the model of MODEL_PATH={model}/config.json: "
                           + message], r.stderr
+
+
+def test_a_worker_checks_the_shared_inputs_as_the_head_does(model, data, tmp_path):
+    """A worker's dry run passed a checkpoint of another model size that the head's refused: workers skipped
+    the head's checks. Now a worker runs the checks of what every node reads, with the head's messages (not
+    the head's Ray port: that is the head's own)."""
+    ckpt = declared_ckpt(tmp_path / "ckpt", model_shapes({**DSV3, "num_hidden_layers": 27}))
+    env = dict(MODEL_PATH=str(model), TRAIN_FILES=str(data), VAL_FILES=str(tmp_path / "val.parquet"))
+    head, worker = _check_head(ckpt, **env), _check_head(ckpt, what="worker", **env)
+    assert head.returncode == worker.returncode == 2
+    assert _errors(worker) == _errors(head) == [
+        f"error: data file not found: VAL_FILES={tmp_path / 'val.parquet'} (python -m verl_patches.data.prepare "
+        "deepscaler --input ... --out-dir ...)",
+        f"error: DIST_CKPT_PATH={ckpt} does not hold the model of MODEL_PATH={model}/config.json: it holds 27 "
+        "decoder layer(s) (indices up to 26), the config gives num_hidden_layers = 61"], worker.stderr
+    good = declared_ckpt(tmp_path / "good", model_shapes(DSV3))
+    ok = _check_head(good, what="worker", MODEL_PATH=str(model), TRAIN_FILES=str(data), VAL_FILES=str(data))
+    assert ok.returncode == 0 and f"{good}: complete torch_dist checkpoint" in ok.stdout, ok.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_dry_run_refuses_a_wrong_size_checkpoint_as_the_head_does(model, data, tmp_path):
+    """The whole launcher's dry run on a worker node (NODE_RANK 3) and on the head: the same errors."""
+    ckpt = declared_ckpt(tmp_path / "ckpt", model_shapes({**DSV3, "num_hidden_layers": 27}))
+    env = dict(DIST_CKPT_PATH=str(ckpt), DEVICE="cpu", MODEL_PATH=str(model), TRAIN_FILES=str(data),
+               VAL_FILES=str(data), LOG_DIR=str(tmp_path / "logs"))
+    head, worker = _run(TRUE_WEIGHT, "--dry-run", NODE_RANK="0", **env), _run(TRUE_WEIGHT, "--dry-run", NODE_RANK="3", **env)
+    assert worker.returncode == 1 and "dry run FAILED" in worker.stderr, worker.stdout + worker.stderr
+    want = (f"error: DIST_CKPT_PATH={ckpt} does not hold the model of MODEL_PATH={model}/config.json: it holds 27 "
+            "decoder layer(s) (indices up to 26), the config gives num_hidden_layers = 61")
+    assert want in _errors(worker) and want in _errors(head), worker.stderr
 
 
 def test_a_busy_ray_port_on_the_head_is_named(model, data):

@@ -33,9 +33,6 @@ def _expected_from_lock():
         "VLLM_SDIST_SHA256": c["vllm"].sdist_sha256,
         "VLLM_ASCEND_VERSION": c["vllm_ascend"].version,
         "MEGATRON_CORE_VERSION": c["megatron_core"].version,
-        "MINDSPEED_REPO": c["mindspeed"].repo,
-        "MINDSPEED_REF": c["mindspeed"].ref,
-        "MINDSPEED_COMMIT": c["mindspeed"].commit,
     }
 
 
@@ -65,6 +62,19 @@ def test_dockerfile_uses_its_args_and_pins_nothing_else():
     run_lines = "\n".join(l for l in text.splitlines() if not l.startswith("ARG"))
     for pkg in ("torch==2", "vllm==0", "vllm-ascend==0", "megatron-core==0", "verl=="):
         assert pkg not in run_lines
+
+
+def test_the_image_installs_the_source_only_components_from_the_lock_itself():
+    """MindSpeed, Megatron-LM's training package and MindSpeed-LLM: the image runs the test environment's
+    installer with the lock copied in before it (no build arg to drift), after megatron-core (the training
+    package goes beside megatron/core), and requires every one of them."""
+    text = DOCKERFILE.read_text()
+    run = "RUN bash /opt/recipe/scripts/install_upstream_sources.sh --require python3"
+    assert run in text and "MINDSPEED" not in text
+    before = text[:text.index(run)]
+    for src in ("configs/upstream.lock.toml", "scripts/install_upstream_sources.sh", "verl_patches/core/sources.py"):
+        assert f"COPY {src} /opt/recipe/{src}" in before, src
+    assert '"megatron-core==${MEGATRON_CORE_VERSION}"' in before
 
 
 def _expected_from_cuda_lock():

@@ -131,9 +131,10 @@ def test_true_weight_dry_run_composes_and_validates(ckpt_dir, hooked, inputs):
 
 
 @pytest.mark.slow
-def test_random_init_dry_run_env_overrides_and_layout_error(hooked):
+def test_random_init_dry_run_env_overrides_and_layout_error(hooked, inputs):
+    # A worker checks the inputs it shares with the head (model, data) as the head does: given here.
     r = _run(RANDOM_INIT, "--dry-run", DEVICE="cuda", NODE_RANK="3", RAY_PORT="7000", PYTHONPATH=hooked,
-             NCCL_SOCKET_IFNAME="user_nccl0")
+             NCCL_SOCKET_IFNAME="user_nccl0", **inputs)
     _fails_only_for_cuda_components(r)
     assert "role worker" in r.stdout
     # The user's interface wins (the bring-up exports the same: test_an_exported_socket_interface_wins_...).

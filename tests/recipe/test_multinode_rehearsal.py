@@ -112,7 +112,7 @@ def test_two_nodes_train_like_one_and_leave_nothing(tmp_path, netns_tag, tiny_as
     launch = (out / "node0" / "logs" / "launch.log").read_text()
     assert "ready: 2 node(s), 4 GPU (expected 4)" in launch, launch[-3000:]
     assert "Ray head up with 2 x 2 GPU; starting the trainer" in head
-    assert "checks passed: python environment, doctor, prelude hook" in worker
+    assert "checks passed: python environment, shared inputs, doctor, prelude hook" in worker
     assert "--node-ip-address=10.213.0.2" in (out / "node1" / "logs" / "launch.log").read_text()
     # verl's workers (the worker group's actors) on both Ray nodes, the nodes being the two namespaces.
     nodes = rec["ray"]["nodes"]

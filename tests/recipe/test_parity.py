@@ -261,21 +261,23 @@ def test_the_pinned_vllm_ascend_still_writes_the_decode_cache_in_the_layout_the_
     assert 'cache_mode = "PA_NZ" if self.enable_kv_nz else "PA"' in source
 
 
-def test_mindspeed_stands_in_for_every_apex_name_megatron_core_imports():
-    # Row 116's reason: MindSpeed 2.1.0 registers its own objects under apex's names, so no apex package
+def test_mindspeed_stands_in_for_the_apex_names_megatron_core_needs():
+    # Row 116's reason: MindSpeed 2.2.0 registers its own objects under apex's names, so no apex package
     # is needed on NPU; read in the installed source (importing MindSpeed's features needs torch_npu).
     import importlib.util
 
     assert importlib.util.find_spec("apex") is None, "apex is installed here; row 116 says it is not"
     spec = importlib.util.find_spec("mindspeed")
     if spec is None:
-        pytest.skip("MindSpeed not installed (scripts/install_mindspeed.sh found no archive): its apex "
+        pytest.skip("MindSpeed not installed (scripts/install_upstream_sources.sh found no archive): its apex "
                     "registrations cannot be read here")
     source = (Path(spec.submodule_search_locations[0]) / "features_manager" / "megatron_basic" /
               "requirements_basic.py").read_text()
     for name in ("apex.optimizers.FusedAdam", "apex.normalization.fused_layer_norm.FusedLayerNormAffineFunction",
-                 "apex.contrib.layer_norm.layer_norm.FastLayerNormFN", "apex.multi_tensor_apply.multi_tensor_applier"):
+                 "apex.multi_tensor_apply.multi_tensor_applier"):
         assert f"'{name}'" in source, name
+    # No longer registered from 2.2.0; megatron-core imports it under try/except (fusions/fused_layer_norm.py).
+    assert "'apex.contrib.layer_norm.layer_norm.FastLayerNormFN'" not in source
     assert importlib.util.find_spec("apex") is None, "apex is installed here; row 116 says it is not"
 
 

@@ -89,6 +89,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("VERL_PATCHES_DEVICE", "choice", "",
         "forces the accelerator (default: the first of npu, cuda, cpu available)",
         "verl_patches/base/accelerator.py", choices=("npu", "cuda", "cpu")),
+    Var("VERL_PATCHES_PLATFORM", "choice", "",
+        "npu-rehearsal: the NPU rehearsal platform, a declared stand-in: the torch_npu (and torchair) stand-in "
+        "packages map the NPU device API onto the host and answer torch_npu's operators and MindSpeed's kernels "
+        "with host implementations; refused where a real torch_npu imports. Default: no stand-in",
+        "verl_patches/npu_rehearsal/__init__.py", choices=("npu-rehearsal",)),
     Var("VERL_PATCHES_PHASE", "choice", "",
         "forces the process phase the prelude applies patches for (default: detected)",
         "verl_patches/core/phase.py", choices=("driver", "worker", "engine_core")),
@@ -121,8 +126,8 @@ VARIABLES: tuple[Var, ...] = (
         "verl_patches/reshard/checksum.py"),
     Var("VERL_PATCHES_CACHE", "path", None, "where the test environment setup keeps its downloads",
         "scripts/setup_test_env.sh"),
-    Var("VERL_PATCHES_UPSTREAM_DIR", "path", None, "the folder with upstream release archives (MindSpeed)",
-        "scripts/install_mindspeed.sh, scripts/setup_test_env.sh"),
+    Var("VERL_PATCHES_UPSTREAM_DIR", "path", None, "the folder with upstream release archives (MindSpeed, "
+        "MindSpeed-LLM, Megatron-LM's training package)", "scripts/install_upstream_sources.sh, scripts/setup_test_env.sh"),
     Var("VERL_PATCHES_INJECT_FAULT", "text", "",
         "TESTS ONLY: corrupt rollout weights after a named step's reshard, so the weight fingerprint must stop "
         "the run there (e.g. flip,step=3,rank=1); never set in production", "verl_patches/reshard/faults.py",

@@ -198,6 +198,74 @@ def deepseek_v3_overrides(hf: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+
+# The reference recipe's route on Ascend: Megatron's global arguments from verl's config (the model's HF config,
+# the parallel layout, the recipe's MindSpeed flags) through MindSpeed-LLM's argument parser, whose command line
+# this builds. The model's shape comes from the HF config; the layer spec is MindSpeed-LLM's DeepSeek spec.
+_DEEPSEEK_SWITCHES = ("use-mcore-models", "multi-latent-attention", "qk-layernorm", "swiglu", "disable-bias-linear",
+                      "untie-embeddings-and-output-weights", "use-cpu-initialization",
+                      "no-gradient-accumulation-fusion", "attention-softmax-in-fp32", "no-masked-softmax-fusion")
+DEEPSEEK_SPEC = ("mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def megatron_argv(hf: Mapping[str, Any], recipe: RecipeMegatron | None = None, *, seq_length: int,
+                  micro_batch_size: int = 1, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+                  cp: int = 1, dtype: str = "bf16", cpu_initialization: bool = True) -> list[str]:
+    """MindSpeed-LLM's / Megatron's command line for DeepSeek-V3 from its HF config (a dict of config.json),
+    the parallel layout and ``recipe.megatron`` (its MindSpeed flags, as ``mindspeed_args`` maps them).
+
+    Refuses a config that is not DeepSeek-V3-shaped (it names the missing key) and a dtype other than bf16 /
+    fp16 / fp32. The MoE dispatcher is megatron-core's alltoall (the recipe's); the spec is MindSpeed-LLM's.
+    """
+    need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "max_position_embeddings",
+            "vocab_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+            "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+            "first_k_dense_replace", "rms_norm_eps", "rope_theta")
+    missing = [k for k in need if hf.get(k) is None]
+    if missing:
+        raise RecipeMegatronError(f"model config: {missing} missing; MindSpeed-LLM's DeepSeek arguments need them")
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise RecipeMegatronError(f"dtype must be bf16, fp16 or fp32, got {dtype!r}")
+    flags: dict[str, Any] = {
+        "num-layers": hf["num_hidden_layers"], "hidden-size": hf["hidden_size"],
+        "ffn-hidden-size": hf["intermediate_size"], "num-attention-heads": hf["num_attention_heads"],
+        "seq-length": seq_length, "max-position-embeddings": hf["max_position_embeddings"],
+        "micro-batch-size": micro_batch_size, "vocab-size": hf["vocab_size"], "make-vocab-size-divisible-by": 1,
+        "padded-vocab-size": hf["vocab_size"], "q-lora-rank": hf["q_lora_rank"], "kv-lora-rank": hf["kv_lora_rank"],
+        "qk-rope-head-dim": hf["qk_rope_head_dim"], "qk-nope-head-dim": hf["qk_nope_head_dim"],
+        "v-head-dim": hf["v_head_dim"], "num-experts": hf["n_routed_experts"],
+        "moe-router-topk": hf["num_experts_per_tok"], "moe-ffn-hidden-size": hf["moe_intermediate_size"],
+        "n-shared-experts": hf["n_shared_experts"], "first-k-dense-replace": hf["first_k_dense_replace"],
+        "moe-layer-freq": 1, "moe-router-score-function": hf.get("scoring_func", "sigmoid"),
+        "moe-token-dispatcher-type": "alltoall", "normalization": "RMSNorm", "norm-epsilon": hf["rms_norm_eps"],
+        "position-embedding-type": "rope", "rotary-base": hf["rope_theta"], "tokenizer-type": "NullTokenizer",
+        "transformer-impl": "local", "tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp,
+        "expert-model-parallel-size": ep, "context-parallel-size": cp,
+    }
+    if etp is not None:
+        flags["expert-tensor-parallel-size"] = etp
+    switches = list(_DEEPSEEK_SWITCHES)
+    if not cpu_initialization:
+        switches.remove("use-cpu-initialization")
+    if dtype != "fp32":
+        switches.append(dtype)
+    switches += ["moe-grouped-gemm", "moe-router-enable-expert-bias"]
+    if hf.get("topk_method") == "noaux_tc" and "moe-router-enable-expert-bias" not in switches:
+        switches.append("moe-router-enable-expert-bias")
+    for dest, value in mindspeed_args(recipe or RecipeMegatron()).items():
+        if isinstance(value, bool):
+            if value and _flag(dest)[2:] not in switches:
+                switches.append(_flag(dest)[2:])
+        elif value is not None:
+            flags[_flag(dest)[2:]] = value
+    argv = [x for k, v in flags.items() for x in (f"--{k}", str(v))] + [f"--{s}" for s in switches]
+    return argv + ["--spec", *DEEPSEEK_SPEC]
+
+
 # What the recipe asks MindSpeed for in this process; the NPU-only patch on MindSpeed's
 # argument parser reads it when MindSpeed parses its arguments.
 _PENDING_MINDSPEED: dict[str, Any] = {}

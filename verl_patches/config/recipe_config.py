@@ -593,15 +593,16 @@ def check_data(cfg, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.config.recipe_config", description=__doc__)
-    p.add_argument("--config-name", required=True, help=f"one of {RUN_CONFIGS}")
-    p.add_argument("--config-dir", type=Path, default=CONFIG_DIR)
-    p.add_argument("--model-config", type=Path, default=None, help="DeepSeek-V3 config.json (default: model.path, then configs/model/)")
+    p.add_argument("--config-name", type=Text(), required=True, help=f"one of {RUN_CONFIGS}")
+    p.add_argument("--config-dir", type=PathArg("config directory"), default=CONFIG_DIR)
+    p.add_argument("--model-config", type=PathArg("model config.json"), default=None, help="DeepSeek-V3 config.json (default: model.path, then configs/model/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved YAML")
     p.add_argument("--check-data", action="store_true",
                    help="also check that the configured reward scores every data_source in data.train_files / "
                         "data.val_files (files that do not exist are a note)")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, as given to verl.trainer.main_ppo")
+    p.add_argument("overrides", nargs="*", type=Text(), help="Hydra overrides, as given to verl.trainer.main_ppo")
     args = p.parse_args(argv)
     try:
         from omegaconf import OmegaConf

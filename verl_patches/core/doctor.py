@@ -94,6 +94,17 @@ def check_component(comp: Component, platform: str, root: Path | None) -> Findin
                        f"{loc.version} at {loc.path} ({loc.origin}); the lock says {comp.version}",
                        loc.version, comp.version, required)
     detail = f"{loc.version or 'version not recorded in the source tree'} at {loc.path} ({loc.origin})"
+    if comp.archive and loc.origin == "installed" and comp.package:
+        # A source-only release reports one version for every release (MindSpeed 0.12.1, MindSpeed-LLM
+        # 0.0.1): the source its installer recorded says which one it is (verl_patches/core/sources.py).
+        from verl_patches.core.sources import source_problem
+
+        problem = source_problem(comp.package, comp.archive_sha256, comp.commit)
+        if problem:
+            return Finding(fid, comp.import_name, "version-mismatch",
+                           f"{problem}; the lock's release is {comp.ref} ({comp.commit}): reinstall it with "
+                           "bash scripts/install_upstream_sources.sh", loc.version, comp.ref, required)
+        detail += f", from the lock's release {comp.ref}"
     return Finding(fid, comp.import_name, "ok", detail, loc.version, comp.version, required)
 
 

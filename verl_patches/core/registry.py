@@ -66,6 +66,8 @@ def check_catalogue(patches: list[Patch]) -> None:
     earlier: dict[str, list[Patch]] = {}
     for p in patches:
         for q in earlier.get(p.target, []):
+            if q.platforms is not None and p.platforms is not None and not set(q.platforms) & set(p.platforms):
+                continue  # never in one process: each applies on its own accelerators only
             if q.id not in p.requires + p.after:
                 problems.append(f"patches {q.id!r} and {p.id!r} both wrap {p.target}: {p.id!r} must list "
                                 f"{q.id!r} in after= (or requires=) to declare the wrapping order")

@@ -44,10 +44,13 @@ def torch251_custom_op_compat() -> bool:
 
 
 def register() -> Optional[str]:
-    """The plugin: the host platform's class on the CPU platform, else None."""
+    """The plugin: the host platform's class on the CPU platform and the NPU rehearsal platform, else None."""
+    from verl_patches import npu_rehearsal
     from verl_patches.base import accelerator
 
-    if accelerator.device_type() != "cpu":
+    # The NPU rehearsal platform generates with the CPU platform's stand-in too (its training side is the NPU's;
+    # verl_patches/npu_rehearsal/records.py): vLLM runs as the host platform there, never vLLM-Ascend's.
+    if accelerator.device_type() != "cpu" and not npu_rehearsal.selected():
         return None
     # vLLM swallows exceptions from platform plugins; a failure here would resurface later as an
     # unrelated-looking schema error, so it is reported where it happens.

@@ -123,6 +123,12 @@ def schema_problems(schema, prompt_key: str = PROMPT_KEY) -> list[str]:
     return out
 
 
+def _boxed_sources() -> frozenset:
+    from verl_patches.reward import DEEPSCALER_SOURCES
+
+    return frozenset(DEEPSCALER_SOURCES)
+
+
 def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tuple[str, str]]:
     """(column, problem) for one row whose columns have the right types."""
     out = []
@@ -148,6 +154,14 @@ def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tupl
         out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", "null or empty"))
     elif isinstance(gt, float) and not math.isfinite(gt):
         out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", f"{gt} is not a finite number"))
+    elif isinstance(gt, str) and src in _boxed_sources():
+        # The recipe's boxed-answer rule scores these rows: a value no response can match is no ground truth
+        # (the same rule as the data preparation's, verl_patches/data/prepare.py answer_problem).
+        from verl_patches.data.prepare import answer_problem
+
+        why = answer_problem("deepscaler", gt)
+        if why:
+            out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", why))
     if EXTRA_INFO in row and row[EXTRA_INFO] is None:
         out.append((EXTRA_INFO, "null (verl reads extra_info.index from every row)"))
     return out
@@ -253,9 +267,10 @@ def check_files(files: Iterable[Path], scorer: Callable[..., Any], prompt_key: s
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.data.check", description=__doc__)
-    p.add_argument("files", nargs="+", type=Path, help="verl RL parquet files (train / val)")
-    p.add_argument("--prompt-key", default=PROMPT_KEY, help="the prompt column (verl's data.prompt_key)")
+    p.add_argument("files", nargs="+", type=PathArg("parquet file"), help="verl RL parquet files (train / val)")
+    p.add_argument("--prompt-key", type=Text(), default=PROMPT_KEY, help="the prompt column (verl's data.prompt_key)")
     args = p.parse_args(argv)
     missing = [str(f) for f in args.files if not f.is_file()]
     if missing:

@@ -116,6 +116,9 @@ def load_examples(kind: str, path: Path, skip_invalid: bool = False) -> tuple[li
             if not isinstance(obj, dict):
                 raise ValueError(f"expected an object, got {type(obj).__name__}")
             q, a, s = parse(obj)
+            why = answer_problem(kind, a)
+            if why:
+                raise ValueError(why)
         except ValueError as e:
             problems.append(f"{path}: {unit} {n}: {e}")
             continue
@@ -129,6 +132,31 @@ def load_examples(kind: str, path: Path, skip_invalid: bool = False) -> tuple[li
     if not examples:
         raise MalformedDataError(f"{path}: no usable rows")
     return examples, problems
+
+
+# Values a data set writes where it has no answer; no response can match them, so no row with one can be
+# learned from (the reward would score every answer 0 or, for a model that copies the placeholder, 1).
+NOT_ANSWERS = ("none", "null", "nil", "nan", "n/a", "na", "unknown", "tbd", "?", "-", "--", "...", "see solution",
+               "no answer", "no solution", "undefined")
+_NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
+
+
+def answer_problem(kind: str, answer: str) -> str | None:
+    """Why ``answer`` cannot be a ground truth, or None: a placeholder that is no answer, a gsm8k final
+    answer that is not a number, or one the recipe's rule reward cannot score 1.0 even when a response
+    boxes exactly it (unbalanced braces, an empty box)."""
+    from verl_patches.reward.deepscaler import _ground_truth_answer, extract_last_boxed, normalize
+
+    if answer.strip().strip("$").strip().lower() in NOT_ANSWERS:
+        return f"ground truth {answer!r} is a placeholder, not an answer"
+    if kind == "gsm8k" and not _NUMBER.match(answer):
+        return f"the final answer {answer!r} after '####' is not a number (gsm8k's answers are numbers)"
+    gold = _ground_truth_answer(answer)
+    boxed = extract_last_boxed(f"\\boxed{{{answer}}}")
+    if not normalize(gold) or boxed is None or normalize(boxed.strip()) != normalize(gold):
+        return (f"ground truth {answer!r} cannot be scored: the rule reward reads {boxed!r} from a response that "
+                f"boxes it and compares with {gold!r} (unbalanced braces, or an empty box)")
+    return None
 
 
 def to_record(ex: Example, split: str, index: int, data_source: str) -> dict:
@@ -159,6 +187,10 @@ def split_examples(examples: list[Example], test_size: float, seed: int) -> tupl
     n_test = round(len(examples) * test_size) if test_size < 1 else int(test_size)
     if n_test >= len(examples):
         raise ValueError(f"test split of {n_test} leaves no training rows out of {len(examples)}")
+    if test_size > 0 and n_test == 0:
+        raise ValueError(f"--test-size {test_size:g} of {len(examples)} row(s) gives an empty test split (a "
+                         "test.parquet without rows or columns, which no reader can use): give a larger fraction, "
+                         "a row count, or 0 for no test split (then no test.parquet is written)")
     order = list(range(len(examples)))
     random.Random(seed).shuffle(order)
     test = [examples[i] for i in sorted(order[:n_test])]
@@ -204,23 +236,39 @@ def prepare(kind: str, input_path: Path | None, out_dir: Path, test_size: float 
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        # Both temporaries first, renames last: a failure anywhere leaves the old pair intact.
+        # One writer per output directory: a second run into it at the same time is refused by name (it could
+        # otherwise pair one run's train.parquet with the other's test.parquet). Checked again under the lock.
+        try:
+            stack.enter_context(atomic.dir_lock(out_dir, wait=False))
+        except atomic.DirLockedError as e:
+            raise OutputExistsError(str(e)) from None
+        existing = [name for name in OUTPUTS if (out_dir / name).exists()]
+        if existing and not overwrite:
+            raise OutputExistsError(f"{out_dir} already holds {', '.join(existing)}; pass --overwrite to replace "
+                                    f"them, or choose another --out-dir")
+        # Both temporaries first, renames last: a failure anywhere leaves the old pair intact. No test
+        # split (--test-size 0): no test.parquet, and an earlier run's one goes (it is not this run's).
         for split, rows in (("train", train), ("test", test)):
+            if not rows:
+                continue
             tmp = stack.enter_context(atomic.atomic_path(out_dir / f"{split}.parquet"))
             pq.write_table(pa.Table.from_pylist([to_record(ex, split, i, source) for i, ex in enumerate(rows)]), str(tmp))
+        if not test:
+            (out_dir / "test.parquet").unlink(missing_ok=True)
     return {"input": str(path), "train": len(train), "test": len(test), "skipped": len(problems),
             "skipped_rows": problems, "out_dir": str(out_dir), "data_source": source}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import Integer, Number, PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.data.prepare", description=__doc__)
     p.add_argument("kind", choices=sorted(SAMPLES))
-    p.add_argument("--input", type=Path, default=None, help="raw file (default: the shipped sample)")
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--test-size", type=float, default=0.1, help="fraction (<1) or row count (>=1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--input", type=PathArg("input file"), default=None, help="raw file (default: the shipped sample)")
+    p.add_argument("--out-dir", type=PathArg("output directory"), required=True)
+    p.add_argument("--test-size", type=Number(low=0), default=0.1, help="fraction (<1) or row count (>=1)")
+    p.add_argument("--seed", type=Integer(low=0, high=2 ** 64 - 1), default=0)
     p.add_argument("--skip-invalid", action="store_true", help="drop malformed rows and report how many")
-    p.add_argument("--data-source", default=None,
+    p.add_argument("--data-source", type=Text(), default=None,
                    help=f"value of the data_source column, one the recipe's reward scores: {sorted(RECIPE_REWARD_SOURCES)}")
     p.add_argument("--overwrite", action="store_true", help="replace train.parquet / test.parquet already in --out-dir")
     args = p.parse_args(argv)
@@ -235,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary["skipped_rows"]:
         print(f"skipped: {line}", file=sys.stderr)
     print(f"{summary['input']}: train {summary['train']}, test {summary['test']}, "
-          f"skipped {summary['skipped']} -> {summary['out_dir']}")
+          f"skipped {summary['skipped']} -> {summary['out_dir']}"
+          + (" (no test split: no test.parquet written)" if not summary["test"] else ""))
     return 0
 
 

@@ -141,14 +141,25 @@ def ckpt_shape_problems(ckpt: Path, cfg: dict, model_path: str) -> list[str]:
 
 
 def head_problems(environ: Mapping[str, str] | None = None, ckpt: str | None = None) -> tuple[list[str], list[str]]:
-    """(problems, lines of what was found good) for what the head reads before anything starts."""
+    """(problems, lines of what was found good) for what the head reads before anything starts: its Ray
+    port, then the shared inputs (``shared_problems``)."""
     env = os.environ if environ is None else environ
-    out, good = [], []
+    out = []
     port = _val(env, "RAY_PORT")
     if env.get("MASTER_ADDR") and port.isdigit() and 0 < int(port) < 65536:
         p = port_problem(env["MASTER_ADDR"], int(port))
         if p:
             out.append(p)
+    found, good = shared_problems(env, ckpt)
+    return out + found, good
+
+
+def shared_problems(environ: Mapping[str, str] | None = None, ckpt: str | None = None) -> tuple[list[str], list[str]]:
+    """(problems, good lines) for the inputs every node reads (the model's config.json, the data files,
+    the checkpoint and its model size): the head and every worker check them alike, with one message."""
+    env = os.environ if environ is None else environ
+    out: list[str] = []
+    good: list[str] = []
     model_path = env.get("MODEL_PATH", "")
     cfg, why = model_config(model_path)
     if why:
@@ -173,14 +184,17 @@ def head_problems(environ: Mapping[str, str] | None = None, ckpt: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.launch.cluster_checks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("env", "head"))
-    p.add_argument("--ckpt", default=None, help="the real-weight run's checkpoint (DIST_CKPT_PATH)")
+    p.add_argument("what", choices=("env", "head", "worker"),
+                   help="env: every node's values; head: the head's inputs; worker: the inputs a worker shares with "
+                        "the head (model, data, checkpoint)")
+    p.add_argument("--ckpt", type=Text(), default=None, help="the real-weight run's checkpoint (DIST_CKPT_PATH)")
     args = p.parse_args(argv)
     if args.what == "env":
         return finish(env_problems(), code=2, warnings=env_warnings())
-    found, good = head_problems(ckpt=args.ckpt)
+    found, good = (head_problems if args.what == "head" else shared_problems)(ckpt=args.ckpt)
     return finish(found, code=2, lines=good)
 
 

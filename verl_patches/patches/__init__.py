@@ -44,6 +44,7 @@ RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.vllm_ascend.patch_worker_worker_v1",
     "verl_patches.patches.vllm_ascend.patch_ops_fused_moe",
     "verl_patches.patches.verl.patch_models_mcore_registry",
+    "verl_patches.patches.verl.patch_models_mcore_model_initializer",
     "verl_patches.patches.verl.patch_single_controller_base_megatron_worker",
     "verl_patches.patches.verl.patch_utils_megatron_utils",
     "verl_patches.patches.verl.patch_utils_megatron_utils_switch",
@@ -52,6 +53,7 @@ RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.megatron.patch_core_transformer_moe_router",
     "verl_patches.patches.megatron.patch_core_optimizer_distrib_optimizer",
     "verl_patches.patches.mindspeed.patch_arguments",
+    "verl_patches.patches.mindspeed.patch_features_manager_features_manager",
 )
 
 # The CPU platform (platforms=("cpu",) only): what has no host implementation upstream.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -43,60 +42,110 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.2f}"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+DUMP_MANIFEST = "manifest.json"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from verl_patches.base.schema import Integer, Number, PathArg, Text
+
     p = argparse.ArgumentParser(prog="python -m verl_patches preflight", description=__doc__)
-    p.add_argument("--nproc", type=int, default=None, help="local processes to spawn (default 8; "
-                   "ignored under torchrun)")
+    p.add_argument("--nproc", type=Integer(low=1, high=4096, env="WORLD_SIZE"), default=None,
+                   help="local processes to spawn (default 8); under torchrun it must equal WORLD_SIZE")
     p.add_argument("--backend", choices=("gloo", "nccl", "hccl"), default="gloo")
-    p.add_argument("--model", default="tiny", help="tiny | deepseek_v3 | PATH to a HF config.json")
-    p.add_argument("--train", default=None, help="e.g. tp=2,pp=2,ep=2,layers=1,3")
-    p.add_argument("--rollout", default=None, help="e.g. tp=2,dp=4[,instances=1]")
+    p.add_argument("--model", type=Text(), default="tiny", help="tiny | deepseek_v3 | PATH to a HF config.json")
+    p.add_argument("--train", type=Text(), default=None, help="e.g. tp=2,pp=2,ep=2,layers=1,3")
+    p.add_argument("--rollout", type=Text(), default=None, help="e.g. tp=2,dp=4[,instances=1]")
     p.add_argument("--method", default="all", choices=(*METHODS, "all"))
-    p.add_argument("--steps", type=int, default=2, help="switch iterations per method (>= 2 to check leaks)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=Integer(low=1, high=10_000), default=2,
+                   help="switch iterations per method (>= 2 to check leaks)")
+    p.add_argument("--seed", type=Integer(low=0, high=2 ** 32 - 1), default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--bucket-mb", type=float, default=64.0)
-    p.add_argument("--kv-mb", type=float, default=16.0, help="size of the simulated KV cache per rank")
-    p.add_argument("--dump", type=Path, default=None, help="write rollout shards + reference model here")
-    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--bucket-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0)
+    p.add_argument("--kv-mb", type=Number(low=0, high=1 << 20), default=16.0,
+                   help="size of the simulated KV cache per rank")
+    p.add_argument("--dump", type=PathArg("output directory"), default=None,
+                   help="write rollout shards + reference model here (replaced whole: an earlier dump's files go)")
+    p.add_argument("--json", type=PathArg("output file"), default=None, help="write the results as JSON here")
     p.add_argument("--no-plan", action="store_true", help="skip the 256-die reference plan figures")
     p.add_argument("--graph-check", action="store_true",
                    help="CUDA (nccl): keep the rollout weights and KV cache in address-stable regions, capture a "
                         "CUDA graph of a forward over them at the first switch, and require every later replay to "
                         "equal the eager forward bit for bit at unchanged addresses")
-    p.add_argument("--heartbeat-timeout", type=float, default=None, metavar="S",
+    p.add_argument("--heartbeat-timeout", type=Number(low=0, low_open=True, high=86400.0,
+                                                      env="VERL_PATCHES_HEARTBEAT_TIMEOUT_S",
+                                                      doc="0 would switch the liveness check off"),
+                   default=None, metavar="S",
                    help="a local rank silent this many seconds (stopped, stuck) is named and the run ends "
                         "(default: VERL_PATCHES_HEARTBEAT_TIMEOUT_S, else 120)")
-    p.add_argument("--corrupt", default=None, help=argparse.SUPPRESS)  # RANK:PARAM:METHOD fault injection
-    a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error("--steps must be >= 1")
-    if a.heartbeat_timeout is not None and not (a.heartbeat_timeout > 0 and math.isfinite(a.heartbeat_timeout)):
-        p.error(f"--heartbeat-timeout must be a positive number of seconds, got {a.heartbeat_timeout:g} "
-                "(0 would switch the liveness check off)")
+    p.add_argument("--corrupt", type=Text(), default=None, help=argparse.SUPPRESS)  # RANK:PARAM:METHOD fault injection
+    return p
+
+
+def dump_foreign(root: Path) -> list[str]:
+    """Entries of an existing ``--dump`` directory that an earlier preflight dump did not write (its
+    manifest lists its files): such a directory is not replaced."""
+    if not root.is_dir():
+        return []
+    names = sorted(e.name for e in root.iterdir())
+    try:
+        listed = set(json.loads((root / DUMP_MANIFEST).read_text())["written"]) if names else set()
+    except (OSError, ValueError, KeyError, TypeError):
+        return names
+    return [n for n in names if n != DUMP_MANIFEST and n not in listed]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from verl_patches.base import atomic
+    from verl_patches.base.schema import parse_args as schema_parse
+
+    p = build_parser()
+    a = schema_parse(p, argv)
     if a.graph_check and a.backend != "nccl":
         p.error("--graph-check captures CUDA graphs: it needs --backend nccl")
-    if a.nproc is not None and a.nproc < 1:
-        p.error(f"--nproc must be >= 1, got {a.nproc}")
-    if not a.bucket_mb > 0:
-        p.error(f"--bucket-mb must be positive, got {a.bucket_mb}")
-    if not a.kv_mb >= 0:
-        p.error(f"--kv-mb must be >= 0, got {a.kv_mb}")
     # Where results go is checked now, not after the whole rehearsal has run.
-    for opt, where, folder in (("--json", a.json, a.json.parent if a.json else None), ("--dump", a.dump, a.dump)):
-        if where is None:
-            continue
-        if (opt == "--json" and where.is_dir()) or (opt == "--dump" and where.exists() and not where.is_dir()):
-            p.error(f"{opt} {where}: expected a {'file' if opt == '--json' else 'directory'} path")
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            p.error(f"{opt} {where}: cannot create {folder}: {e.strerror}")
+    if a.json is not None:
+        if a.json.is_dir():
+            p.error(f"--json {a.json}: expected a file path, it is a directory")
+        why = atomic.writable_dir(a.json.parent)
+        if why:
+            p.error(f"--json {a.json}: {why}")
+    if a.dump is not None:
+        if a.dump.exists() and not a.dump.is_dir():
+            p.error(f"--dump {a.dump}: expected a directory path")
+        foreign = dump_foreign(a.dump)
+        if foreign:
+            p.error(f"--dump {a.dump} holds files an earlier preflight dump did not write ({', '.join(foreign[:5])}"
+                    f"{' ...' if len(foreign) > 5 else ''}); the dump replaces its directory whole: choose an "
+                    "empty or new directory")
+        why = atomic.writable_dir(a.dump.parent)
+        if why:
+            p.error(f"--dump {a.dump}: {why}")
     return a
+
+
+def backend_problem(backend: str) -> str | None:
+    """Why ``--backend`` cannot run here (its device package absent, no device), or None."""
+    import importlib.util
+
+    if backend == "hccl":
+        if importlib.util.find_spec("torch_npu") is None:
+            return ("--backend hccl runs on Ascend NPUs through torch_npu, which is not installed in this Python; "
+                    "install torch_npu (CANN), or use --backend gloo (CPU) or nccl (CUDA)")
+    elif backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            return ("--backend nccl runs on CUDA devices, and torch finds none here (torch.cuda.is_available() is "
+                    f"False; torch {torch.__version__}); use --backend gloo (CPU) or hccl (Ascend NPU)")
+    return None
 
 
 class PreflightInputError(ValueError):
     """An argument, model config or layout the rehearsal cannot run with; found before any rank starts."""
+
+
+class PreflightOutputError(OSError):
+    """A result file or the dump could not be written; nothing half-written is left in its place."""
 
 
 def _load_model(spec: str) -> tuple[dict[str, Any], str]:
@@ -273,11 +322,9 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
     if isinstance(logit, str):
         failures.append(logit)
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"options": {k: v for k, v in opts.__dict__.items() if k != "model"}, "world": len(results),
-                   "elapsed_seconds": elapsed, "report": report, "logit_check": logit, "reference_plans": plans,
-                   "failures": failures}
-        a.json.write_text(json.dumps(payload, indent=2, default=str))
+        write_json(a.json, {"options": {k: v for k, v in opts.__dict__.items() if k != "model"}, "world": len(results),
+                            "elapsed_seconds": elapsed, "report": report, "logit_check": logit,
+                            "reference_plans": plans, "failures": failures})
     if failures:
         print("\nPREFLIGHT FAILED:", file=sys.stderr)
         for f in failures:
@@ -291,6 +338,18 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
           f"each, every rollout shard bit-exact, device memory growth <= {LEAK_TOLERANCE >> 20} MiB, host buffer pool "
           f"unchanged{graphs} ({elapsed:.1f} s)")
     return 0
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """The results file, whole or not at all (an earlier one stays as it was on failure)."""
+    from verl_patches.base import atomic
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, json.dumps(payload, indent=2, default=str))
+    except OSError as e:
+        raise PreflightOutputError(f"--json {path}: cannot write the results: {e.strerror or e} (nothing was left "
+                                   "in its place)") from None
 
 
 def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
@@ -319,8 +378,11 @@ def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
 
 
 def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
+    """The rollout shards, the reference model and a manifest listing them, written into a fresh
+    directory that then replaces ``root`` whole: no file of an earlier dump stays beside them."""
     from safetensors.torch import save_file
 
+    from verl_patches.base import atomic
     from verl_patches.preflight.hf_check import reference, to_hf
     from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
     from verl_patches.reshard.model import ModelConfig
@@ -330,19 +392,33 @@ def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
     if not opts.gather_shards:
         print("dump skipped: the model is too large to gather on one rank")
         return
-    root.mkdir(parents=True, exist_ok=True)
+    foreign = dump_foreign(root)
+    if foreign:
+        raise PreflightOutputError(f"--dump {root} holds files an earlier preflight dump did not write "
+                                   f"({', '.join(foreign[:5])}); choose an empty or new directory")
     m = opts.methods[0]
     step = results[0]["shards"][m]["step"]
-    for r in results:
-        save_file({k: v.contiguous() for k, v in r["shards"][m]["rollout"].items()}, str(root / f"rollout_rank{r['rank']:05d}.safetensors"))
-    P = build_placements(ModelConfig.from_hf(opts.model), TrainLayout.parse(opts.train), RolloutLayout.parse(opts.rollout))
-    ref = to_hf(P, reference(P, seed=opts.seed, step=step, dtype=torch_dtype(opts.dtype)))
-    save_file({k: v.contiguous() for k, v in ref.items()}, str(root / "reference_model.safetensors"))
-    manifest = {"train_layout": opts.train, "rollout_layout": opts.rollout, "method": m, "seed": opts.seed,
-                "step": step, "dtype": opts.dtype, "world": len(results), "model_config": opts.model,
-                "files": {"reference": "reference_model.safetensors (HF names)",
-                          "rollout": "rollout_rank<RANK>.safetensors (vLLM 0.9.1 names, per rank)"}}
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    try:
+        with atomic.replace_dir(root) as tmp:
+            written = []
+            for r in results:
+                name = f"rollout_rank{r['rank']:05d}.safetensors"
+                save_file({k: v.contiguous() for k, v in r["shards"][m]["rollout"].items()}, str(tmp / name))
+                written.append(name)
+            P = build_placements(ModelConfig.from_hf(opts.model), TrainLayout.parse(opts.train),
+                                 RolloutLayout.parse(opts.rollout))
+            ref = to_hf(P, reference(P, seed=opts.seed, step=step, dtype=torch_dtype(opts.dtype)))
+            save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp / "reference_model.safetensors"))
+            written.append("reference_model.safetensors")
+            manifest = {"train_layout": opts.train, "rollout_layout": opts.rollout, "method": m, "seed": opts.seed,
+                        "step": step, "dtype": opts.dtype, "world": len(results), "model_config": opts.model,
+                        "files": {"reference": "reference_model.safetensors (HF names)",
+                                  "rollout": "rollout_rank<RANK>.safetensors (vLLM 0.9.1 names, per rank)"},
+                        "written": written}
+            (tmp / DUMP_MANIFEST).write_text(json.dumps(manifest, indent=2))
+    except OSError as e:
+        raise PreflightOutputError(f"--dump {root}: cannot write the dump: {e.strerror or e} ({root} was left as "
+                                   "it was)") from None
     print(f"dumped {len(results)} rollout shard files, the reference model and manifest.json to {root}")
 
 
@@ -354,6 +430,9 @@ def main(argv: list[str]) -> int:
     except PreflightInputError as e:
         print(f"preflight: error: {e}", file=sys.stderr)
         return 2
+    except PreflightOutputError as e:
+        print(f"preflight: error: {e}", file=sys.stderr)
+        return 1
     except (RuntimeError, TimeoutError) as e:
         # A rank failed, hung or stopped answering (run_distributed names it); the module is imported by
         # then (not before: --help imports no torch).
@@ -381,6 +460,9 @@ def _main(argv: list[str]) -> int:
         os.environ.setdefault("VERL_PATCHES_DEVICE", "cuda")
     else:
         os.environ.setdefault("VERL_PATCHES_DEVICE", "cpu")
+    problem = backend_problem(a.backend)
+    if problem:
+        raise PreflightInputError(problem)
     t0 = time.perf_counter()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ:
         return _main_torchrun(a, t0)
@@ -407,6 +489,9 @@ def _main_torchrun(a: argparse.Namespace, t0: float) -> int:
     from verl_patches.base import accelerator
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if a.nproc is not None and a.nproc != world:  # parse_args refuses it already; kept for callers of this function
+        raise PreflightInputError(f"--nproc {a.nproc} and WORLD_SIZE={world} disagree: under torchrun the launcher "
+                                  "sets the process count; drop --nproc or give the same value")
     accelerator.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(a.backend)
     opts = _options(a, world)

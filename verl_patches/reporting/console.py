@@ -16,7 +16,6 @@ import argparse
 import re
 import signal
 import sys
-from pathlib import Path
 from typing import BinaryIO, TextIO
 
 from verl_patches.reporting.report import CONSOLE_LINE
@@ -47,8 +46,9 @@ def relay(source: BinaryIO, log: BinaryIO, out: TextIO) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.reporting.console", description=__doc__.split("\n\n")[0])
-    p.add_argument("log", type=Path, help="file the whole output is appended to")
+    p.add_argument("log", type=PathArg("log file"), help="file the whole output is appended to")
     args = p.parse_args(argv)
     try:
         args.log.parent.mkdir(parents=True, exist_ok=True)

@@ -337,9 +337,10 @@ def main(argv: list[str]) -> int:
     import argparse
     import sys
 
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches plot", description=__doc__.split("\n\n")[0])
-    p.add_argument("run_dir", type=Path, help="the run's output directory (metrics.jsonl and/or tensorboard/)")
-    p.add_argument("--out", type=Path, default=None, help=f"where the PNGs go (default RUN_DIR/{PLOTS_DIR})")
+    p.add_argument("run_dir", type=PathArg("run directory"), help="the run's output directory (metrics.jsonl and/or tensorboard/)")
+    p.add_argument("--out", type=PathArg("output directory"), default=None, help=f"where the PNGs go (default RUN_DIR/{PLOTS_DIR})")
     args = p.parse_args(argv)
     try:
         series, written, skipped = plot_run(args.run_dir, args.out)

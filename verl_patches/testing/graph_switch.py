@@ -285,13 +285,14 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
 
 
 def main(argv: list[str]) -> None:
+    from verl_patches.base.schema import Integer, Text
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("stable", "resize"), required=True)
-    ap.add_argument("--cycles", type=int, default=100)
-    ap.add_argument("--kv-mib", type=int, default=64)
-    ap.add_argument("--buckets", default=str(BATCH),
+    ap.add_argument("--cycles", type=Integer(low=1), default=100)
+    ap.add_argument("--kv-mib", type=Integer(low=1), default=64)
+    ap.add_argument("--buckets", type=Text(), default=str(BATCH),
                     help="captured decode batch sizes, comma-separated: one graph each (default: %(default)s)")
-    ap.add_argument("--json", required=True)
+    ap.add_argument("--json", type=Text(), required=True)
     a = ap.parse_args(argv)
     try:
         buckets = tuple(int(x) for x in a.buckets.split(","))

@@ -156,16 +156,46 @@ def write_data(out: Path) -> tuple[Path, Path]:
     return train, val
 
 
+def _index(out_dir: Path, parts: tuple[str, ...]) -> dict[str, dict]:
+    from verl_patches.tools.manifest import file_record
+
+    return {str(f.relative_to(out_dir)): file_record(f) for p in parts for f in sorted((out_dir / p).rglob("*"))
+            if f.is_file()}
+
+
+def _changed(out_dir: Path, done: Path, parts: tuple[str, ...]) -> list[str]:
+    """One line per file of the finished build that is missing, new or other than written (the index, .complete,
+    lists them by size and SHA-256); an index that cannot be read is one line too."""
+    try:
+        want = json.loads(done.read_text())["files"]
+        if not isinstance(want, dict):
+            raise TypeError
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"its index {done.name} is not readable (written by an older version, or damaged)"]
+    have = _index(out_dir, parts)
+    return ([f"{k} is missing" for k in sorted(set(want) - set(have))]
+            + [f"{k} was not written by the build" for k in sorted(set(have) - set(want))]
+            + [f"{k} differs from what was written" for k in sorted(set(want) & set(have)) if want[k] != have[k]])
+
+
 class AssetsError(RuntimeError):
     """The output directory holds something this tool did not write."""
 
 
 def build(out_dir: Path) -> dict[str, Path]:
     """Everything, built once: written under ``out_dir/.partial`` and moved in whole, so a finished
-    build is reused by later runs and tests, and an interrupted one never passes for finished."""
-    import shutil
+    build is reused by later runs and tests, and an interrupted one never passes for finished. Two builds
+    into one directory at once are serialised: the second waits for the first's lock, then reuses its build."""
+    from verl_patches.base import atomic
 
     out_dir = Path(out_dir)
+    with atomic.dir_lock(out_dir, wait=True):  # a second build into the same place waits, then reuses it
+        return _build(out_dir)
+
+
+def _build(out_dir: Path) -> dict[str, Path]:
+    import shutil
+
     done = out_dir / ".complete"
     parts = ("model", "dist_ckpt", "data")
     if not done.is_file():
@@ -181,20 +211,37 @@ def build(out_dir: Path) -> dict[str, Path]:
         write_data(partial / "data")
         for p in parts:
             (partial / p).rename(out_dir / p)
-        partial.rmdir()
-        done.write_text("model, dist_ckpt and data written by python -m verl_patches.tiny.assets\n")
+        shutil.rmtree(partial)  # and the converter's lock file beside dist_ckpt
+        from verl_patches.base import atomic
+
+        # The index, written last: what the build wrote, by content; a later run reuses the build only
+        # when every file still has it.
+        atomic.write_text(done, json.dumps({"tool": "python -m verl_patches.tiny.assets",
+                                            "files": _index(out_dir, parts)}, indent=1, sort_keys=True) + "\n")
+    else:
+        changed = _changed(out_dir, done, parts)
+        if changed:
+            raise AssetsError(f"{out_dir} holds a build of this tool that changed since it was written ("
+                              + "; ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+                              + f"): remove {out_dir} and run again to rebuild it")
     return {"MODEL_PATH": out_dir / "model", "DIST_CKPT_PATH": out_dir / "dist_ckpt",
             "TRAIN_FILES": out_dir / "data" / "train.parquet", "VAL_FILES": out_dir / "data" / "val.parquet"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.assets", description=__doc__.split("\n")[0])
-    p.add_argument("out_dir", type=Path)
+    p.add_argument("out_dir", type=PathArg("output directory"))
     args = p.parse_args(argv)
     try:
         paths = build(args.out_dir)
     except AssetsError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        # Unwritable, full disk: no .complete is written, so nothing passes for a finished build.
+        where = e.filename or args.out_dir
+        print(f"error: {args.out_dir}: cannot write the assets ({where}: {e.strerror or e})", file=sys.stderr)
         return 2
     for key, path in paths.items():
         print(f"{key}={path}")

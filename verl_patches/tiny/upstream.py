@@ -62,8 +62,9 @@ def prepare(root: Path, source: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.upstream", description=__doc__.split("\n")[0])
-    p.add_argument("root", type=Path)
+    p.add_argument("root", type=PathArg("directory"))
     args = p.parse_args(argv)
     try:
         dst = prepare(args.root)

@@ -61,8 +61,9 @@ def problems(ckpt: Path) -> tuple[list[str], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.check_ckpt", description=__doc__)
-    p.add_argument("ckpt", type=Path, help="checkpoint directory (DIST_CKPT_PATH)")
+    p.add_argument("ckpt", type=PathArg("checkpoint directory"), help="checkpoint directory (DIST_CKPT_PATH)")
     args = p.parse_args(argv)
     found, summary = problems(args.ckpt)
     return finish(found, f"{args.ckpt}: complete torch_dist checkpoint ({summary})")

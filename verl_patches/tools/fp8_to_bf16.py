@@ -223,9 +223,10 @@ def _scale_for(src: Path, weight_map: dict[str, str], name: str) -> torch.Tensor
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.fp8_to_bf16", description=__doc__)
-    p.add_argument("--input", type=Path, required=True, help="HF checkpoint with FP8 weights")
-    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--input", type=PathArg("input directory"), required=True, help="HF checkpoint with FP8 weights")
+    p.add_argument("--output", type=PathArg("output directory"), required=True)
     p.add_argument("--drop-mtp", action="store_true", help="drop the MTP layers and set num_nextn_predict_layers=0")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--overwrite", action="store_true",

@@ -353,25 +353,17 @@ def verify_checkpoint(hf: Path, out: Path, spec: str, progress: bool = True) -> 
     return n
 
 
-def parse_layer_list(s: str | None) -> tuple[int, ...] | None:
-    if not s:
-        return None
-    try:
-        return tuple(int(x) for x in s.split(","))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--num-layer-list must be comma-separated integers, got {s!r}") from e
-
-
 def build_parser() -> argparse.ArgumentParser:
+    from verl_patches.base.schema import IntList, Integer, PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.hf_to_mcore", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf", type=Path, required=True, help="BF16 HF checkpoint directory")
-    p.add_argument("--out", type=Path, required=True, help="output torch_dist checkpoint directory (DIST_CKPT_PATH)")
+    p.add_argument("--hf", type=PathArg("input directory"), required=True, help="BF16 HF checkpoint directory")
+    p.add_argument("--out", type=PathArg("output directory"), required=True, help="output torch_dist checkpoint directory (DIST_CKPT_PATH)")
     # Defaults: the 256-die run's layout.
-    p.add_argument("--tp", type=int, default=4, help="tensor parallel size (default 4)")
-    p.add_argument("--pp", type=int, default=8, help="pipeline parallel size (default 8)")
-    p.add_argument("--ep", type=int, default=32, help="expert parallel size (default 32)")
-    p.add_argument("--num-layer-list", type=parse_layer_list, default=None,
+    p.add_argument("--tp", type=Integer(low=1, high=1 << 16), default=4, help="tensor parallel size (default 4)")
+    p.add_argument("--pp", type=Integer(low=1, high=1 << 16), default=8, help="pipeline parallel size (default 8)")
+    p.add_argument("--ep", type=Integer(low=1, high=1 << 16), default=32, help="expert parallel size (default 32)")
+    p.add_argument("--num-layer-list", type=IntList(low=1, high=1 << 16), default=None,
                    help="layers per PP stage, e.g. 7,7,8,8,8,8,8,7 (default: an even split)")
     p.add_argument("--moe-tp-extend-ep", action="store_true",
                    help="experts over the TP x EP group (MindSpeed's option; the run configs leave it off and "

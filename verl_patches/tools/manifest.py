@@ -30,6 +30,7 @@ rate of ``hash_file`` on the machine that runs it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -129,6 +130,7 @@ def claim(out: Path, tool: str, source: Path, identity: dict[str, Any], options:
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{out} exists and is not a directory")
+    hold(out)
     fresh = {"tool": tool, "format": FORMAT, "input": str(source), "input_identity": identity,
              "options": options, "outputs": {}, "complete": False}
     prev = read(out) if out.is_dir() else None
@@ -139,7 +141,7 @@ def claim(out: Path, tool: str, source: Path, identity: dict[str, Any], options:
         out.mkdir(parents=True, exist_ok=True)
         _write(out, fresh)
         return False
-    error = _mismatch(out, prev, fresh)
+    error = _mismatch(out, prev, fresh) or _damaged(out, prev, owned)
     if error is None:
         data = {**prev, "input": str(source), "changed_on_resume": []}  # the same content, perhaps moved
         if prev.get("complete"):
@@ -161,6 +163,29 @@ def claim(out: Path, tool: str, source: Path, identity: dict[str, Any], options:
                 entry.unlink()
     _write(out, fresh)
     return False
+
+
+_HELD: dict[str, contextlib.ExitStack] = {}
+
+
+def hold(out: Path) -> None:
+    """Take the output directory's lock for this process (kept until ``complete`` or the process ends):
+    a second run converting into the same directory at the same time is refused, naming this one."""
+    key = str(Path(out).resolve())
+    if key in _HELD:
+        return
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(atomic.dir_lock(Path(out), wait=False))
+    except atomic.DirLockedError as e:
+        raise OutputDirError(str(e)) from None
+    _HELD[key] = stack
+
+
+def release(out: Path) -> None:
+    stack = _HELD.pop(str(Path(out).resolve()), None)
+    if stack is not None:
+        stack.close()
 
 
 def _mismatch(out: Path, prev: dict[str, Any], new: dict[str, Any]) -> OutputDirError | None:
@@ -190,6 +215,36 @@ def _mismatch(out: Path, prev: dict[str, Any], new: dict[str, Any]) -> OutputDir
             f"{new['input']!r}) but used other options: "
             + ", ".join(f"{k}={prev_opts.get(k)!r} (now {new['options'].get(k)!r})" for k in changed) + f"; {hint}")
     return None
+
+
+def _record_ok(rec: Any) -> bool:
+    return (isinstance(rec, dict) and isinstance(rec.get("size"), int) and not isinstance(rec.get("size"), bool)
+            and rec["size"] >= 0 and isinstance(rec.get("sha256"), str) and len(rec["sha256"]) == 64)
+
+
+def _damaged(out: Path, prev: dict[str, Any], owned: Callable[[Path], bool]) -> OutputDirError | None:
+    """The manifest is the index of what the tool wrote: resume trusts it only when it is whole. Every
+    record must be a size and a SHA-256; ``complete`` a boolean; and a finished output must record every
+    file of the tool's kind that the directory holds (one it does not record was never verified)."""
+    outputs, why = prev.get("outputs"), None
+    if not isinstance(outputs, dict):
+        why = f"'outputs' is {type(outputs).__name__}, not the table of written files"
+    elif not all(isinstance(k, str) and _record_ok(v) for k, v in outputs.items()):
+        bad = sorted(str(k) for k, v in outputs.items() if not _record_ok(v))
+        why = f"the record(s) of {', '.join(bad[:5])} hold no size and SHA-256"
+    elif not isinstance(prev.get("complete"), bool):
+        why = f"'complete' is {prev.get('complete')!r}, not true or false"
+    elif prev["complete"]:
+        unrecorded = sorted(e.name for e in out.iterdir() if e.name != MANIFEST and owned(e) and e.is_file()
+                            and e.name not in outputs and not e.name.endswith(".partial"))
+        if unrecorded or not outputs:
+            why = (f"it says complete but records {'no file' if not outputs else 'not ' + ', '.join(unrecorded[:5])}"
+                   f"{' ...' if len(unrecorded) > 5 else ''}, so nothing proves those files whole")
+    if why is None:
+        return None
+    return OutputDirError(f"{out}: its {MANIFEST}, the index of what {prev.get('tool')} wrote there, is damaged "
+                          f"({why}); this run cannot tell which files are whole: delete {out}, or pass --overwrite "
+                          "to write it again")
 
 
 def changed_outputs(out: Path, data: dict[str, Any] | None = None) -> list[str]:
@@ -244,6 +299,7 @@ def complete(out: Path) -> None:
     """Mark the output finished (call after the last file is in place and recorded)."""
     data = read(out) or {}
     _write(out, {**data, "complete": True})
+    release(out)
 
 
 def is_complete(out: Path) -> bool | None:

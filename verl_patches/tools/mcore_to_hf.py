@@ -172,10 +172,11 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.mcore_to_hf", description=__doc__)
-    p.add_argument("--ckpt", type=Path, required=True, help="torch_dist checkpoint directory")
-    p.add_argument("--config", type=Path, required=True, help="the HF config.json of the model")
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ckpt", type=PathArg("checkpoint directory"), required=True, help="torch_dist checkpoint directory")
+    p.add_argument("--config", type=PathArg("model config.json"), required=True, help="the HF config.json of the model")
+    p.add_argument("--out", type=PathArg("output directory"), required=True)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an output directory this tool wrote for another checkpoint or config")

@@ -139,18 +139,22 @@ def _listed(v: Any) -> Any:
 def _install_mindspeed_stand_in(root: str) -> None:
     """Ascend only in real life: a declared stand-in MindSpeed package (see the test) under VERL_PATCHES_DEVICE=npu.
 
-    Our process_args wrapper goes on by hand: the Patch record's fingerprint is MindSpeed's real
-    source, which the stand-in is not.
+    Our register_features_args wrapper goes on by hand: the Patch record's fingerprint is MindSpeed's
+    real source, which the stand-in is not.
     """
     import sys
 
-    from verl_patches.patches.mindspeed.patch_arguments import wrap_process_args
+    from verl_patches.patches.mindspeed.patch_arguments import wrap_register_features_args
 
     os.environ["VERL_PATCHES_DEVICE"] = "npu"
     sys.path.insert(0, root)
-    import mindspeed.arguments as arguments
+    # MindSpeed alone (the binding's route where MindSpeed-LLM is absent): the installed MindSpeed-LLM is hidden,
+    # its route is tested on the NPU rehearsal platform (tests/npu_rehearsal/npu_path_build.py).
+    sys.modules["mindspeed_llm"] = None  # type: ignore[assignment]  (find_spec answers None)
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager as manager
 
-    arguments.process_args = wrap_process_args(arguments.process_args)
+    original = vars(manager)["register_features_args"].__func__
+    manager.register_features_args = classmethod(wrap_register_features_args(original))
 
 
 def uneven_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:

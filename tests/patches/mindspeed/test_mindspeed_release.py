@@ -1,11 +1,14 @@
-"""The recipe's hand-over to the real MindSpeed release the lock pins (v2.1.0_core_r0.12.1), on CPU.
+"""The recipe's hand-over to the real MindSpeed release the lock pins (v2.2.0_core_r0.12.1), on CPU.
 
-Skipped where MindSpeed is not installed (scripts/install_mindspeed.sh found neither the release archive
+Skipped where MindSpeed is not installed (scripts/install_upstream_sources.sh found neither the release archive
 nor the git tag). MindSpeed's argument parser, its features manager and its feature classes are the
-real ones. One declared stand-in: ``torch_npu.contrib.transfer_to_npu``, which
-mindspeed.megatron_adaptor imports at its top and which exists only with torch_npu on Ascend; the
+real ones. One declared stand-in: an empty ``torch_npu`` with ``torch_npu.contrib.transfer_to_npu``, which
+exist only on Ascend; mindspeed.megatron_adaptor imports the latter at its top, and from
+v2.2.0_core_r0.12.1 the features manager's package imports ``torch_npu`` too (its fused_moe_permute
+feature, at module level; nothing of it is called at import). The
 adaptor is imported under MindSpeed's own NoExecuteFunction, so its import-time patch_features() (the
-NPU kernels) does not run and get_mindspeed_args() is the release's own function.
+NPU kernels) does not run and get_mindspeed_args() is the release's own function (mindspeed/args_utils.py,
+which the adaptor imports by name).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import pytest
 from omegaconf import OmegaConf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mindspeed") is None,
-                                reason="MindSpeed not installed (scripts/install_mindspeed.sh: no archive, no git tag)")
+                                reason="MindSpeed not installed (scripts/install_upstream_sources.sh: no archive, no git tag)")
 
 from verl_patches.rollout import compile_context as cc  # noqa: E402
 from verl_patches.config import megatron_args as ma  # noqa: E402
@@ -42,24 +45,36 @@ def recipe_megatron(**changes) -> ma.RecipeMegatron:
 @pytest.fixture(autouse=True)
 def forget_mindspeed_modules():
     # Other tests in this process decide by "mindspeed" in sys.modules (MindSpeed loaded = Ascend run).
-    before = set(sys.modules)
+    # Each test imports MindSpeed afresh: a test that ran before it in this process may have left part of
+    # it imported (an import of mindspeed.features_manager that failed on torch_npu, say, keeps the
+    # submodules imported before the failure, with an empty feature list); those are set aside and put back.
+    def ours(name):
+        return name == "mindspeed" or name.startswith("mindspeed.")
+
+    earlier = {name: sys.modules.pop(name) for name in [n for n in sys.modules if ours(n)]}
     yield
-    for name in set(sys.modules) - before:
-        if name == "mindspeed" or name.startswith("mindspeed."):
-            del sys.modules[name]
+    for name in [n for n in sys.modules if ours(n)]:
+        del sys.modules[name]
+    sys.modules.update(earlier)
 
 
 @pytest.fixture
-def adaptor(monkeypatch):
-    """mindspeed.megatron_adaptor imported for its argument parsing only, with our patch applied."""
-    from mindspeed.deprecate import NoExecuteFunction
-
-    stand_in = types.ModuleType("torch_npu")  # declared stand-in: the package exists only on Ascend
+def torch_npu_stand_in(monkeypatch):
+    """Declared stand-in: an empty torch_npu package (the real one exists only on Ascend)."""
+    stand_in = types.ModuleType("torch_npu")
     stand_in.contrib = types.ModuleType("torch_npu.contrib")
     stand_in.contrib.transfer_to_npu = types.ModuleType("torch_npu.contrib.transfer_to_npu")
     for name, mod in (("torch_npu", stand_in), ("torch_npu.contrib", stand_in.contrib),
                       ("torch_npu.contrib.transfer_to_npu", stand_in.contrib.transfer_to_npu)):
         monkeypatch.setitem(sys.modules, name, mod)
+    return stand_in
+
+
+@pytest.fixture
+def adaptor(monkeypatch, torch_npu_stand_in):
+    """mindspeed.megatron_adaptor imported for its argument parsing only, with our patch applied."""
+    from mindspeed.deprecate import NoExecuteFunction
+
     monkeypatch.delitem(sys.modules, "mindspeed.megatron_adaptor", raising=False)
     monkeypatch.setattr(sys, "argv", ["ray_worker"])  # a verl Ray worker has no MindSpeed command line
     ap.apply_all(PATCHES)
@@ -74,8 +89,10 @@ def adaptor(monkeypatch):
 
 
 def parsed(adaptor, recipe: ma.RecipeMegatron):
+    import mindspeed.args_utils as args_utils
+
     ma.set_pending_mindspeed_args(ma.mindspeed_args(recipe))
-    adaptor._ARGS = None  # parsed once per process; each case is a fresh process's first parse
+    args_utils._MINDSPEED_ARGS = None  # parsed once per process; each case is a fresh process's first parse
     return adaptor.get_mindspeed_args()
 
 
@@ -131,7 +148,7 @@ def test_moe_tp_extend_ep_brings_what_mindspeed_requires_with_it(adaptor):
         MoETpExtendEpFeature().validate_args(args)
 
 
-def test_every_flag_the_recipe_hands_over_is_a_name_mindspeed_reads():
+def test_every_flag_the_recipe_hands_over_is_a_name_mindspeed_reads(torch_npu_stand_in):
     import argparse
 
     from mindspeed.arguments import process_args
@@ -144,8 +161,9 @@ def test_every_flag_the_recipe_hands_over_is_a_name_mindspeed_reads():
     assert not set(every) - (dests | features), set(every) - (dests | features)
 
 
-def test_mindspeed_replaces_torch_compile_and_the_rollout_gets_the_real_one_back(monkeypatch):
+def test_mindspeed_replaces_torch_compile_and_the_rollout_gets_the_real_one_back(monkeypatch, torch_npu_stand_in):
     import torch
+    from mindspeed.core.megatron_basic.requirements_basic import dummy_compile
     from mindspeed.features_manager.megatron_basic.requirements_basic import RequirementsBasicFeature
 
     class Recorder:  # records what MindSpeed's patch manager would be told, applies nothing
@@ -157,7 +175,9 @@ def test_mindspeed_replaces_torch_compile_and_the_rollout_gets_the_real_one_back
 
     RequirementsBasicFeature().te_adaptation(Recorder, None)
     mindspeeds = Recorder.seen["torch.compile"]
-    assert mindspeeds is torch.jit.script and not cc.is_torch_own(mindspeeds)
+    # At v2.2.0_core_r0.12.1 a call-through for both (v2.1.0 put torch.jit.script in torch.compile's place).
+    assert mindspeeds is dummy_compile and Recorder.seen["torch.jit.script"] is dummy_compile
+    assert not cc.is_torch_own(mindspeeds)
     real = torch.compile
     monkeypatch.setattr(cc, "_SAVED", {})
     assert cc.save_real_compile()

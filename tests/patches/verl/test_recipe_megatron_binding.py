@@ -3,9 +3,11 @@
 0.12.1 parallel state (gloo, one process) and its real MLATransformerConfig.
 
 The MindSpeed hand-over (Ascend only) runs against a declared stand-in MindSpeed package written here:
-MindSpeed is not installed off Ascend; the stand-in has the shape of mindspeed/arguments.py:process_args
-and mindspeed/megatron_adaptor.py:get_mindspeed_args (argparse over MindSpeed's flags, parsed once when
-the adaptor is imported), which is what decides MindSpeed's feature patches.
+MindSpeed's features need torch_npu off the CPU test environment's reach; the stand-in has the shape of
+the release's MindSpeedFeaturesManager.register_features_args (mindspeed/features_manager/features_manager.py)
+and get_mindspeed_args (mindspeed/args_utils.py, imported by mindspeed/megatron_adaptor.py: argparse over
+MindSpeed's flags, parsed once when the adaptor is imported), which is what decides MindSpeed's feature
+patches.
 """
 
 from __future__ import annotations
@@ -41,21 +43,27 @@ FULL = {"num_layer_list": [4], "moe_tp_extend_ep": True, "swap_optimizer": True,
 
 STAND_IN = {
     "mindspeed/__init__.py": "",
-    "mindspeed/arguments.py": (
-        "def process_args(parser):\n"
-        "    for flag in ('--moe-tp-extend-ep', '--moe-permutation-async-comm', '--swap-optimizer',\n"
-        "                 '--use-flash-attn', '--use-fused-rotary-pos-emb', '--use-fused-swiglu'):\n"
-        "        parser.add_argument(flag, action='store_true')\n"
-        "    return parser\n"),
-    "mindspeed/megatron_adaptor.py": (
+    "mindspeed/features_manager/__init__.py": "",
+    "mindspeed/features_manager/features_manager.py": (
+        "class MindSpeedFeaturesManager:\n"
+        "    @classmethod\n"
+        "    def register_features_args(cls, parser):\n"
+        "        for flag in ('--moe-tp-extend-ep', '--moe-permutation-async-comm', '--swap-optimizer',\n"
+        "                     '--use-flash-attn', '--use-fused-rotary-pos-emb', '--use-fused-swiglu'):\n"
+        "            parser.add_argument(flag, action='store_true')\n"),
+    "mindspeed/args_utils.py": (
         "import argparse\n"
-        "from mindspeed.arguments import process_args\n"
-        "_ARGS = None\n"
+        "from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager\n"
+        "_MINDSPEED_ARGS = None\n"
         "def get_mindspeed_args():\n"
-        "    global _ARGS\n"
-        "    if _ARGS is None:\n"
-        "        _ARGS, _ = process_args(argparse.ArgumentParser(allow_abbrev=False)).parse_known_args([])\n"
-        "    return _ARGS\n"
+        "    global _MINDSPEED_ARGS\n"
+        "    if _MINDSPEED_ARGS is None:\n"
+        "        parser = argparse.ArgumentParser(allow_abbrev=False)\n"
+        "        MindSpeedFeaturesManager.register_features_args(parser)\n"
+        "        _MINDSPEED_ARGS, _ = parser.parse_known_args([])\n"
+        "    return _MINDSPEED_ARGS\n"),
+    "mindspeed/megatron_adaptor.py": (
+        "from mindspeed.args_utils import get_mindspeed_args\n"
         "PARSED_AT_IMPORT = dict(vars(get_mindspeed_args()))  # what the features register their patches by\n"),
 }
 

@@ -22,7 +22,10 @@ LADDER = (1, 2, 4, 8, 16, 32, 64)
 
 
 def run_cli(capsys, *argv):
-    rc = cli_main(["rollout-plan", *argv])
+    try:
+        rc = cli_main(["rollout-plan", *argv])
+    except SystemExit as e:  # a value an option's declaration refuses: argparse's usage error
+        rc = e.code
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -189,10 +192,10 @@ def test_a_tpot_file(tmp_path, capsys):
     (["--lengths", "lognormal:median=100"], "lognormal needs median, sigma"),
     (["--lengths", "lognormal:median=100,sigma=0.5,mu=3"], "lognormal takes median, sigma, got 'mu=3'"),
     (["--lengths", "nofile.jsonl"], "--lengths nofile.jsonl: cannot read it"),
-    (["--dp", "0"], "--dp must be an integer >= 1"),
+    (["--dp", "0"], "argument --dp: '0': expected a whole number >= 1"),
     (["--prompts", "2000", "--n", "1000"], "at most 1000000"),
-    (["--tail-fraction", "2"], "--tail-fraction must be between 0 and 1"),
-    (["--max-imbalance", "0.5", "--rebalance"], "--max-imbalance must be between 1 and"),
+    (["--tail-fraction", "2"], "argument --tail-fraction: '2': expected a finite number >= 0 and <= 1"),
+    (["--max-imbalance", "0.5", "--rebalance"], "argument --max-imbalance: '0.5': expected a finite number >= 1"),
     (["--metrics-step", "1"], "--metrics-step needs --lengths to be a run's metrics.jsonl"),
 ])
 def test_bad_input_is_a_named_error(argv, match, capsys):

@@ -3,7 +3,8 @@
 Upstream: megatron/core/transformer/moe/router.py:TopKRouter.routing(logits) turns the gate's logits
 into (probs, routing_map) by the configured load-balancing scheme. megatron-core 0.12.1 has no switch
 that forces a balanced assignment (``moe_router_force_load_balancing`` arrives in a later release) and
-MindSpeed 2.1.0's only one is inside its auto-tuning profiler. We wrap it: with recipe.fixed_routing
+MindSpeed's only one (v2.2.0_core_r0.12.1, as 2.1.0) is inside its auto-tuning profiler (MindSpeed-LLM
+v2.2.0 has none). We wrap it: with recipe.fixed_routing
 on, token i goes to experts (i * top_k + j) mod E (verl_patches/train/fixed_routing.py), weighted by the
 router's own scores for those experts; off, upstream runs unchanged. The aux loss and the expert-bias
 counters are not updated while it is on: the routing they would balance is not the one used.

@@ -1,8 +1,8 @@
 """torch.compile for the rollout only (docs/RECIPE.md item 7). MindSpeed's features manager registers
-``torch.compile`` -> ``torch.jit.script`` in RequirementsBasicFeature.te_adaptation
-(mindspeed/features_manager/megatron_basic/requirements_basic.py at the lock's release
-v2.1.0_core_r0.12.1; tests/patches/mindspeed/test_mindspeed_release.py reads it from the installed
-release). MindSpeed's patch manager also rebinds module aliases of the original; vLLM and vLLM-Ascend
+``torch.compile`` (and ``torch.jit.script``) -> ``dummy_compile``, a call-through that compiles nothing,
+in RequirementsBasicFeature.te_adaptation (mindspeed/features_manager/megatron_basic/requirements_basic.py
+at the lock's release v2.2.0_core_r0.12.1; 2.1.0 put ``torch.jit.script`` in torch.compile's place;
+tests/patches/mindspeed/test_mindspeed_release.py reads it from the installed release). MindSpeed's patch manager also rebinds module aliases of the original; vLLM and vLLM-Ascend
 call torch.compile by attribute, so only that is swapped. vLLM compiles while the engine is built (_build_rollout)
 and vLLM-Ascend compiles TorchAir graphs lazily per batch size while generating, so both run inside
 verl_patches.rollout.compile_context.real_torch_compile (the real function, saved by the prelude before MindSpeed's

@@ -610,31 +610,32 @@ def _report(res: Result) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from verl_patches.base.schema import Integer, Number, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches rollout-plan",
                                 description=__doc__.split("\n\n")[0].replace("``", "`"))
-    p.add_argument("--dp", default="128", help="DP ranks of one vLLM instance, stepping together (default 128)")
-    p.add_argument("--prompts", default="512", help="prompts per rollout (default 512)")
-    p.add_argument("--n", default="16", help="responses per prompt (default 16)")
-    p.add_argument("--max-len", default=None, help="the maximum response length (default 32768; a metrics "
+    p.add_argument("--dp", type=Integer(low=1, high=MAX_DP), default="128", help="DP ranks of one vLLM instance, stepping together (default 128)")
+    p.add_argument("--prompts", type=Integer(low=1, high=MAX_SEQUENCES), default="512", help="prompts per rollout (default 512)")
+    p.add_argument("--n", type=Integer(low=1, high=MAX_SEQUENCES), default="16", help="responses per prompt (default 16)")
+    p.add_argument("--max-len", type=Integer(low=1, high=MAX_LEN), default=None, help="the maximum response length (default 32768; a metrics "
                                                    "record with clipped responses gives it)")
-    p.add_argument("--prompt-len", default=None, help="prompt tokens (default: the record's mean, else 512)")
-    p.add_argument("--lengths", default="lognormal:median=3000,sigma=0.9",
+    p.add_argument("--prompt-len", type=Integer(low=0, high=MAX_LEN), default=None, help="prompt tokens (default: the record's mean, else 512)")
+    p.add_argument("--lengths", type=Text(), default="lognormal:median=3000,sigma=0.9",
                    help="response lengths: [W*]KIND[:K=V,...][;...] with KIND lognormal (median, sigma), uniform "
                         "(low, high), fixed (value), cap; or a file: .json list, text (one per line), JSONL with "
                         "response_length per line, or a run's metrics.jsonl (fitted)")
-    p.add_argument("--metrics-step", default=None, help="the metrics.jsonl step to fit (default: the last)")
-    p.add_argument("--tpot", default="reference-a3",
+    p.add_argument("--metrics-step", type=Integer(low=0), default=None, help="the metrics.jsonl step to fit (default: the last)")
+    p.add_argument("--tpot", type=Text(), default="reference-a3",
                    help=f"TPOT per bucket: a preset ({', '.join(PRESETS)}), a YAML/JSON file, or B=MS[,B=MS...]")
-    p.add_argument("--graph-batch-sizes", default=None, help="buckets to model, e.g. 8,16,32,64 (default: max_num_seqs)")
-    p.add_argument("--max-num-seqs", default=None, help="per-rank running sequences (default: responses / dp)")
+    p.add_argument("--graph-batch-sizes", type=Text(), default=None, help="buckets to model, e.g. 8,16,32,64 (default: max_num_seqs)")
+    p.add_argument("--max-num-seqs", type=Integer(low=1, high=MAX_BUCKET), default=None, help="per-rank running sequences (default: responses / dp)")
     p.add_argument("--rebalance", action="store_true", help="model the rebalance policy with the settings below")
-    p.add_argument("--min-bucket-drop", default="1", help="recipe.rebalance_min_bucket_drop (default 1)")
-    p.add_argument("--max-imbalance", default=None, help="recipe.rebalance_max_imbalance (default: null)")
-    p.add_argument("--tail-fraction", default="0.9", help="the tail starts when this share of responses ended")
-    p.add_argument("--seed", default="0", help="seed of the length sample")
+    p.add_argument("--min-bucket-drop", type=Integer(low=1, high=64), default="1", help="recipe.rebalance_min_bucket_drop (default 1)")
+    p.add_argument("--max-imbalance", type=Number(low=1, high=1e9), default=None, help="recipe.rebalance_max_imbalance (default: null)")
+    p.add_argument("--tail-fraction", type=Number(low=0, high=1), default="0.9", help="the tail starts when this share of responses ended")
+    p.add_argument("--seed", type=Integer(low=0, high=2 ** 32 - 1), default="0", help="seed of the length sample")
     p.add_argument("--no-recommend", action="store_true", help="model the given configuration only")
-    p.add_argument("--min-gain", default="0.02", help="an extra graph bucket must save this share (default 0.02)")
-    p.add_argument("--png", default="rollout_plan.png", help="the figure (default rollout_plan.png)")
+    p.add_argument("--min-gain", type=Number(low=0, high=1), default="0.02", help="an extra graph bucket must save this share (default 0.02)")
+    p.add_argument("--png", type=Text(), default="rollout_plan.png", help="the figure (default rollout_plan.png)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p

@@ -1,0 +1,150 @@
+"""The NPU rehearsal platform (verl_patches/npu_rehearsal): selection, refusal beside a real torch_npu, the
+stand-in's device mapping and loud failures, and the NPU path it exists for (tests/npu_rehearsal/npu_path_build.py).
+
+Activation renames torch's PrivateUse1 backend and MindSpeed patches megatron-core in place, so everything that
+activates runs in its own process. The NPU-path test needs MindSpeed-LLM, Megatron-LM's training
+package and MindSpeed >= v2.2.0_core_r0.12.1 importable; it is skipped, saying which is missing, otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verl_patches import npu_rehearsal
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(code_or_file: str, *, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+    # As the launcher runs a rehearsal process: the stand-in's site on PYTHONPATH, one rank, vLLM's plugins ours.
+    path = os.pathsep.join(x for x in (str(REPO), str(npu_rehearsal.SITE), os.environ.get("PYTHONPATH")) if x)
+    environ = {**os.environ, "VERL_PATCHES_PLATFORM": "npu-rehearsal", "PYTHONPATH": path, "WORLD_SIZE": "1",
+               "RANK": "0", "VLLM_PLUGINS": "verl_patches", **env}
+    args = [sys.executable, code_or_file] if code_or_file.endswith(".py") else [sys.executable, "-c", code_or_file]
+    return subprocess.run(args, env=environ, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_the_stand_in_is_used_only_when_selected(monkeypatch):
+    monkeypatch.delenv("VERL_PATCHES_PLATFORM", raising=False)
+    with pytest.raises(npu_rehearsal.RehearsalError, match="VERL_PATCHES_PLATFORM=npu-rehearsal"):
+        npu_rehearsal.activate()
+    assert "torch_npu" not in sys.modules
+    assert "not selected" in npu_rehearsal.describe()
+
+
+def test_a_real_torch_npu_refuses_the_stand_in_naming_both(monkeypatch, tmp_path):
+    # A fake, declared as such: an empty package named torch_npu stands for a real installation (never imported).
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("raise AssertionError('fake real torch_npu imported')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("VERL_PATCHES_PLATFORM", "npu-rehearsal")
+    with pytest.raises(npu_rehearsal.RehearsalError) as e:
+        npu_rehearsal.activate()
+    assert str(tmp_path / "torch_npu") in str(e.value) and str(npu_rehearsal.SITE / "torch_npu") in str(e.value)
+    assert "real" in npu_rehearsal.describe()
+
+
+DEVICE_API = """
+import json, tempfile, torch, torch.distributed as dist
+from verl_patches import npu_rehearsal
+npu_rehearsal.activate()
+from torch_npu.contrib import transfer_to_npu
+out = {"describe": npu_rehearsal.describe(), "npu_is_stand_in": torch.npu.__name__ == "torch_npu.npu"}
+out["cuda_device"] = str(torch.zeros(2, device="cuda").device)
+out["index_device"] = str(torch.empty(2, device=torch.cuda.current_device()).device)
+out["to_npu"] = str(torch.ones(1).to("npu:0").device)
+s = torch.npu.Stream(); e = torch.cuda.Event(enable_timing=True); e.record(s); s.wait_event(e)
+with torch.npu.stream(s):
+    pass
+dist.init_process_group("hccl", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+out["backend"] = dist.get_backend()
+for name in ("torch.npu.not_an_api", "torch_npu.npu_not_an_operator"):
+    try:
+        eval(name, {"torch": torch, "torch_npu": __import__("torch_npu")})
+        out[name] = "no error"
+    except AttributeError as err:
+        out[name] = str(err)
+try:
+    from mindspeed.op_builder import GMMOpBuilder
+except ImportError:
+    out["builder"] = "mindspeed not installed"
+else:
+    from verl_patches.npu_rehearsal import ops
+    npu_rehearsal.activate_mindspeed_kernels()
+    builder = GMMOpBuilder()  # one instance: its constructor defines the torch-library schema
+    out["builder_known"] = sorted(vars(builder.load()))
+    del ops.MINDSPEED_KERNELS["grouped_matmul"]
+    GMMOpBuilder._loaded_ops.clear()
+    try:
+        builder.load()
+        out["builder"] = "no error"
+    except Exception as err:
+        out["builder"] = f"{type(err).__name__}: {err}"
+print("RESULT " + json.dumps(out))
+"""
+
+
+def result(proc: subprocess.CompletedProcess) -> dict:
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_the_stand_in_maps_the_device_api_onto_the_host_and_fails_loudly():
+    out = result(run(DEVICE_API))
+    assert out["describe"].startswith("torch_npu: STAND-IN of the NPU rehearsal platform")
+    assert out["npu_is_stand_in"]
+    assert out["cuda_device"] == out["index_device"] == out["to_npu"] == "cpu"
+    assert out["backend"] == "gloo"
+    assert "torch.npu.not_an_api is not implemented by the torch_npu stand-in" in out["torch.npu.not_an_api"]
+    assert "torch_npu.npu_not_an_operator is not implemented" in out["torch_npu.npu_not_an_operator"]
+    if out.get("builder") != "mindspeed not installed":
+        assert {"npu_gmm", "npu_gmm_backward"} <= set(out["builder_known"])
+        assert out["builder"].startswith("MissingKernel: MindSpeed op builder 'grouped_matmul'")
+
+
+def _npu_stack_missing() -> str | None:
+    for name in ("mindspeed_llm", "megatron.training", "mindspeed.te.pytorch.module"):
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except ModuleNotFoundError:
+            return name
+    return None
+
+
+needs_npu_stack = pytest.mark.skipif(_npu_stack_missing() is not None,
+                                     reason=f"{_npu_stack_missing()} is not importable (MindSpeed v2.2.0_core_r0.12.1, "
+                                            "MindSpeed-LLM v2.2.0 and Megatron-LM core_v0.12.1's training "
+                                            "packages are needed)")
+
+
+@needs_npu_stack
+def test_verls_initializer_builds_the_npu_model_with_no_dummy_module_and_it_trains():
+    out = result(run(str(REPO / "tests/npu_rehearsal/npu_path_build.py")))
+    assert out["dummies"] == []
+    assert not any(c.startswith("megatron.core.extensions.transformer_engine") for c in out["classes"])
+    assert {"mindspeed_llm.tasks.models.transformer.multi_latent_attention.CustomMLASelfAttention",
+            "mindspeed.core.transformer.moe.moe_feature.adaptor.MindSpeedGmmExperts"} <= set(out["classes"])
+    assert out["shape"] == [1, 16, 1000] and out["finite"] and out["no_grad"] == []
+    assert out["torch_npu"].startswith("torch_npu: STAND-IN")
+    # Through the overlay's records: the spec record and the binding (Megatron's arguments from verl's config).
+    assert {"verl.deepseek_v3_mindspeed_llm_layer_spec", "verl.recipe_megatron.binding"} <= set(out["applied"])
+    assert out["spec"] == ["mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"] and out["seq_length"] == 64
+    # MindSpeed-LLM's fused MLA down-projection (q_down + kv_down in one linear_qkv) and grouped experts.
+    assert out["params"]["decoder.layers.1.self_attention.linear_qkv.weight"] == [48 + 32 + 8, 64]
+    assert "decoder.layers.1.mlp.experts.weight1" in out["params"]
+
+
+@needs_npu_stack
+def test_an_operator_removed_from_the_stand_in_fails_the_path_naming_it():
+    proc = run(str(REPO / "tests/npu_rehearsal/npu_path_build.py"), DROP_OPERATOR="npu_swiglu")
+    assert proc.returncode != 0
+    assert "torch_npu.npu_swiglu is not implemented by the torch_npu stand-in" in proc.stderr
