@@ -9,7 +9,7 @@ from tests.helpers import REPO
 
 DOC = REPO / "docs" / "STATUS.md"
 AREAS = ("Reshard", "Switch and offload", "Graph-safe switch", "TensorCache", "Old log-prob reuse", "DP domain",
-         "Reward", "The tiny run", "Checkpoints", "NVIDIA", "Self-checks", "Tests and CI")
+         "Reward", "The tiny run", "The Ascend path (NPU rehearsal platform)", "Several nodes", "Checkpoints", "NVIDIA", "Self-checks", "Tests and CI")
 
 
 def test_status_is_short_and_names_no_issue_or_commit():
