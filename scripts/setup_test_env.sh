@@ -21,6 +21,23 @@ LOCK=$ROOT/configs/upstream.lock.toml
 
 log() { printf '[setup_test_env] %s\n' "$*" >&2; }
 
+# One build per venv at a time: a second run for the same VENV waits for the first (then reuses what it
+# built), for at most VERL_PATCHES_VENV_LOCK_WAIT_S seconds (default 1800), and is refused by name after
+# that. The lock is a file beside the venv, held (flock) for this script's lifetime; it is never deleted
+# (deleting it would let a third run take a fresh lock beside a build in progress).
+LOCK_WAIT=${VERL_PATCHES_VENV_LOCK_WAIT_S:-1800}
+[[ "$LOCK_WAIT" =~ ^[0-9]+$ ]] && ((LOCK_WAIT >= 1)) \
+  || { log "error: VERL_PATCHES_VENV_LOCK_WAIT_S='$LOCK_WAIT': expected a whole number of seconds of at least 1"; exit 2; }
+command -v flock >/dev/null || { log "error: flock (util-linux) not found: it serialises builds of one venv; install util-linux"; exit 2; }
+VENV_PARENT=$(dirname "$VENV")
+mkdir -p "$VENV_PARENT"
+VENV_LOCK="$VENV.build.lock"
+exec 9>>"$VENV_LOCK"
+if ! flock -n 9; then
+  log "waiting for another build of $VENV to finish (lock $VENV_LOCK; up to ${LOCK_WAIT} s)"
+  flock -w "$LOCK_WAIT" 9 || { log "error: another build of $VENV still holds $VENV_LOCK after ${LOCK_WAIT} s; wait for it to finish (or stop it), then run this again"; exit 2; }
+fi
+
 command -v "$PYTHON" >/dev/null || { log "error: $PYTHON not found (the recipe targets Python 3.11; set PYTHON=...)"; exit 2; }
 
 # pyproject.toml is part of the stamp (its entry points name the vLLM plugins: a module that moves

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import sys
 
 import pytest
@@ -222,3 +223,48 @@ print("maxdiff", (vocab_parallel_entropy(x) - bench._entropy_tp1(x)).abs().max()
     assert r.returncode == 0, r.stderr[-3000:]
     diff = float(r.stdout.split("maxdiff")[1])
     assert diff < 1e-5, diff  # float32 rounding of the same formula, summed in another order
+
+
+def _hold_lock(path, seconds):
+    """Hold the venv build's lock (flock, as the script takes it) from another process for ``seconds``."""
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(float(sys.argv[2]))")
+    p = subprocess.Popen([sys.executable, "-c", code, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"  # readiness: the lock is taken before the script starts
+    return p
+
+
+def test_a_second_venv_build_waits_for_the_first(tmp_path):
+    """Two builds of one venv are serialised: the second waits for the lock, then goes on (here to its Python
+    check, which fails by name: nothing is built, nothing of the first build's is touched)."""
+    venv = tmp_path / "venv"
+    holder = _hold_lock(tmp_path / "venv.build.lock", 3)
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run(["bash", str(REPO / "scripts" / "setup_test_env.sh")], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "VENV": str(venv), "PYTHON": "no-such-python3.11"})
+        waited = time.monotonic() - t0
+    finally:
+        holder.wait(timeout=60)
+    assert f"waiting for another build of {venv}" in r.stderr, r.stderr
+    assert waited >= 2.0, waited  # it did not go on while the lock was held
+    assert r.returncode == 2 and "no-such-python3.11 not found" in r.stderr, r.stderr
+    assert not venv.exists()
+
+
+def test_a_venv_build_held_up_too_long_is_refused_by_name(tmp_path):
+    venv = tmp_path / "venv"
+    holder = _hold_lock(tmp_path / "venv.build.lock", 20)
+    try:
+        r = subprocess.run(["bash", str(REPO / "scripts" / "setup_test_env.sh")], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "VENV": str(venv), "PYTHON": "no-such-python3.11",
+                                             "VERL_PATCHES_VENV_LOCK_WAIT_S": "1"})
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert r.returncode == 2
+    assert f"another build of {venv} still holds {tmp_path / 'venv.build.lock'} after 1 s" in r.stderr, r.stderr
+    assert not venv.exists()
+    bad = subprocess.run(["bash", str(REPO / "scripts" / "setup_test_env.sh")], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "VENV": str(venv), "VERL_PATCHES_VENV_LOCK_WAIT_S": "soon"})
+    assert bad.returncode == 2 and "VERL_PATCHES_VENV_LOCK_WAIT_S='soon'" in bad.stderr, bad.stderr

@@ -126,6 +126,8 @@ VARIABLES: tuple[Var, ...] = (
         "verl_patches/reshard/checksum.py"),
     Var("VERL_PATCHES_CACHE", "path", None, "where the test environment setup keeps its downloads",
         "scripts/setup_test_env.sh"),
+    Var("VERL_PATCHES_VENV_LOCK_WAIT_S", "int", 1800, "seconds a build of the test environment waits for another "
+        "build of the same venv to finish before it is refused", "scripts/setup_test_env.sh", low=1, high=86400),
     Var("VERL_PATCHES_UPSTREAM_DIR", "path", None, "the folder with upstream release archives (MindSpeed, "
         "MindSpeed-LLM, Megatron-LM's training package)", "scripts/install_upstream_sources.sh, scripts/setup_test_env.sh"),
     Var("VERL_PATCHES_INJECT_FAULT", "text", "",

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from verl_patches.base.schema import Integer, Number, PathArg, Text
+
 EXIT_NODE_LOST = 4
 # The run report's line per step (verl_patches/reporting/report.py): "step N/M | ...", possibly after
 # Ray's "(TaskRunner pid=...)" prefix and colour codes. Step 0 is the validation before training.
@@ -71,11 +73,15 @@ def _nodes(client, timeout: float) -> dict[str, tuple[str, bool, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", required=True, help="the Ray head's GCS address host:port")
-    p.add_argument("--nodes", type=int, required=True, help="how many nodes joined (the launcher waited for them)")
-    p.add_argument("--log", type=Path, default=None, help="the trainer's log, for the step the loss happened in")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between two reads of the node table")
-    p.add_argument("--rpc-timeout", type=float, default=10.0, help="seconds one read of the node table may take")
+    p.add_argument("--address", type=Text(), required=True, help="the Ray head's GCS address host:port")
+    p.add_argument("--nodes", type=Integer(low=1), required=True,
+                   help="how many nodes joined (the launcher waited for them)")
+    p.add_argument("--log", type=PathArg("input file"), default=None,
+                   help="the trainer's log, for the step the loss happened in")
+    p.add_argument("--interval", type=Number(low=0, low_open=True, high=3600), default=2.0,
+                   help="seconds between two reads of the node table")
+    p.add_argument("--rpc-timeout", type=Number(low=0, low_open=True, high=3600), default=10.0,
+                   help="seconds one read of the node table may take")
     args = p.parse_args(argv)
     if args.nodes < 1 or not args.interval > 0 or not args.rpc_timeout > 0:
         p.error("--nodes, --interval and --rpc-timeout must be positive")

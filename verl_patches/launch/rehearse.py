@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from verl_patches.base.schema import Integer, Number, PathArg, Text
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "scripts" / "train_tiny.sh"
 RAY_PORT = 6379  # inside the head's own namespace: nothing else listens there
@@ -286,14 +288,18 @@ def _pythonpath() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out", type=Path, help="the rehearsal's directory (node0/, node1/, ..., rehearsal.json)")
-    p.add_argument("--nodes", type=int, default=2, help="nodes (namespaces); the tiny config's 4 workers spread over them")
+    p.add_argument("out", type=PathArg("output directory"),
+                   help="the rehearsal's directory (node0/, node1/, ..., rehearsal.json)")
+    p.add_argument("--nodes", type=Integer(low=2, high=4), default=2,
+                   help="nodes (namespaces); the tiny config's 4 workers spread over them")
     p.add_argument("--fault", choices=("kill-ray", "partition"), default=None, help="lose the last node mid-step")
-    p.add_argument("--fault-step", type=int, default=1, help="the step during which the node is lost")
-    p.add_argument("--fault-delay", type=float, default=2.0, help="seconds into that step")
-    p.add_argument("--timeout", type=float, default=1200.0, help="seconds the launchers may run in all")
-    p.add_argument("--tag", default=f"vr{os.getpid() % 100000}", help="prefix of the namespaces' names")
-    p.add_argument("--health", default="", help="Ray health-check settings for every node, NAME=VALUE,... "
+    p.add_argument("--fault-step", type=Integer(low=1), default=1, help="the step during which the node is lost")
+    p.add_argument("--fault-delay", type=Number(low=0, high=3600), default=2.0, help="seconds into that step")
+    p.add_argument("--timeout", type=Number(low=0, low_open=True, high=86400), default=1200.0,
+                   help="seconds the launchers may run in all")
+    p.add_argument("--tag", type=Text(max_len=10), default=f"vr{os.getpid() % 100000}",
+                   help="prefix of the namespaces' names (1 to 10 lower-case letters or digits)")
+    p.add_argument("--health", type=Text(empty=True), default="", help="Ray health-check settings for every node, NAME=VALUE,... "
                    "(e.g. RAY_health_check_period_ms=1000)")
     args, overrides = p.parse_known_args(argv)
     if args.nodes < 2:
