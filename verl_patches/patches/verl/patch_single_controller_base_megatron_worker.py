@@ -125,8 +125,15 @@ def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: A
     sys.argv = ["verl_worker", *argv]
     try:
         # Its adaptor first (MindSpeed's and MindSpeed-LLM's features), then Megatron's training package: the
-        # adaptor replaces what megatron binds at import (torch.compile for jit_fuser, among others).
-        importlib.import_module("mindspeed_llm")
+        # adaptor replaces what megatron binds at import (torch.compile for jit_fuser, among others). Imported at
+        # the rank's start by the prelude (verl_patches/train/mindspeed_adaptor.py: before verl seeds megatron-core),
+        # its features are re-selected here from the model's command line.
+        if "mindspeed_llm" in sys.modules:
+            from verl_patches.train.mindspeed_adaptor import reapply_mindspeed_llm_features
+
+            reapply_mindspeed_llm_features()
+        else:
+            importlib.import_module("mindspeed_llm")
         from megatron.training import global_vars
         from megatron.training.arguments import parse_args, validate_args
 
