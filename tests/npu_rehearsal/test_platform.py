@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import os
 import subprocess
 import sys
@@ -184,3 +185,14 @@ def test_verl_deciding_its_device_after_transfer_to_npu_is_refused_naming_the_or
     proc = run(VERL_AFTER_TRANSFER_TO_NPU, VERL_PATCHES_PHASE="worker")
     assert proc.returncode != 0
     assert "verl decided its device as 'cuda' before MindSpeed-LLM's adaptor" in proc.stderr
+
+
+def test_the_doctor_judges_torch_npu_and_cann_stood_in_on_the_rehearsal_and_missing_off_it():
+    doctor = "import sys, runpy; sys.argv = ['verl_patches', 'doctor', '--platform', 'npu']; " \
+             "runpy.run_module('verl_patches', run_name='__main__')"
+    on = run(doctor)
+    for key in ("torch_npu", "cann"):
+        assert re.search(rf"^stood-in +lock:{key} .*the NPU rehearsal platform stands in for it", on.stdout, re.M), \
+            on.stdout[-3000:]
+    off = run(doctor, VERL_PATCHES_PLATFORM="")
+    assert not re.search(r"^stood-in", off.stdout, re.M) and re.search(r"^missing +lock:cann", off.stdout, re.M)
