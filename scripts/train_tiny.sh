@@ -10,7 +10,9 @@
 #
 # DEVICE=cpu (default) runs on the host with the CPU platform's stand-ins (verl_patches/cpu/: vLLM's
 # model receives the reshard and transformers generates from it); DEVICE=cuda needs 4 GPUs and an
-# environment with vLLM's CUDA build (VENV=...). Outputs under TINY_OUT (default out/tiny): the
+# environment with vLLM's CUDA build (VENV=...); DEVICE=npu-rehearsal trains the NPU path (MindSpeed,
+# MindSpeed-LLM's DeepSeek layers) on the host through the NPU rehearsal platform's torch_npu stand-in
+# (verl_patches/npu_rehearsal/), generation staying the CPU platform's stand-in. Outputs under TINY_OUT (default out/tiny): the
 # generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/.
 #
 # The console after the environment build: a banner (what runs, where everything goes), one line

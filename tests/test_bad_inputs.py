@@ -242,7 +242,7 @@ SHELL_CASES = [
      "RAY_PORT must be a TCP port, a whole number from 1 to 65535, got 'http'"),
     ("nnodes-float", [LAUNCHER, "--dry-run"], {"NNODES": "16.0"}, "NNODES must be a positive integer, got '16.0'"),
     ("wait-timeout", [LAUNCHER, "--dry-run"], {"WAIT_TIMEOUT_S": "-5"}, "WAIT_TIMEOUT_S must be a positive integer"),
-    ("device", [LAUNCHER], {"DEVICE": "gpu"}, "DEVICE must be npu, cuda or cpu, got 'gpu'"),
+    ("device", [LAUNCHER], {"DEVICE": "gpu"}, "DEVICE must be npu, cuda, cpu or npu-rehearsal, got 'gpu'"),
     ("option", [LAUNCHER, "--dryrun"], {}, "unknown option --dryrun"),
     ("ckpt-is-file", [TRUE_WEIGHT, "--dry-run"], {"DIST_CKPT_PATH": "{ws}/file.txt"}, "{ws}/file.txt is not a directory"),
     ("ckpt-empty", [TRUE_WEIGHT, "--dry-run"], {"DIST_CKPT_PATH": "{ws}/empty"}, "{ws}/empty is empty"),

@@ -63,6 +63,10 @@ def boot_rehearsal() -> bool:
     return True
 
 
+# Applied before MindSpeed-LLM's adaptor on an Ascend rank, with the records on MindSpeed itself.
+BEFORE_MINDSPEED_ADAPTOR = ("megatron.jit_fuser_mindspeed_compile",)
+
+
 def apply_prelude(phase: str | None = None) -> list[str]:
     """Apply this phase's patches; return the ids newly applied (empty when already done)."""
     if env.get("VERL_PATCHES_OFF"):
@@ -72,7 +76,24 @@ def apply_prelude(phase: str | None = None) -> list[str]:
 
     boot_rehearsal()  # before anything reads the accelerator (the stand-in is the NPU there)
     save_real_compile()
-    return apply_all(patches_for(phase or current_phase()))
+    phase = phase or current_phase()
+    patches = patches_for(phase)
+    from verl_patches.base import accelerator
+
+    if phase != "worker" or accelerator.device_type() != "npu" or importlib.util.find_spec("mindspeed_llm") is None:
+        return apply_all(patches)
+    # An Ascend rank with MindSpeed-LLM: its adaptor at the rank's start, before any worker's __init__ seeds
+    # megatron-core (import_mindspeed_llm_at_rank_start says why). First the records on MindSpeed itself (they shape
+    # what the adaptor registers) and megatron's jit_fuser reading torch.compile when used (the adaptor's features
+    # import megatron's fusions while they register), then the adaptor, then every other record (on upstream code
+    # as MindSpeed left it, so their fingerprints see what runs).
+    from verl_patches.train.mindspeed_adaptor import import_mindspeed_llm_at_rank_start
+
+    first = [p for p in patches if p.upstream == "mindspeed" or p.id in BEFORE_MINDSPEED_ADAPTOR]
+    applied = apply_all(first)
+    import_mindspeed_llm_at_rank_start()
+    applied += apply_all([p for p in patches if p not in first])
+    return applied
 
 
 def vllm_plugin() -> None:

@@ -25,7 +25,7 @@ bringup_defaults() {
   UPSTREAM_ROOT="${UPSTREAM_ROOT:-}"
   NNODES="${NNODES:-16}"
   DEVICES_PER_NODE="${DEVICES_PER_NODE:-16}"
-  DEVICE="${DEVICE:-npu}"                      # npu | cuda | cpu (the host: no accelerator)
+  DEVICE="${DEVICE:-npu}"                      # npu | cuda | cpu (the host: no accelerator) | npu-rehearsal
   PYTHON="${PYTHON:-python3}"
   RAY_BIN="${RAY_BIN:-ray}"
   RAY_PORT="${RAY_PORT:-6379}"
@@ -97,24 +97,35 @@ bringup_check_env() {
 # Ray's name for the accelerator: verl asks Ray for "NPU" on Ascend and "GPU" otherwise. On the
 # host (DEVICE=cpu) Ray is told the node has DEVICES_PER_NODE "GPU" slots: verl places one worker
 # per slot, and each worker runs on the CPU (the CPU platform's patches, verl_patches/cpu/).
+# DEVICE=npu-rehearsal (the NPU rehearsal platform, verl_patches/npu_rehearsal/: torch_npu's stand-in on the
+# host) is the NPU's to verl and Ray: "NPU" slots, trainer.device=npu, one worker per slot, on the CPU.
 bringup_resource_name() {
-  if [[ "$DEVICE" == npu ]]; then echo NPU; else echo GPU; fi
+  if [[ "$DEVICE" == npu || "$DEVICE" == npu-rehearsal ]]; then echo NPU; else echo GPU; fi
 }
 
 # The trainer.device verl gets: the Ray resource family its worker groups ask for.
 bringup_trainer_device() {
-  if [[ "$DEVICE" == cpu ]]; then echo cuda; else echo "$DEVICE"; fi
+  case "$DEVICE" in
+    cpu) echo cuda ;;
+    npu-rehearsal) echo npu ;;
+    *) echo "$DEVICE" ;;
+  esac
+}
+
+# The platform the overlay's doctor judges (the rehearsal is the NPU's, with its stand-in selected).
+bringup_platform() {
+  if [[ "$DEVICE" == npu-rehearsal ]]; then echo npu; else echo "$DEVICE"; fi
 }
 
 bringup_device_args() {
-  if [[ "$DEVICE" == npu ]]; then
+  if [[ "$DEVICE" == npu || "$DEVICE" == npu-rehearsal ]]; then
     printf '%s\n' --resources "{\"NPU\": ${DEVICES_PER_NODE}}"
   else
     printf '%s\n' --num-gpus "$DEVICES_PER_NODE"
   fi
   if [[ -n "$RAY_NUM_CPUS" ]]; then
     printf '%s\n' --num-cpus "$RAY_NUM_CPUS"
-  elif [[ "$DEVICE" == cpu ]]; then
+  elif [[ "$DEVICE" == cpu || "$DEVICE" == npu-rehearsal ]]; then
     # Each worker's placement bundle asks for one CPU, the trainer's task runner for one more;
     # Ray would otherwise offer only the cores it counts.
     printf '%s\n' --num-cpus "$((DEVICES_PER_NODE + 2))"
@@ -148,6 +159,7 @@ bringup_ray_worker_cmd() {
 # as everywhere in recipe_env.sh and as the dry run reports it; SOCKET_IFNAME fills only the unset.
 bringup_export_env() {
   export PYTHONPATH="${RECIPE_ROOT}${UPSTREAM_ROOT:+:${UPSTREAM_ROOT}}${PYTHONPATH:+:${PYTHONPATH}}"
+  bringup_rehearsal_env
   export RAY_ADDRESS="${MASTER_ADDR}:${RAY_PORT}"
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$SOCKET_IFNAME}"
   # Node health (read by Ray's GCS on the head and by every raylet; README, "Node loss"): a node that
@@ -168,6 +180,19 @@ bringup_export_env() {
     # process compiling megatron-core's fused elementwise functions and gain nothing.
     export TORCHDYNAMO_DISABLE=1
   fi
+}
+
+# DEVICE=npu-rehearsal: every process (the checks, the trainer, Ray's workers) imports the stand-in's torch_npu
+# before verl, which decides its device once at import; the platform is selected by this variable only
+# (verl_patches/npu_rehearsal/). Idempotent.
+bringup_rehearsal_env() {
+  [[ "$DEVICE" == npu-rehearsal ]] || return 0
+  local site="${RECIPE_ROOT}/verl_patches/npu_rehearsal/site"
+  case ":${PYTHONPATH:-}:" in
+    *":${site}:"*) ;;
+    *) export PYTHONPATH="${site}${PYTHONPATH:+:${PYTHONPATH}}" ;;
+  esac
+  export VERL_PATCHES_PLATFORM=npu-rehearsal
 }
 
 bringup_source_cann() {

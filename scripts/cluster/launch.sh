@@ -32,7 +32,7 @@ usage: $(basename "$0") [--dry-run] [HYDRA_OVERRIDE ...]
 Run the same command on every node. Environment (defaults in parentheses):
   ROLE (from NODE_RANK, else head if MASTER_ADDR is a local address), NODE_RANK,
   MASTER_ADDR (first local address), RAY_PORT (6379), NNODES (16), DEVICES_PER_NODE (16),
-  DEVICE (npu | cuda | cpu), UPSTREAM_ROOT (copied upstream packages, first on PYTHONPATH), SOCKET_IFNAME (the interface routing to MASTER_ADDR),
+  DEVICE (npu | cuda | cpu | npu-rehearsal), UPSTREAM_ROOT (copied upstream packages, first on PYTHONPATH), SOCKET_IFNAME (the interface routing to MASTER_ADDR),
   CANN_ENV_SCRIPT, NNAL_ENV_SCRIPT, MODEL_PATH, TRAIN_FILES, VAL_FILES, CKPT_SAVE_DIR,
   LOG_DIR, RAY_TEMP_DIR, RAY_NUM_CPUS, WAIT_TIMEOUT_S (900), PYTHON (python3), RAY_BIN (ray),
   LAUNCH_CONSOLE (full | steps: the console shows the report's lines, the rest goes to LOG_DIR)
@@ -99,7 +99,7 @@ PY
   echo "== doctor"
   if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
     # UPSTREAM_ROOT is first on PYTHONPATH, so the doctor finds the copied packages there.
-    "$PYTHON" -m verl_patches doctor --platform "$DEVICE" || { echo "error: doctor failed (see above)" >&2; rc=1; }
+    "$PYTHON" -m verl_patches doctor --platform "$(bringup_platform)" || { echo "error: doctor failed (see above)" >&2; rc=1; }
   else
     echo "error: doctor unavailable: 'import verl_patches.cli' fails with $PYTHON (is the overlay on PYTHONPATH?)" >&2
     rc=1
@@ -146,6 +146,7 @@ launch_main() {
   bringup_defaults
   bringup_check_env || return $?
   recipe_env_apply "$DEVICE" || return $?
+  bringup_rehearsal_env
   launch_defaults
   # Run-specific required inputs and overrides (set by the train_*.sh script).
   LAUNCH_RUN_OVERRIDES=()

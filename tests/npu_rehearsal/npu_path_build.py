@@ -51,10 +51,9 @@ def main() -> None:
     (model_dir / "config.json").write_text((REPO / "configs/model/tiny_deepseek_v3.json").read_text())
     # MindSpeed-LLM's adaptor BEFORE megatron-core is imported and seeded: it replaces megatron-core's
     # _set_cuda_rng_state and jit_fuser (torch.compile) and must come first, as in the reference recipe. verl's
-    # worker imports megatron-core and seeds it before the binding runs (where the overlay builds the global
-    # arguments today): wiring this early call into the rank boot is open (docs/RECIPE.md, the NPU path).
-    # Here the binding's own function runs first, with the layout the worker will have; the binding's call
-    # below then finds the same arguments built.
+    # worker seeds megatron-core before the binding runs: in a rank the prelude imports the adaptor first
+    # (npu_path_worker.py runs that order). Here, the model's records only, the binding's own function runs first,
+    # with the layout the worker will have; the binding's call below then finds the same arguments built.
     apply.apply_all(no_text_generation.PATCHES)  # before the adaptor runs (its docstring: why)
     recipe = binding.importlib.import_module("verl_patches.config.megatron_args").parse({})
     binding.build_global_args(worker_config, str(model_dir), torch.bfloat16, recipe, tp=1, pp=1, ep=1, etp=1,
@@ -68,8 +67,7 @@ def main() -> None:
 
     mpu.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(42)
-    # The worker-phase records the build goes through (the whole prelude in this order is open: verl's actor
-    # module imports flash_attn.bert_padding, which MindSpeed's adaptor has registered as a bare module).
+    # The worker-phase records the build goes through (the whole prelude: npu_path_worker.py).
     from verl_patches.entry_points import patches_for
 
     wanted = {"verl.recipe_megatron.binding", "mindspeed.recipe_megatron_args",

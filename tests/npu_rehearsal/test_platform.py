@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import os
 import subprocess
 import sys
@@ -148,3 +149,50 @@ def test_an_operator_removed_from_the_stand_in_fails_the_path_naming_it():
     proc = run(str(REPO / "tests/npu_rehearsal/npu_path_build.py"), DROP_OPERATOR="npu_swiglu")
     assert proc.returncode != 0
     assert "torch_npu.npu_swiglu is not implemented by the torch_npu stand-in" in proc.stderr
+
+
+@needs_npu_stack
+def test_verls_worker_seeds_and_builds_the_npu_model_after_the_whole_prelude_in_its_own_order():
+    # verl's worker module, the prelude at its end, ActorRolloutRefWorker.__init__ (seeds megatron-core), the binding.
+    out = result(run(str(REPO / "tests/npu_rehearsal/npu_path_worker.py")))
+    assert out["verl_device"] == "npu" and out["mindspeed_llm_at_rank_start"]
+    # The records on MindSpeed and megatron's jit_fuser before the adaptor, then the rest (verl's actor module too).
+    assert out["applied"][:3] == ["megatron.jit_fuser_mindspeed_compile", "mindspeed.recipe_megatron_args",
+                                  "mindspeed.no_megatron_text_generation"]
+    assert {"verl.recipe_megatron.binding", "verl.old_log_prob.minibatch",
+            "verl.deepseek_v3_mindspeed_llm_layer_spec"} <= set(out["applied"])
+    assert "model-parallel-rng" in out["rng_tracker"]
+    assert "mindspeed_llm.tasks.models.transformer.multi_latent_attention.CustomMLASelfAttention" in out["classes"]
+    assert out["shape"] == [1, 16, 1000] and out["finite"] and out["no_grad"] == []
+    assert out["params"]["decoder.layers.1.self_attention.linear_qkv.weight"] == [48 + 32 + 8, 64]
+    assert out["spec"] == ["mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"] and out["seq_length"] == 64
+    # MindSpeed's bare flash_attn is still registered: verl, having decided npu, never asks it for bert_padding.
+    assert out["flash_attn_is_package"] is False
+
+
+VERL_AFTER_TRANSFER_TO_NPU = """
+from verl_patches.entry_points import boot_rehearsal
+boot_rehearsal()
+from torch_npu.contrib import transfer_to_npu  # torch.cuda.is_available() answers the NPU's from here on
+import verl.utils.device  # verl decides "cuda" (its actor modules would then import flash_attn.bert_padding)
+from verl_patches.entry_points import apply_prelude
+apply_prelude("worker")
+"""
+
+
+@needs_npu_stack
+def test_verl_deciding_its_device_after_transfer_to_npu_is_refused_naming_the_order():
+    proc = run(VERL_AFTER_TRANSFER_TO_NPU, VERL_PATCHES_PHASE="worker")
+    assert proc.returncode != 0
+    assert "verl decided its device as 'cuda' before MindSpeed-LLM's adaptor" in proc.stderr
+
+
+def test_the_doctor_judges_torch_npu_and_cann_stood_in_on_the_rehearsal_and_missing_off_it():
+    doctor = "import sys, runpy; sys.argv = ['verl_patches', 'doctor', '--platform', 'npu']; " \
+             "runpy.run_module('verl_patches', run_name='__main__')"
+    on = run(doctor)
+    for key in ("torch_npu", "cann"):
+        assert re.search(rf"^stood-in +lock:{key} .*the NPU rehearsal platform stands in for it", on.stdout, re.M), \
+            on.stdout[-3000:]
+    off = run(doctor, VERL_PATCHES_PLATFORM="")
+    assert not re.search(r"^stood-in", off.stdout, re.M) and re.search(r"^missing +lock:cann", off.stdout, re.M)

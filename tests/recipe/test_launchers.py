@@ -186,7 +186,7 @@ def test_dry_run_fails_for_what_the_real_run_would_fail_on(tmp_path):
 @pytest.mark.parametrize("args, env, message", [
     (["--bogus"], {}, "unknown option --bogus"),
     (["--dry-run"], {"NNODES": "zero"}, "NNODES must be a positive integer"),
-    (["--dry-run"], {"DEVICE": "tpu"}, "DEVICE must be npu, cuda or cpu"),
+    (["--dry-run"], {"DEVICE": "tpu"}, "DEVICE must be npu, cuda, cpu or npu-rehearsal"),
     (["--dry-run"], {"ROLE": "boss"}, "ROLE must be head or worker"),
 ])
 def test_bad_input_is_named(args, env, message):
@@ -492,3 +492,28 @@ def test_a_ray_head_that_dies_while_the_trainer_runs_stops_the_launcher_at_once(
     assert f"error: the Ray head (pid {head}) exited while the trainer ran" in rest, rest
     assert "the Ray head exited while the trainer ran: stopping the run" in rest
     assert took < 30, took
+
+
+def test_the_npu_rehearsal_device_is_the_npus_to_ray_and_verl_with_the_stand_in_first_for_every_process():
+    script = f"""
+set -euo pipefail
+source {SCRIPTS}/cluster/bringup.sh
+bringup_defaults
+recipe_env_apply "$DEVICE"
+bringup_rehearsal_env
+bringup_export_env
+bringup_ray_head_cmd
+echo "RESOURCE=$(bringup_resource_name) TRAINER=$(bringup_trainer_device) DOCTOR=$(bringup_platform)"
+echo "PLATFORM=$VERL_PATCHES_PLATFORM DYNAMO=${{TORCHDYNAMO_DISABLE:-}}"
+echo "PYTHONPATH=$PYTHONPATH"
+echo "RAY=${{RAY_CMD[*]}}"
+"""
+    r = subprocess.run(["bash", "-c", script], env=_env(DEVICE="npu-rehearsal", DEVICES_PER_NODE="4"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "RESOURCE=NPU TRAINER=npu DOCTOR=npu" in r.stdout
+    assert "PLATFORM=npu-rehearsal DYNAMO=1" in r.stdout
+    path = next(line for line in r.stdout.splitlines() if line.startswith("PYTHONPATH=")).split("=", 1)[1].split(":")
+    site = str(SCRIPTS.parent / "verl_patches/npu_rehearsal/site")
+    assert path.count(site) == 1  # on the path at every process start, so torch_npu resolves before verl imports it
+    assert '--resources {"NPU": 4}' in r.stdout and "--num-cpus 6" in r.stdout and "--num-gpus" not in r.stdout

@@ -73,9 +73,19 @@ def system_component_version(key: str) -> tuple[str, Path] | None:
     return None
 
 
+# What the NPU rehearsal platform (VERL_PATCHES_PLATFORM=npu-rehearsal) stands in for: judged as stood in, not required.
+REHEARSAL_STANDS_IN = ("torch_npu", "cann")
+
+
 def check_component(comp: Component, platform: str, root: Path | None) -> Finding:
     required = comp.required_on(platform)
     fid = f"lock:{comp.key}"
+    if platform == "npu" and comp.key in REHEARSAL_STANDS_IN:
+        from verl_patches import npu_rehearsal
+
+        if npu_rehearsal.selected():
+            return Finding(fid, comp.key, "stood-in", f"{comp.key} {comp.ref or comp.version}: the NPU rehearsal "
+                           "platform stands in for it (only an NPU proves it)", None, comp.ref or comp.version, False)
     if not comp.import_name:
         found = system_component_version(comp.key)
         if found is None:

@@ -31,7 +31,7 @@ from verl_patches.config import env as overlay_env
 from verl_patches.reporting.findings import finish
 
 POSITIVE_INTS = ("NNODES", "DEVICES_PER_NODE", "WAIT_TIMEOUT_S", "STOP_GRACE_S")
-CHOICES = {"DEVICE": ("npu", "cuda", "cpu"), "ROLE": ("head", "worker"), "LAUNCH_CONSOLE": ("full", "steps")}
+CHOICES = {"DEVICE": ("npu", "cuda", "cpu", "npu-rehearsal"), "ROLE": ("head", "worker"), "LAUNCH_CONSOLE": ("full", "steps")}
 # The defaults of scripts/cluster/bringup.sh, for a caller that did not set them.
 DEFAULTS = {"NNODES": "16", "DEVICES_PER_NODE": "16", "WAIT_TIMEOUT_S": "900", "STOP_GRACE_S": "15",
             "RAY_PORT": "6379", "DEVICE": "npu", "LAUNCH_CONSOLE": "full"}

@@ -125,8 +125,15 @@ def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: A
     sys.argv = ["verl_worker", *argv]
     try:
         # Its adaptor first (MindSpeed's and MindSpeed-LLM's features), then Megatron's training package: the
-        # adaptor replaces what megatron binds at import (torch.compile for jit_fuser, among others).
-        importlib.import_module("mindspeed_llm")
+        # adaptor replaces what megatron binds at import (torch.compile for jit_fuser, among others). Imported at
+        # the rank's start by the prelude (verl_patches/train/mindspeed_adaptor.py: before verl seeds megatron-core),
+        # its features are re-selected here from the model's command line.
+        if "mindspeed_llm" in sys.modules:
+            from verl_patches.train.mindspeed_adaptor import reapply_mindspeed_llm_features
+
+            reapply_mindspeed_llm_features()
+        else:
+            importlib.import_module("mindspeed_llm")
         from megatron.training import global_vars
         from megatron.training.arguments import parse_args, validate_args
 
@@ -212,6 +219,18 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
         ma.check_layout(recipe, num_layers=tf.num_layers, pp=pp, vpp=vpp, tp=tp, ep=ep, etp=etp,
                         num_experts=tf.num_moe_experts)
         setattr(tf, LAYER_LIST_ATTR, recipe.num_layer_list)
+        if accelerator.device_type() == "npu" and "mindspeed_llm" in sys.modules:
+            # MindSpeed-LLM's layers read the per-stage list and offsets from the TransformerConfig as int lists,
+            # which its own core_transformer_config_from_args makes from --num-layer-list
+            # (mindspeed_llm/training/arguments.py: core_transformer_config_from_args_wrapper); verl builds the
+            # config from the HF config, which left the argument's string there ("3,1"[stage] is a str).
+            from mindspeed_llm.training.arguments import get_layer_offset
+
+            if recipe.num_layer_list:
+                tf.num_layer_list = list(recipe.num_layer_list)
+                tf.layer_offset = get_layer_offset(pp, tf.num_layer_list)
+            else:
+                tf.num_layer_list = None
 
     return _init_hf_config_and_tf_config
 

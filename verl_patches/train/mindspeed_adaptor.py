@@ -1,0 +1,83 @@
+"""MindSpeed-LLM's adaptor in an Ascend rank of the recipe: imported at the rank's start by the prelude
+(verl_patches/entry_points.py: apply_prelude), its features re-selected by the worker binding from the model's
+Megatron command line (verl_patches/patches/verl/patch_single_controller_base_megatron_worker.py:
+build_global_args). docs/RECIPE.md, "The NPU path", says why in this order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+
+# megatron-core 0.12.1's modules that decorate functions with jit_fuser when imported, on the DeepSeek path
+# (megatron/core/transformer/utils.py and torch_norm.py do too, but verl's worker module imports them before any
+# overlay code runs; their functions -- gelu, L2Norm -- are not on it).
+JIT_FUSER_USERS = ("megatron.core.fusions.fused_bias_dropout", "megatron.core.fusions.fused_bias_swiglu",
+                   "megatron.core.fusions.fused_bias_gelu", "megatron.core.fusions.fused_bias_geglu",
+                   "megatron.core.fusions.fused_cross_entropy", "megatron.core.transformer.moe.experts")
+
+
+def import_mindspeed_llm_at_rank_start() -> bool:
+    """Ascend with MindSpeed-LLM, the worker phase: MindSpeed-LLM's adaptor (MindSpeed's and MindSpeed-LLM's features)
+    when the rank's prelude runs, at the end of verl's worker module. Returns whether it was imported here.
+
+    Why here and not where the worker's config is known (the binding, or ActorRolloutRefWorker.__init__): verl 0.4.1's
+    __init__ seeds megatron-core (set_random_seed -> model_parallel_cuda_manual_seed) right after it builds the
+    parallel groups, and megatron-core's own _set_cuda_rng_state indexes torch.cuda.default_generators, which an NPU
+    does not fill (``IndexError: tuple index out of range``): MindSpeed's megatron_basic feature replaces it with
+    torch.npu's, so the adaptor must have run before any worker's __init__. The prelude is the earliest point the
+    overlay runs in the rank and it precedes every __init__ (verl's worker module has imported megatron-core by
+    then: the record megatron.jit_fuser_mindspeed_compile makes megatron's jit_fuser read torch.compile when used,
+    and megatron's fusions must not be imported before the adaptor -- refused below, naming them). The features MindSpeed-LLM
+    selects depend on the command line (the model's shape, the recipe's MindSpeed flags), known only with the
+    worker's config: the binding re-applies them from that command line (``reapply_mindspeed_llm_features``), as
+    MindSpeed's own ``megatron_adaptor.repatch`` does for MindSpeed's.
+
+    verl decides its device once, at the import of verl.utils.device, from torch.cuda.is_available(); the adaptor
+    imports torch_npu.contrib.transfer_to_npu, after which torch.cuda.is_available() answers the NPU's. verl must
+    have decided before (npu: its actor modules then take pad_input/unpad_input from transformers'
+    npu_flash_attention; decided after, it takes them from flash_attn.bert_padding, which MindSpeed's
+    te_adaptation registers as a bare module: ``No module named 'flash_attn.bert_padding'``)."""
+    if importlib.util.find_spec("mindspeed_llm") is None or "mindspeed_llm" in sys.modules:
+        return False
+    device = importlib.import_module("verl.utils.device")
+    if device.is_cuda_available or not device.is_npu_available:
+        from verl_patches.config.megatron_args import RecipeMegatronError
+
+        raise RecipeMegatronError(
+            f"verl decided its device as {device.get_device_name()!r} before MindSpeed-LLM's adaptor, on an Ascend "
+            "rank: torch.cuda.is_available() was already true when verl was imported (torch_npu.contrib."
+            "transfer_to_npu imported before verl?); import verl before MindSpeed/transfer_to_npu in the worker")
+    compiled = sorted(m for m in JIT_FUSER_USERS if m in sys.modules)
+    if compiled:
+        from verl_patches.config.megatron_args import RecipeMegatronError
+
+        raise RecipeMegatronError(
+            f"{compiled} were imported before MindSpeed-LLM's adaptor on an Ascend rank: their functions are "
+            "decorated with megatron's jit_fuser = the real torch.compile (dynamo on the NPU). Apply the overlay's "
+            "prelude before anything imports megatron's fusions (verl_patches/entry_points.py: apply_prelude)")
+    # MindSpeed-LLM's parser reads sys.argv at import: the worker's (Ray's) command line is not Megatron's.
+    saved = sys.argv
+    sys.argv = [saved[0] if saved else "verl_worker"]
+    try:
+        importlib.import_module("mindspeed_llm")
+    finally:
+        sys.argv = saved
+    return True
+
+
+def reapply_mindspeed_llm_features() -> None:
+    """MindSpeed-LLM's features re-selected from this process's Megatron command line (sys.argv set by the caller):
+    the steps of ``mindspeed.megatron_adaptor.repatch`` (remove every MindSpeed patch, register and apply the pre
+    patches and the patches again) with MindSpeed-LLM's arguments, which is what MindSpeed-LLM's adaptor applied
+    at import (mindspeed_llm/tasks/megatron_adaptor_v2.py: FeatureAdaptor.execute). ``mindspeed.megatron_adaptor``
+    itself is not imported: its import applies MindSpeed's own features from MindSpeed's parser a second time."""
+    from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
+    from mindspeed_llm.tasks.megatron_adaptor_v2 import FeatureAdaptor
+
+    args = FeatureAdaptor.get_mindspeed_llm_args()
+    MindSpeedFeaturesManager.remove_patches()
+    MindSpeedFeaturesManager.apply_features_pre_patches(args)
+    MindSpeedFeaturesManager.apply_features_patches(args)
+    sys.modules.pop("transformer_engine", None)  # as FeatureAdaptor.execute: accelerate checks sys.modules for TE
