@@ -81,9 +81,9 @@ def check_component(comp: Component, platform: str, root: Path | None) -> Findin
     required = comp.required_on(platform)
     fid = f"lock:{comp.key}"
     if platform == "npu" and comp.key in REHEARSAL_STANDS_IN:
-        from verl_patches import npu_rehearsal
+        from verl_patches.config import env as overlay_env  # not npu_rehearsal: it imports core (its records)
 
-        if npu_rehearsal.selected():
+        if overlay_env.get("VERL_PATCHES_PLATFORM") == "npu-rehearsal":  # npu_rehearsal.platform.selected()
             return Finding(fid, comp.key, "stood-in", f"{comp.key} {comp.ref or comp.version}: the NPU rehearsal "
                            "platform stands in for it (only an NPU proves it)", None, comp.ref or comp.version, False)
     if not comp.import_name:
