@@ -26,8 +26,9 @@ log() { printf '[setup_test_env] %s\n' "$*" >&2; }
 # that. The lock is a file beside the venv, held (flock) for this script's lifetime; it is never deleted
 # (deleting it would let a third run take a fresh lock beside a build in progress).
 LOCK_WAIT=${VERL_PATCHES_VENV_LOCK_WAIT_S:-1800}
-[[ "$LOCK_WAIT" =~ ^[0-9]+$ ]] && ((LOCK_WAIT >= 1)) \
-  || { log "error: VERL_PATCHES_VENV_LOCK_WAIT_S='$LOCK_WAIT': expected a whole number of seconds of at least 1"; exit 2; }
+if ! [[ "$LOCK_WAIT" =~ ^[0-9]+$ ]] || ((LOCK_WAIT < 1)); then
+  log "error: VERL_PATCHES_VENV_LOCK_WAIT_S='$LOCK_WAIT': expected a whole number of seconds of at least 1"; exit 2
+fi
 command -v flock >/dev/null || { log "error: flock (util-linux) not found: it serialises builds of one venv; install util-linux"; exit 2; }
 VENV_PARENT=$(dirname "$VENV")
 mkdir -p "$VENV_PARENT"

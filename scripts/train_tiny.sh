@@ -58,7 +58,8 @@ export RECIPE_ROOT="$ROOT" UPSTREAM_ROOT PYTHON="$PY" RAY_BIN="$VENV/bin/ray"
 # One node by default; several as on a cluster (scripts/rehearse_multinode.sh): the same command on every
 # node with MASTER_ADDR (the head's address), NODE_RANK, NNODES and DEVICES_PER_NODE (NNODES x
 # DEVICES_PER_NODE = 4 workers for the tiny config's layout).
-export DEVICE="${DEVICE:-cpu}" NNODES="${NNODES:-1}" DEVICES_PER_NODE="${DEVICES_PER_NODE:-$((4 / ${NNODES:-1}))}"
+export NNODES="${NNODES:-1}"
+export DEVICE="${DEVICE:-cpu}" DEVICES_PER_NODE="${DEVICES_PER_NODE:-$((4 / NNODES))}"
 export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 export MODEL_PATH="$TINY_ASSETS/model" TRAIN_FILES="$TINY_ASSETS/data/train.parquet"
 export VAL_FILES="$TINY_ASSETS/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-$TINY_OUT/checkpoints}"

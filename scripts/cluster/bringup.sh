@@ -261,6 +261,7 @@ bringup_wait_port() {
 # host answers, its Ray stopped) or silent (no answer, no route: a partition, or a head too busy).
 bringup_head_state() {
   local said
+  # shellcheck disable=SC2016  # $1 and $2 are the inner bash's arguments, expanded there
   if said="$(timeout 3 env LC_ALL=C bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$MASTER_ADDR" "$RAY_PORT" 2>&1)"; then
     echo up
   elif [[ "$said" == *"Connection refused"* ]]; then
@@ -316,6 +317,7 @@ bringup_start_node_watch() {
   local trainer_log="$1"
   "$PYTHON" -m verl_patches.launch.node_watch --address "${MASTER_ADDR}:${RAY_PORT}" --nodes "$NNODES" \
     --log "$trainer_log" >"${LOG_DIR}/node_watch.log" 2>&1 </dev/null &
+  # shellcheck disable=SC2034  # read by scripts/cluster/launch.sh, which sources this file
   BRINGUP_WATCH_PID="$!"
   BRINGUP_PIDS+=("$!")
 }
