@@ -30,9 +30,21 @@ if ! [[ "$LOCK_WAIT" =~ ^[0-9]+$ ]] || ((LOCK_WAIT < 1)); then
   log "error: VERL_PATCHES_VENV_LOCK_WAIT_S='$LOCK_WAIT': expected a whole number of seconds of at least 1"; exit 2
 fi
 command -v flock >/dev/null || { log "error: flock (util-linux) not found: it serialises builds of one venv; install util-linux"; exit 2; }
+MARKER=.verl_patches_venv
+foreign_venv() {  # VENV holds something this script did not make (a file, or a directory without its marks)
+  { [ -e "$VENV" ] && [ ! -L "$VENV" ]; } && ! { [ -d "$VENV" ] && { [ -f "$VENV/$MARKER" ] ||
+    [ -f "$VENV/.verl_patches_stamp" ] || [ -z "$(ls -A "$VENV")" ]; }; }
+}
+refuse_foreign() {
+  log "error: VENV=$VENV exists and was not made by this script (no $MARKER in it): refusing to delete or reuse it; choose a new path or remove it yourself"
+  exit 2
+}
+VENV_LOCK="$VENV.build.lock"
+# A path that is not ours is refused before the lock is made beside it: a refusal writes nothing. (With a lock
+# already there, a build of ours may be between creating the venv and marking it: decided under the lock.)
+if [ ! -e "$VENV_LOCK" ] && foreign_venv; then refuse_foreign; fi
 VENV_PARENT=$(dirname "$VENV")
 mkdir -p "$VENV_PARENT"
-VENV_LOCK="$VENV.build.lock"
 exec 9>>"$VENV_LOCK"
 if ! flock -n 9; then
   log "waiting for another build of $VENV to finish (lock $VENV_LOCK; up to ${LOCK_WAIT} s)"
@@ -59,7 +71,6 @@ fi
 
 # Only a virtualenv this script made (its marker, or the stamp of a finished build) is ever
 # removed: VENV may point at any directory, and anything else there is not ours to delete.
-MARKER=.verl_patches_venv
 if [ -e "$VENV" ] || [ -L "$VENV" ]; then
   if [ -d "$VENV" ] && [ ! -L "$VENV" ] && { [ -f "$VENV/$MARKER" ] || [ -f "$VENV/.verl_patches_stamp" ]; }; then
     log "rebuilding $VENV (made by this script; its stamp is out of date)"
@@ -70,8 +81,7 @@ if [ -e "$VENV" ] || [ -L "$VENV" ]; then
     log "error: VENV=$VENV is a symbolic link (to $(readlink "$VENV")) and its stamp does not match this checkout's lock and requirements: refusing to rebuild through a link; point VENV at the real directory, or remove the link"
     exit 2
   else
-    log "error: VENV=$VENV exists and was not made by this script (no $MARKER in it): refusing to delete or reuse it; choose a new path or remove it yourself"
-    exit 2
+    refuse_foreign
   fi
 fi
 

@@ -47,6 +47,20 @@ import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test ends with the process environment it started with. An entry point run in-process (a CLI's
+    main, a rank function) may set variables for the processes it starts (the preflight's VERL_PATCHES_DEVICE);
+    left behind, they reach every subprocess a later test in this worker starts -- which tests share a worker
+    depends on timing, so such a leak fails only sometimes (it did in CI: VERL_PATCHES_DEVICE=cpu turned the
+    NPU rehearsal's subprocesses into CPU runs)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_switch_loop():
     """Each test starts with a fresh process-wide switch loop (verl_patches/offload/live.py): the
     memory objects one test attaches must not be members of the next test's loop."""

@@ -52,6 +52,17 @@ def test_a_real_torch_npu_refuses_the_stand_in_naming_both(monkeypatch, tmp_path
     assert "real" in npu_rehearsal.describe()
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_forced_host_device_contradicts_the_rehearsal_naming_both(monkeypatch, device):
+    # Forced to another device, the overlay would take that device's records under the rehearsal's name.
+    monkeypatch.setenv("VERL_PATCHES_PLATFORM", "npu-rehearsal")
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", device)
+    with pytest.raises(npu_rehearsal.RehearsalError, match=f"VERL_PATCHES_DEVICE={device} contradicts "
+                                                           "VERL_PATCHES_PLATFORM=npu-rehearsal"):
+        npu_rehearsal.activate()
+    assert "torch_npu" not in sys.modules
+
+
 DEVICE_API = """
 import json, tempfile, torch, torch.distributed as dist
 from verl_patches import npu_rehearsal

@@ -55,6 +55,14 @@ def activate() -> Any:
     if not selected():
         raise RehearsalError(f"the NPU rehearsal platform is not selected: set {ENV}={PLATFORM} to use the "
                              "torch_npu stand-in (it is never used otherwise)")
+    from verl_patches.config import env
+
+    forced = env.get("VERL_PATCHES_DEVICE")
+    if forced and forced != "npu":
+        # The overlay would take the host's records and skip MindSpeed-LLM's adaptor: a CPU run under the
+        # rehearsal's name. (Found in CI: a test's in-process preflight left VERL_PATCHES_DEVICE=cpu behind.)
+        raise RehearsalError(f"VERL_PATCHES_DEVICE={forced} contradicts {ENV}={PLATFORM} (the stand-in is an NPU): "
+                             f"unset VERL_PATCHES_DEVICE, or unset {ENV} for a {forced} run")
     real = real_torch_npu_origin()
     if real is not None:
         raise RehearsalError(f"a real torch_npu is installed ({real}); the NPU rehearsal platform's stand-in "
