@@ -77,6 +77,13 @@ with torch.npu.stream(s):
     pass
 dist.init_process_group("hccl", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 out["backend"] = dist.get_backend()
+# Pinned host memory (torch asks the NPU's hooks once PrivateUse1 is renamed: answered on the host).
+host = torch.arange(6.0)
+pinned = host.pin_memory()
+made = torch.empty(4, pin_memory=True)
+out["pinned"] = [host.is_pinned(), pinned.is_pinned(), pinned[2:].is_pinned(), pinned.pin_memory() is pinned,
+                 torch.equal(pinned, host), made.is_pinned(), torch.zeros(2).is_pinned(),
+                 torch.empty_like(host, pin_memory=True).is_pinned()]
 for name in ("torch.npu.not_an_api", "torch_npu.npu_not_an_operator"):
     try:
         eval(name, {"torch": torch, "torch_npu": __import__("torch_npu")})
@@ -115,6 +122,7 @@ def test_the_stand_in_maps_the_device_api_onto_the_host_and_fails_loudly():
     assert out["npu_is_stand_in"]
     assert out["cuda_device"] == out["index_device"] == out["to_npu"] == "cpu"
     assert out["backend"] == "gloo"
+    assert out["pinned"] == [False, True, True, True, True, True, False, True]
     assert "torch.npu.not_an_api is not implemented by the torch_npu stand-in" in out["torch.npu.not_an_api"]
     assert "torch_npu.npu_not_an_operator is not implemented" in out["torch_npu.npu_not_an_operator"]
     if out.get("builder") != "mindspeed not installed":

@@ -4,6 +4,7 @@ Imported only through verl_patches.npu_rehearsal.activate() (VERL_PATCHES_PLATFO
 where a real torch_npu is installed. What it does, as the real package does on import:
 - renames torch's PrivateUse1 backend to ``npu`` and registers ``torch.npu`` (here: ``torch_npu.npu``, the
   device API answered by the host: see that module);
+- answers pinned host memory (``pin_memory``, ``is_pinned``, ``pin_memory=True`` factories: see _pinned.py);
 - exposes torch_npu's operators (``torch_npu.npu_*``) as attributes: here the host implementations of
   verl_patches/npu_rehearsal (ops.OPERATORS, ops_extra.OPERATORS), looked up at each access; a name that
   is not there raises AttributeError naming it.
@@ -34,6 +35,11 @@ unsupported_dtype = [torch.quint8, torch.quint4x2, torch.quint2x4, torch.qint32,
 
 if torch._C._get_privateuse1_backend_name() != "npu":
     torch.utils.rename_privateuse1_backend("npu")
+
+# Renamed, torch asks the NPU's C++ hooks about pinned host memory; the stand-in answers on the host (_pinned.py).
+from torch_npu import _pinned  # noqa: E402
+
+_pinned.install()
 
 from torch_npu import npu  # noqa: E402  (the device module; registered as torch.npu below)
 
