@@ -267,10 +267,12 @@ bringup_start_head
 echo "PGID=${{BRINGUP_PIDS[0]}}"
 # The head listens first (its start takes over 10 s on a loaded 2-core host), within WAIT_TIMEOUT_S.
 bringup_wait_head
+# The one node's devices, within WAIT_TIMEOUT_S (60 s): Ray answers from here on (its head's port opens before
+# its GCS answers; on a loaded 2-core host the whole start took 33 s).
+bringup_wait_devices
 # Two nodes never join: the wait must time out with a message naming what joined (15 s: ray.init alone
 # takes several seconds on a loaded host).
 if NNODES=2 WAIT_TIMEOUT_S=15 bringup_wait_devices; then echo "UNEXPECTED-READY"; fi
-bringup_wait_devices
 # What the running Ray head was started with: the user's interfaces, not SOCKET_IFNAME.
 tr '\\0' '\\n' < "/proc/${{BRINGUP_PIDS[0]}}/environ" | grep '_SOCKET_IFNAME=' | sed 's/^/RAY-ENV /'
 bringup_stop

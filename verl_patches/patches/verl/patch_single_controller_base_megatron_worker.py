@@ -195,8 +195,11 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
         # built or handed to MindSpeed for a wrong layout.
         ma.check_layout(recipe, num_layers=sum(recipe.num_layer_list or ()), pp=pp, vpp=vpp, tp=tp, ep=ep, etp=etp)
         check_weight_loading(self.config, recipe)
+        # MindSpeed-LLM's route on an Ascend rank where it is installed (a test hides it with a None in sys.modules,
+        # which find_spec answers as absent).
+        llm_route = accelerator.device_type() == "npu" and importlib.util.find_spec("mindspeed_llm") is not None
         if accelerator.device_type() == "npu":
-            if importlib.util.find_spec("mindspeed_llm") is not None:
+            if llm_route:
                 # The reference route: Megatron's global arguments through MindSpeed-LLM's parser, whose
                 # adaptor applies MindSpeed's and MindSpeed-LLM's features, before the TransformerConfig.
                 build_global_args(self.config, model_path, dtype, recipe, tp=tp, pp=pp, ep=ep, etp=etp,
@@ -219,7 +222,7 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
         ma.check_layout(recipe, num_layers=tf.num_layers, pp=pp, vpp=vpp, tp=tp, ep=ep, etp=etp,
                         num_experts=tf.num_moe_experts)
         setattr(tf, LAYER_LIST_ATTR, recipe.num_layer_list)
-        if accelerator.device_type() == "npu" and "mindspeed_llm" in sys.modules:
+        if llm_route:
             # MindSpeed-LLM's layers read the per-stage list and offsets from the TransformerConfig as int lists,
             # which its own core_transformer_config_from_args makes from --num-layer-list
             # (mindspeed_llm/training/arguments.py: core_transformer_config_from_args_wrapper); verl builds the
