@@ -1,8 +1,8 @@
 """Bytes the driver serialises to its workers per GRPO training step, with and without the TensorCache,
 on a local CPU Ray cluster through verl 0.4.1's real RayWorkerGroup, dispatch modes and DataProto.
 
-Eight Ray actors form one torch.distributed (gloo) world with real megatron-core parallel_state
-(TP2 PP2 -> DP2). They stand in for ActorRolloutRefWorker only in what their methods compute (no
+Ray actors, TP x PP x DP2 of them (--tp/--pp, default TP2 PP2: eight), form one torch.distributed (gloo)
+world with real megatron-core parallel_state. They stand in for ActorRolloutRefWorker only in what their methods compute (no
 model: responses and log-probs are deterministic functions of the tokens); the methods carry verl's
 dispatch modes and are wrapped by the overlay's own worker-side TensorCache wrappers, and the driver
 uses the overlay's driver-side wrappers. One step runs the calls of RayPPOTrainer.fit in its order
@@ -41,7 +41,7 @@ from verl.single_controller.base.megatron.worker import MegatronWorker  # noqa: 
 
 from verl_patches.patches.verl import patch_workers_megatron_workers_tensor_cache as worker_side  # noqa: E402
 
-TP, PP = 2, 2
+DP = 2  # the data-parallel ranks: the TensorCache's saving is per DP chunk
 
 
 def _digest(tensors: dict) -> str:
@@ -57,14 +57,14 @@ def _digest(tensors: dict) -> str:
 class StageWorker(MegatronWorker):
     """What ActorRolloutRefWorker's four step methods compute, without a model."""
 
-    def __init__(self, n: int, response_len: int):
+    def __init__(self, n: int, response_len: int, tp: int, pp: int):
         super().__init__()
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-        ps.initialize_model_parallel(tensor_model_parallel_size=TP, pipeline_model_parallel_size=PP)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         self.n, self.response_len = n, response_len
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -231,11 +231,12 @@ def measure(args) -> dict:
     from verl_patches.patches.verl import patch_trainer_ppo_ray_trainer as driver_side
 
     t0 = time.time()
-    # Logical CPUs for the 8 single-CPU bundles verl's resource pool asks for (the actors idle mostly).
+    # Logical CPUs for the single-CPU bundles verl's resource pool asks for, one a worker (the actors idle mostly).
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
     try:
         pool = RayResourcePool(process_on_nodes=[args.workers], use_gpu=False, max_colocate_count=1)
-        cls = RayClassWithInitArgs(cls=ray.remote(StageWorker), n=args.n, response_len=args.response_len)
+        cls = RayClassWithInitArgs(cls=ray.remote(StageWorker), n=args.n, response_len=args.response_len,
+                                   tp=args.tp, pp=args.pp)
         wg = NVMegatronRayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
         started = time.time() - t0
         import types
@@ -284,19 +285,20 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=Integer(low=1), default=8, help="samples per prompt (sequences = prompts x n)")
     p.add_argument("--prompt-len", type=Integer(low=1), default=1024)
     p.add_argument("--response-len", type=Integer(low=1), default=3072)
-    p.add_argument("--workers", type=Integer(low=1), default=8)
+    p.add_argument("--tp", type=Integer(low=1), default=2, help="tensor-parallel size of the workers' megatron groups")
+    p.add_argument("--pp", type=Integer(low=1), default=2, help="pipeline-parallel size (workers = TP x PP x DP2)")
     p.add_argument("--seed", type=Integer(low=0), default=0)
     p.add_argument("--json", type=PathArg("output file"), default=None)
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args(argv)
-    if args.workers != TP * PP * 2:
-        p.error(f"--workers must be {TP * PP * 2} (TP{TP} x PP{PP} x DP2)")
+    args.workers = args.tp * args.pp * DP
     for name in ("prompts", "n", "prompt_len", "response_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.prompts % args.workers:
         # verl's dispatch splits the prompts into one equal chunk per worker before they are repeated.
-        p.error(f"--prompts {args.prompts} must be a multiple of --workers {args.workers}")
+        p.error(f"--prompts {args.prompts} must be a multiple of the workers, TP{args.tp} x PP{args.pp} x DP{DP} = "
+                f"{args.workers}")
     res = measure(args)
     same = res["upstream"]["digest"] == res["tensor_cache"]["digest"]
     up, tc = sum(res["upstream"]["bytes"].values()), sum(res["tensor_cache"]["bytes"].values())

@@ -72,10 +72,22 @@ def _fresh_switch_loop():
         live.reset_live_switch()
 
 
-# The longest files first: under pytest-xdist (scripts/test.sh: two workers, a file at a time) a long
-# file handed out last would run alone at the end. The tiny runs (verl's trainer end to end, minutes
-# each) lead, then the rest of the slow tier, then the fast tier; collection order otherwise.
-_FIRST = ("tests/recipe/test_train_tiny.py", "tests/recipe/test_train_tiny_dynamic_bsz.py")
+# The longest files first, longest first: under pytest-xdist (scripts/test.sh: two workers, a file at a time) a
+# long file handed out last runs alone at the end (a 13-minute tail in CI once). Then the rest of the slow tier,
+# then the fast tier; collection order otherwise. Seconds per file from a clean 2-core run (2026-11-27, durations).
+_FIRST = (
+    "tests/recipe/test_train_tiny.py",  # 562
+    "tests/recipe/test_multinode_rehearsal.py",  # 456
+    "tests/recipe/test_train_tiny_dynamic_bsz.py",  # 344
+    "tests/recipe/test_multinode_node_loss.py",  # 335
+    "tests/recipe/test_launchers.py",  # 306
+    "tests/test_scripts.py",  # 348, of which 215 the eight-worker measure_tensorcache_bytes.py, since two
+    "tests/preflight/test_preflight.py",  # 175
+    "tests/recipe/test_cluster_checks.py",  # 129
+    "tests/test_launch_teardown.py",  # 118
+    "tests/core/test_prelude.py",  # 100
+    "tests/npu_rehearsal/test_platform.py",  # 81
+)
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -86,3 +98,25 @@ def pytest_collection_modifyitems(session, config, items):
         return len(_FIRST) + (0 if item.get_closest_marker("slow") else 1)
 
     items.sort(key=rank)  # stable: the order within each group is pytest's
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """scripts/test.sh's --dist loadfile, its files handed out in the order above. xdist's own file scheduling
+    orders them by their number of tests, most first (xdist/scheduler/loadscope.py: schedule), which put the
+    multi-node rehearsal's three tests of 13 minutes last."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OrderedFileScheduling(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            if not getattr(self, "_in_collection_order", False) and self.collection is not None:
+                first: dict[str, int] = {}
+                for nodeid in self.collection:
+                    first.setdefault(self._split_scope(nodeid), len(first))
+                for scope in sorted(self.workqueue, key=lambda s: first.get(s, len(first))):
+                    self.workqueue.move_to_end(scope)
+                self._in_collection_order = True
+            super()._assign_work_unit(node)
+
+    return OrderedFileScheduling(config, log)

@@ -190,8 +190,10 @@ def test_bench_self_check_tiny(tmp_path):
 @pytest.mark.slow
 def test_measure_tensorcache_bytes_tiny(tmp_path):
     out = tmp_path / "tc.json"
+    # Two workers (TP1 x PP1 x DP2) on CI's 2 cores: the default eight took 215 s there; the saving is per DP chunk.
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_tensorcache_bytes.py"), "--prompts", "8",
-                        "--n", "2", "--prompt-len", "8", "--response-len", "8", "--json", str(out)],
+                        "--n", "2", "--prompt-len", "8", "--response-len", "8", "--tp", "1", "--pp", "1",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=400, cwd=str(REPO),
                        env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -199,7 +201,7 @@ def test_measure_tensorcache_bytes_tiny(tmp_path):
     assert res["identical_update_inputs"] is True and res["ratio"] > 1.0, res
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_tensorcache_bytes.py"), "--prompts", "2"],
                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
-    assert bad.returncode == 2 and "--prompts 2 must be a multiple of --workers 8" in bad.stderr
+    assert bad.returncode == 2 and "--prompts 2 must be a multiple of the workers, TP2 x PP2 x DP2 = 8" in bad.stderr
 
 
 def test_bench_self_checks_entropy_is_verls_at_tensor_parallel_1():

@@ -254,7 +254,7 @@ launch_start() {
     # connections (its launcher stopped its Ray), this node's Ray is stopped at once; a head that has not
     # answered for HEAD_SILENT_S (default RAY_gcs_rpc_server_reconnect_timeout_s: a partition) stops it
     # too, exit 4: Ray's raylet does not notice a silent head while it has no call to the head pending
-    # (measured: still up 2 minutes after its link was cut, in tests/recipe/test_multinode_rehearsal.py).
+    # (measured: still up 2 minutes after its link was cut, in tests/recipe/test_multinode_node_loss.py).
     local ray_pid="${BRINGUP_PIDS[0]}" refused=0 wrc=0 last_up=$SECONDS
     local silent_s="${HEAD_SILENT_S:-${RAY_gcs_rpc_server_reconnect_timeout_s:-60}}"
     if ! [[ "$silent_s" =~ ^[1-9][0-9]*$ ]]; then

@@ -41,7 +41,7 @@ def test_a_worker_tells_a_head_that_is_up_from_one_that_refuses():
         assert _bash(check, MASTER_ADDR="127.0.0.1", RAY_PORT=str(port)).stdout.strip() == "refused"
         s.listen(1)
         assert _bash(check, MASTER_ADDR="127.0.0.1", RAY_PORT=str(port)).stdout.strip() == "up"
-    # A silent head (no answer at all) is the partition case of tests/recipe/test_multinode_rehearsal.py.
+    # A silent head (no answer at all) is the partition case of tests/recipe/test_multinode_node_loss.py.
 
 def test_the_node_loss_bound_follows_rays_health_checks():
     r = _bash("bringup_export_env; bringup_node_loss_bound_s")

@@ -1,6 +1,6 @@
 """The head's node watch (verl_patches/launch/node_watch.py): the step a loss happened in, from the run
 report's lines in the trainer's log as Ray prints them. The watch itself runs in
-tests/recipe/test_multinode_rehearsal.py against a real Ray cluster of two network namespaces."""
+tests/recipe/test_multinode_rehearsal.py and test_multinode_node_loss.py against a real Ray cluster of two network namespaces."""
 
 from verl_patches.launch.node_watch import last_step, step_phrase
 
