@@ -20,6 +20,7 @@ import json
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -77,18 +78,40 @@ def _compared(row: dict) -> dict:
     return {k: v for k, v in row.items() if k != "step" and not k.startswith(NOT_COMPARED)}
 
 
+def _start(out: Path, assets: Path, console: Path, *overrides: str) -> subprocess.Popen:
+    """_run, not waited for: the console (stdout and stderr in one stream) goes to a file."""
+    env = dict(os.environ, TINY_OUT=str(out), TINY_ASSETS=str(assets))
+    with open(console, "w") as f:
+        return subprocess.Popen(["bash", str(REPO / "scripts" / "train_tiny.sh"), *overrides], env=env,
+                                cwd=str(REPO), stdout=f, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_assets):
     base = tmp_path_factory.mktemp("tiny")
     assets = tiny_assets
-    a = _run(base / "a", assets, f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_AT}",
-             "trainer.val_before_train=True", f"trainer.test_freq={STEPS}")
+    a_args = (f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_AT}",
+              "trainer.val_before_train=True", f"trainer.test_freq={STEPS}")
+    a_proc = _start(base / "a", assets, base / "a.console", *a_args)
+    try:
+        # B resumes from A's checkpoint of step SAVE_AT: it starts once verl's tracker names that step (written
+        # after the save), while A runs its last steps (both wait on Ray and their ranks much of the time).
+        tracker = base / "a" / "checkpoints" / "latest_checkpointed_iteration.txt"
+        while a_proc.poll() is None and not (tracker.exists() and tracker.read_text().strip() == str(SAVE_AT)):
+            time.sleep(0.5)
+        ckpt = base / "a" / "checkpoints" / f"global_step_{SAVE_AT}"
+        assert ckpt.is_dir(), (base / "a.console").read_text()[-6000:] + _log(base / "a", "trainer.log")[-6000:]
+        b = _run(base / "b", assets, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1",
+                 "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.resume_mode=resume_path",
+                 f"trainer.resume_from_path={ckpt}", "actor_rollout_ref.rollout.recipe.reshard_method=upstream",
+                 *REBALANCE)
+        a_proc.wait(timeout=600)
+    finally:
+        if a_proc.poll() is None:
+            a_proc.terminate()  # the launcher stops what it started (its trap)
+            a_proc.wait(timeout=60)
+    a = subprocess.CompletedProcess(a_proc.args, a_proc.returncode, (base / "a.console").read_text(errors="replace"))
     assert a.returncode == 0, a.stdout[-6000:] + _log(base / "a", "trainer.log")[-6000:]
-    ckpt = base / "a" / "checkpoints" / f"global_step_{SAVE_AT}"
-    b = _run(base / "b", assets, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1",
-             "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.resume_mode=resume_path",
-             f"trainer.resume_from_path={ckpt}", "actor_rollout_ref.rollout.recipe.reshard_method=upstream",
-             *REBALANCE)
     assert b.returncode == 0, b.stdout[-6000:] + _log(base / "b", "trainer.log")[-6000:]
     a.out_dir = base / "a"
     return a, _metrics(base / "a"), b, _metrics(base / "b")
