@@ -43,8 +43,11 @@ def test_a_node_lost_mid_step_stops_the_run_naming_node_and_step(tmp_path, netns
     # Within the bound after the fault, with the node and the step on the head's console.
     assert rec["exit_s"][0] - rec["fault_s"] < LOSS_BOUND_S, (rec, diag)
     head = (out / "node0" / "console.log").read_text()
-    assert re.search(r"error: node 10\.213\.0\.2 \(Ray node [0-9a-f]{12}\) lost during step 1/2 "
-                     r"\(last completed step: 0\)", head), diag
+    # The step then running (asked for: 1, 2 s in; on a loaded machine the injection can come a step late).
+    step = rec["fault_during_step"]
+    assert step in (1, 2), (rec, diag)
+    assert re.search(rf"error: node 10\.213\.0\.2 \(Ray node [0-9a-f]{{12}}\) lost during step {step}/2 "
+                     rf"\(last completed step: {step - 1}\)", head), diag
     assert "stopping the run" in head
     # The other launcher ended what it started, with a non-zero status: its Ray's (SIGKILL) where it was
     # killed; 4 where the node was cut off, saying so. Nothing is left in either namespace.

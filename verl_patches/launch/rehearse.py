@@ -12,8 +12,9 @@ launcher on each node of a cluster: ``MASTER_ADDR`` (the head's address), ``NODE
 ``--fault kill-ray`` kills the last node's Ray (its whole process group, SIGKILL) ``--fault-delay``
 seconds into step ``--fault-step``; ``--fault partition`` detaches that node's link from the switch
 instead (the node runs on, its link keeps its carrier, nothing arrives: silent). ``OUT/rehearsal.json`` records every launcher's exit status and
-time, the fault's time, the Ray node ids and where verl's workers ran, and every process still
-running in a namespace once its launcher had exited (none is expected).
+time, the fault's time and the step then running (``fault_during_step``), the Ray node ids and where verl's
+workers ran (a run without a fault only: the query takes seconds on a loaded machine, and a fault must come
+within its step), and every process still running in a namespace once its launcher had exited (none is expected).
 
 Everything it makes is removed on exit, also on a failure or a signal: the processes still in its
 namespaces (only these: a namespace is this run's own), then the namespaces (the veth pairs and the
@@ -168,6 +169,15 @@ def _started(log: Path, step: int) -> bool:
     return re.search(rf"(?:^|\s)step {step - 1}/\d+ \|", text) is not None
 
 
+def _running_step(log: Path) -> int:
+    """The step the head's trainer is in: one past the last step its report logged."""
+    try:
+        done = re.findall(r"(?:^|\s)step (\d+)/\d+ \|", log.read_text(errors="replace"))
+    except OSError:
+        return 0
+    return int(done[-1]) + 1 if done else 1
+
+
 def _kill_ray(net: Network, rank: int) -> str:
     """SIGKILL the process group of the node's `ray start --block` (its raylet, its workers with it)."""
     for pid in netns_pids(net.nodes[rank]):
@@ -240,7 +250,7 @@ def run(out: Path, nodes: int, overrides: list[str], fault: str | None, fault_st
             for i, p in enumerate(procs):
                 if p.poll() is not None and record["exit"][i] is None:
                     record["exit"][i], record["exit_s"][i] = p.returncode, round(now, 1)
-            if not queried and _started(head_log, 1) and procs[0].poll() is None:
+            if not fault and not queried and _started(head_log, 1) and procs[0].poll() is None:
                 record["ray"] = _ray_query(net, python, procs[0].pid)
                 queried = True
             if fault and not injected and _started(head_log, fault_step):
@@ -252,6 +262,7 @@ def run(out: Path, nodes: int, overrides: list[str], fault: str | None, fault_st
                     net.partition(victim)
                     record["fault_action"] = f"the link of {net.address(victim)} detached from the switch"
                 record["fault_s"] = round(time.monotonic() - t0, 1)
+                record["fault_during_step"] = _running_step(head_log)
                 injected = True
             time.sleep(0.5)
         now = time.monotonic() - t0
