@@ -69,6 +69,16 @@ export WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}" LAUNCH_CONSOLE="${LAUNCH_CONSOLE:
 RAY_PORT="${RAY_PORT:-$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(1, low=20000))')}"
 RAY_TEMP_DIR="${RAY_TEMP_DIR:-$(mktemp -d /tmp/ray_tiny.XXXXXX)}"
 VLLM_DP_PORT="$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(8, low=20000))')"
+# Ray's fixed default ports are shared by every Ray on a host (its workers from 10002 up, its agents'): two tiny
+# runs side by side (the tests run several) failed to bind 10002 ("Failed to start the grpc server"). Each run
+# takes free ones of its own: 64 worker ports, then the agents' 4 (the user's RAY_EXTRA_ARGS replaces them).
+if [[ -z "${RAY_EXTRA_ARGS:-}" ]]; then
+  RAY_OWN_PORT="$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(68, low=20000))')"
+  RAY_EXTRA_ARGS="--min-worker-port=$RAY_OWN_PORT --max-worker-port=$((RAY_OWN_PORT + 63))"
+  RAY_EXTRA_ARGS+=" --dashboard-agent-listen-port=$((RAY_OWN_PORT + 64)) --dashboard-agent-grpc-port=$((RAY_OWN_PORT + 65))"
+  RAY_EXTRA_ARGS+=" --metrics-export-port=$((RAY_OWN_PORT + 66)) --runtime-env-agent-port=$((RAY_OWN_PORT + 67))"
+  export RAY_EXTRA_ARGS
+fi
 export RAY_PORT RAY_TEMP_DIR VLLM_PLUGINS="${VLLM_PLUGINS:-verl_patches}" RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 
 # shellcheck source=scripts/cluster/bringup.sh
