@@ -23,12 +23,13 @@ from verl_patches import npu_rehearsal
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run(code_or_file: str, *, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
+def run(code_or_file: str, *argv: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
     # As the launcher runs a rehearsal process: the stand-in's site on PYTHONPATH, one rank, vLLM's plugins ours.
     path = os.pathsep.join(x for x in (str(REPO), str(npu_rehearsal.SITE), os.environ.get("PYTHONPATH")) if x)
     environ = {**os.environ, "VERL_PATCHES_PLATFORM": "npu-rehearsal", "PYTHONPATH": path, "WORLD_SIZE": "1",
                "RANK": "0", "VLLM_PLUGINS": "verl_patches", **env}
     args = [sys.executable, code_or_file] if code_or_file.endswith(".py") else [sys.executable, "-c", code_or_file]
+    args += list(argv)
     return subprocess.run(args, env=environ, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
@@ -187,6 +188,31 @@ def test_verls_worker_seeds_and_builds_the_npu_model_after_the_whole_prelude_in_
     assert out["spec"] == ["mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"] and out["seq_length"] == 64
     # MindSpeed's bare flash_attn is still registered: verl, having decided npu, never asks it for bert_padding.
     assert out["flash_attn_is_package"] is False
+
+
+@needs_npu_stack
+def test_the_npu_model_loads_the_tiny_assets_mindspeed_llm_checkpoint(tmp_path):
+    """Names end to end: the tiny assets' checkpoint for the NPU path (hf_to_mcore --spec mindspeed_llm, chunked
+    for TP2 x PP2 x EP2) holds every key MindSpeed-LLM's DeepSeek model asks for, in its shapes; verl's loader
+    fills the model with it (one rank)."""
+    from verl_patches.tiny import assets
+
+    paths = assets.build(tmp_path / "assets", "mindspeed_llm")
+    out = result(run(str(REPO / "tests/npu_rehearsal/npu_ckpt_load_worker.py"), str(paths["MODEL_PATH"]),
+                     str(paths["DIST_CKPT_PATH"])))
+    assert out["missing"] == [] and out["shapes"] == [] and out["missing_objects"] == []
+    assert out["load_error"] is None and out["checked"] >= out["wanted"] > 0
+    assert out["params"]["decoder.layers.1.self_attention.linear_qkv.weight"] == [48 + 32 + 8, 64]
+    # Every tensor but the routed experts' holds the checkpoint's values; the logits agree with transformers'
+    # model of the same weights, and the down projection's rows in the other order do not.
+    assert [k for k in out["differ"] if ".mlp.experts.experts." not in k] == []
+    assert out["logits"]["loaded"]["cosine"] > 0.99 and out["logits"]["rows_swapped"]["cosine"] < 0.5
+    # Found here (2026-11-28): verl's load_mcore_dist_weights does not reach GroupedMLP's (MindSpeedGmmExperts')
+    # expert weights: megatron builds them for the load as transposed copies (a ShardedTensorFactory) and merges
+    # them into the state dict dist_checkpointing.load returns, which verl drops.
+    if out["unloaded"]:
+        assert all(".mlp.experts.weight" in k for k in out["unloaded"]), out["unloaded"]
+        pytest.xfail(f"routed experts not loaded by verl's load_mcore_dist_weights: {out['unloaded']}")
 
 
 VERL_AFTER_TRANSFER_TO_NPU = """
