@@ -3,7 +3,8 @@ rehearsal platform (as npu_path_worker.py, whose build it reuses), ``python npu_
 
 1. Names: every key of the model's sharded_state_dict (MindSpeed-LLM's DeepSeek spec, as verl's worker builds it)
    is in the checkpoint with the global shape the model asks for; which checkpoint tensors the model does not ask for.
-2. Load: verl's own load_mcore_dist_weights (megatron's dist_checkpointing.load) into the zeroed model; then every
+2. Load: verl's load_mcore_dist_weights as the prelude leaves it (the recipe's, patch verl.model.load_hands_back:
+   megatron's dist_checkpointing.load, then what it returns handed back) into the zeroed model; then every
    tensor of a fresh sharded_state_dict (factories applied) equals its piece of the checkpoint's global tensor.
 3. Meaning: the loaded model's logits against transformers' DeepseekV3ForCausalLM of the HF directory (bf16, so a
    tolerance): a tensor under a wrong name or q / kv rows in the wrong order would not agree.
@@ -66,9 +67,9 @@ def main(hf_dir: Path, ckpt: Path) -> None:
     except Exception as e:  # noqa: BLE001 - reported
         load_error = f"{type(e).__name__}: {str(e)[:3000]}"
     differ, checked = [], 0
-    # Parameters the load left as zeroed: megatron's dist_checkpointing.load fills the tensors the sharded state
+    # Parameters the load left as zeroed. megatron's dist_checkpointing.load fills the tensors the sharded state
     # dict holds; a ShardedTensorFactory's (GroupedMLP's transposed expert weights) are copies built for the load,
-    # merged into the returned state dict, which verl's loader does not hand back to the model.
+    # merged into the returned state dict: verl's own loader dropped them (found here, 2026-11-28).
     unloaded = sorted(n for n, p in model.named_parameters() if not p.detach().any())
     if load_error is None:
         fresh = model.sharded_state_dict()

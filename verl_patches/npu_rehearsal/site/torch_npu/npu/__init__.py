@@ -1,7 +1,8 @@
 """STAND-IN for ``torch_npu.npu`` / ``torch.npu`` (NPU rehearsal platform): the device API on the host.
 
 Declared answers, each the host's own:
-- one device, the host: ``current_device()`` answers the index ``set_device`` recorded (0 by default), as
+- one device, the host: ``TENSOR_DEVICE_TYPE`` (the overlay's accelerator facade reads it; no torch_npu name)
+  says the device's tensors are host tensors; ``current_device()`` answers the index ``set_device`` recorded (0 by default), as
   torch_npu does; transfer_to_npu makes a tensor asked for on that index (or on ``npu`` / ``cuda``) on the host;
 - streams and events are the program order (the host runs synchronously): waiting, recording and
   synchronising return at once; ``Event(enable_timing=True).elapsed_time`` measures host wall time;
@@ -25,6 +26,7 @@ from torch._streambase import _EventBase, _StreamBase
 from verl_patches import npu_rehearsal as _platform
 
 _state = {"device": 0, "compile_mode": None}
+TENSOR_DEVICE_TYPE = "cpu"  # a tensor made "on the NPU" is a host tensor (transfer_to_npu's stand-in)
 
 
 def is_available() -> bool:
