@@ -40,3 +40,36 @@ def test_an_unknown_spec_is_named():
         names.ATTN["o_proj"].mcore_for("transformer_engine")
     with pytest.raises(ValueError, match="expected one of"):
         names.ckpt_key("input_layernorm.weight", "mindspeed")
+
+
+def test_the_binding_names_mindspeed_llms_fused_down_projection_apart_as_views():
+    """The live binding hands the plan MindSpeed-LLM's fused linear_qkv as the TE spec's two replicated down
+    projections: row views of the one tensor (q_lora_rank rows, from linear_q_up_proj's input size, then kv's);
+    its q / kv norms under their TE names, as for the local spec."""
+    import torch
+
+    from verl_patches.reshard.binding import megatron_params
+    from verl_patches.reshard.model import LayoutError
+
+    layer = torch.nn.Module()
+    attn = torch.nn.Module()
+    attn.linear_qkv = torch.nn.Linear(64, 48 + 40, bias=False)
+    attn.linear_q_up_proj = torch.nn.Linear(48, 128, bias=False)
+    attn.q_layernorm = torch.nn.LayerNorm(48, bias=False)
+    layer.self_attention = attn
+    decoder = torch.nn.Module()
+    decoder.layers = torch.nn.ModuleList([layer])
+    model = torch.nn.Module()
+    model.decoder = decoder
+    got = megatron_params([model])
+    fused = attn.linear_qkv.weight.data
+    q, kv = got["decoder.layers.0.self_attention.linear_q_down_proj.weight"], \
+        got["decoder.layers.0.self_attention.linear_kv_down_proj.weight"]
+    assert q.shape == (48, 64) and kv.shape == (40, 64)
+    assert q.data_ptr() == fused.data_ptr() and kv.data_ptr() == fused[48:].data_ptr()
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" not in got
+    assert "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight" in got
+
+    del attn.linear_q_up_proj  # no query LoRA: where q's rows end is unknown
+    with pytest.raises(LayoutError, match=r"linear_qkv.weight: a fused down projection .*\(q_lora_rank\) only"):
+        megatron_params([model])
