@@ -9,7 +9,8 @@ Declared answers, each the host's own:
 - memory figures are the host's: nothing is cached (``memory_allocated`` and the like answer 0, as the CPU
   platform's do), ``mem_get_info`` the host's (or its cgroup's) free and total bytes;
 - the generator is the host's default generator (every host op draws from it);
-- ``set_compile_mode`` records the mode (there is no NPU graph compiler on the host).
+- ``set_compile_mode`` records the mode (there is no NPU graph compiler on the host), and
+  ``is_current_stream_capturing`` answers False (no graph is captured on the host);
 Any other name raises AttributeError naming it.
 """
 
@@ -227,6 +228,10 @@ def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
 
 
 default_generators = (torch.default_generator,)
+
+
+def is_current_stream_capturing() -> bool:
+    return False  # the host captures no graph (torch_npu: whether an NPUGraph capture is under way)
 
 
 def set_compile_mode(jit_compile: bool = False) -> None:
