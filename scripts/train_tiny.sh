@@ -42,9 +42,13 @@ SETUP_LOG="$LOG_DIR/setup.log"
 : >"$SETUP_LOG"
 
 # The model directory, its Megatron checkpoint and the data: generated, deterministic, offline, built
-# once (TINY_ASSETS: a build to share between runs).
-TINY_ASSETS="${TINY_ASSETS:-$TINY_OUT/assets}"
-"$PY" -m verl_patches.tiny.assets "$TINY_ASSETS" >>"$SETUP_LOG" 2>&1 \
+# once (TINY_ASSETS: a build to share between runs). The checkpoint's names follow the training model's
+# layer spec: MindSpeed-LLM's DeepSeek spec on the NPU path (a build of its own), verl's TE names elsewhere.
+case "${DEVICE:-cpu}" in
+  npu|npu-rehearsal) TINY_SPEC=mindspeed_llm; TINY_ASSETS="${TINY_ASSETS:-$TINY_OUT/assets_mindspeed_llm}" ;;
+  *) TINY_SPEC=te; TINY_ASSETS="${TINY_ASSETS:-$TINY_OUT/assets}" ;;
+esac
+"$PY" -m verl_patches.tiny.assets "$TINY_ASSETS" --spec "$TINY_SPEC" >>"$SETUP_LOG" 2>&1 \
   || { echo "error: building the tiny assets failed; see $SETUP_LOG" >&2; tail -n 20 "$SETUP_LOG" >&2; exit 1; }
 
 # The one line, as on the cluster: verl's worker module imports the overlay's prelude. The venv's

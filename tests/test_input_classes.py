@@ -233,7 +233,8 @@ def test_two_asset_builds_into_one_directory_are_serialised(tmp_path, monkeypatc
 
     monkeypatch.setattr(assets, "write_model", model)
     monkeypatch.setattr(assets, "write_weights", lambda d: (d / "w.safetensors").write_text("w"))
-    monkeypatch.setattr(assets, "write_checkpoint", lambda d, o: (o.mkdir(parents=True), (o / ".metadata").write_text("m")))
+    monkeypatch.setattr(assets, "write_checkpoint",
+                        lambda d, o, spec: (o.mkdir(parents=True), (o / ".metadata").write_text("m")))
     monkeypatch.setattr(assets, "write_data", lambda o: (o.mkdir(parents=True), (o / "train.parquet").write_text("t")))
     errors, out = [], tmp_path / "assets"
 
@@ -260,6 +261,33 @@ def test_two_asset_builds_into_one_directory_are_serialised(tmp_path, monkeypatc
     (out / "dist_ckpt" / ".metadata").write_text("damaged")
     with pytest.raises(assets.AssetsError, match=r"dist_ckpt/.metadata differs from what was written\): remove"):
         assets.build(out)
+
+
+def test_asset_build_follows_the_platforms_layer_spec(tmp_path, monkeypatch):
+    """The checkpoint's names follow the training model's layer spec: MindSpeed-LLM's on the NPU rehearsal
+    platform, TE's elsewhere (the CPU build's index as before); a build for one spec is not reused for another."""
+    from verl_patches.tiny import assets
+
+    specs = []
+    monkeypatch.setattr(assets, "write_model", lambda o: (o.mkdir(parents=True), (o / "config.json").write_text("{}")))
+    monkeypatch.setattr(assets, "write_weights", lambda d: (d / "w.safetensors").write_text("w"))
+    monkeypatch.setattr(assets, "write_checkpoint", lambda d, o, spec: (
+        specs.append(spec), o.mkdir(parents=True), (o / ".metadata").write_text(spec)))
+    monkeypatch.setattr(assets, "write_data", lambda o: (o.mkdir(parents=True), (o / "train.parquet").write_text("t")))
+    monkeypatch.delenv("VERL_PATCHES_PLATFORM", raising=False)
+    assets.build(tmp_path / "cpu")
+    assert specs == ["te"] and "spec" not in json.loads((tmp_path / "cpu" / ".complete").read_text())
+    monkeypatch.setenv("VERL_PATCHES_PLATFORM", "npu-rehearsal")
+    assert assets.default_spec() == "mindspeed_llm"
+    with pytest.raises(assets.AssetsError, match=r"follows the 'te' layer spec; this run's model needs 'mindspeed_llm'"):
+        assets.build(tmp_path / "cpu")
+    assets.build(tmp_path / "npu")
+    assets.build(tmp_path / "npu", "mindspeed_llm")  # reused
+    assert specs == ["te", "mindspeed_llm"]
+    assert json.loads((tmp_path / "npu" / ".complete").read_text())["spec"] == "mindspeed_llm"
+    monkeypatch.delenv("VERL_PATCHES_PLATFORM")
+    assets.build(tmp_path / "cpu", "te")  # reused
+    assert assets.main([str(tmp_path / "npu"), "--spec", "te"]) == 2 and specs == ["te", "mindspeed_llm"]
 
 
 def test_asset_build_into_an_unwritable_place_is_named(tmp_path, capsys):

@@ -120,3 +120,35 @@ def test_method_target_keeps_descriptor_kind(clean):
     assert proto.DataProto.concat.__verl_patch_id__ == "fixture.concat"
     ap.undo()
     assert proto.DataProto.__dict__["concat"] is raw_before
+
+
+def test_a_class_swapped_for_a_subclass_after_the_patch_is_still_reached_or_refused(clean, monkeypatch):
+    """MindSpeed's patches manager puts subclasses in the place of megatron's classes after the prelude patched
+    them (its swap optimizer for DistributedOptimizer); the prelude runs again in later processes' plugin hooks.
+    A subclass that inherits the patched method: nothing to do. One that overrides it: an error naming it."""
+    import verl.protocol as proto
+    from verl_patches.core.fingerprint import fingerprint_file
+
+    fp = fingerprint_file(proto.__file__, "DataProto.concat")
+    p = fx.make("fixture.concat", "fixture_patches", target="verl.protocol:DataProto.concat", fingerprint=fp,
+                replacement="fixture_patches:wrap_passthrough")
+    base = proto.DataProto
+    assert ap.apply_all([p]) == ["fixture.concat"]
+
+    class Inherits(base):
+        pass
+
+    monkeypatch.setattr(proto, "DataProto", Inherits)
+    assert ap.apply_all([p]) == []
+    assert Inherits.concat.__verl_patch_id__ == "fixture.concat"
+
+    class Overrides(base):
+        @staticmethod
+        def concat(data):
+            return data
+
+    monkeypatch.setattr(proto, "DataProto", Overrides)
+    with pytest.raises(ap.PatchError, match=r"is now .*Overrides, whose concat comes from .*Overrides and is not the "
+                                            r"patched one"):
+        ap.apply_all([p])
+    monkeypatch.setattr(proto, "DataProto", base)

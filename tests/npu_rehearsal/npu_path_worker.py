@@ -40,7 +40,10 @@ def config(model_dir: Path):
     return cfg.actor_rollout_ref
 
 
-def main() -> None:
+def build_model(model_dir: Path | None = None):
+    """The NPU model as verl's worker builds it (the order above), for the HF model directory ``model_dir``
+    (default: a fresh one holding the tiny config); returns (what was seen on the way, the worker, the model,
+    the HF config)."""
     os.environ.setdefault("VERL_PATCHES_PHASE", "worker")
     import socket
 
@@ -49,8 +52,9 @@ def main() -> None:
         port = s.getsockname()[1]
     for key, value in {"LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         os.environ.setdefault(key, value)  # what Ray's worker group sets for verl's Worker (env:// rendezvous)
-    model_dir = Path(tempfile.mkdtemp(prefix="npu_path_model_"))
-    (model_dir / "config.json").write_text((REPO / "configs/model/tiny_deepseek_v3.json").read_text())
+    if model_dir is None:
+        model_dir = Path(tempfile.mkdtemp(prefix="npu_path_model_"))
+        (model_dir / "config.json").write_text((REPO / "configs/model/tiny_deepseek_v3.json").read_text())
 
     import verl.workers.megatron_workers as workers  # verl decides its device here (npu under the stand-in)
     from verl_patches import prelude_patch  # the hook line at the end of verl's worker module
@@ -72,6 +76,13 @@ def main() -> None:
     from verl.models.mcore.registry import init_mcore_model
 
     model = init_mcore_model(worker.tf_config, worker.hf_config, pre_process=True, post_process=True)
+    return seen, worker, model, cfg
+
+
+def main() -> None:
+    import torch
+
+    seen, worker, model, cfg = build_model()
     classes = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
     from megatron.core.transformer.module import Float16Module
     from megatron.training import get_args

@@ -45,7 +45,7 @@ def _read_hf(d):
     return out
 
 
-@pytest.mark.parametrize("spec", ["te", "local"])
+@pytest.mark.parametrize("spec", ["te", "local", "mindspeed_llm"])
 def test_round_trip_is_bit_exact(tiny_hf, tmp_path, spec):
     hf, cfg, tensors = tiny_hf
     stats = H.convert(hf, tmp_path / "mc", LAYOUT, spec=spec, progress=False)
@@ -56,6 +56,73 @@ def test_round_trip_is_bit_exact(tiny_hf, tmp_path, spec):
     assert set(got) == set(tensors)
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def test_mindspeed_llm_spec_fuses_the_down_projections(tiny_hf, tmp_path):
+    """MindSpeed-LLM's DeepSeek spec: q_a_proj's rows then kv_a_proj_with_mqa's in one linear_qkv, replicated
+    over TP (one chunk); the input and pre-MLP norms under TE's fused keys in dense and MoE layers alike; the
+    q / kv norms as modules; no down projection of TE's and no _extra_state for the plain Linear."""
+    hf, cfg, tensors = tiny_hf
+    H.convert(hf, tmp_path / "mc", LAYOUT, spec="mindspeed_llm", progress=False)
+    reader = DistCheckpointReader(tmp_path / "mc")
+    md = reader.md.state_dict_metadata
+    kv_rows = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    for layer in range(cfg["num_hidden_layers"]):
+        m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        qkv = reader.tensor(m + "self_attention.linear_qkv.weight")
+        assert tuple(qkv.shape) == (cfg["q_lora_rank"] + kv_rows, cfg["hidden_size"])
+        assert torch.equal(qkv[:cfg["q_lora_rank"]], tensors[h + "self_attn.q_a_proj.weight"])
+        assert torch.equal(qkv[cfg["q_lora_rank"]:], tensors[h + "self_attn.kv_a_proj_with_mqa.weight"])
+        assert len(md[m + "self_attention.linear_qkv.weight"].chunks) == 1
+        for key, src in (("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+                         ("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+                         ("self_attention.q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
+                         ("self_attention.kv_layernorm.weight", "self_attn.kv_a_layernorm.weight")):
+            assert torch.equal(reader.tensor(m + key), tensors[h + src]), key
+        for gone in ("self_attention.linear_q_down_proj.weight", "self_attention.linear_kv_down_proj.weight",
+                     "input_layernorm.weight", "pre_mlp_layernorm.weight",
+                     "self_attention.linear_q_up_proj.layer_norm_weight",
+                     "self_attention.linear_kv_up_proj.layer_norm_weight",
+                     "self_attention.linear_qkv._extra_state/shard_0_1"):
+            assert m + gone not in md, gone
+        assert m + "self_attention.linear_q_up_proj._extra_state/shard_0_1" in md
+    # Column-parallel linears keep their TP chunks.
+    assert len(md["decoder.layers.0.self_attention.linear_q_up_proj.weight"].chunks) == LAYOUT.tp
+
+
+def test_mindspeed_llm_round_trip_without_query_lora(tmp_path):
+    """Without q_lora_rank the whole q_proj (heads x (qk_nope + qk_rope) rows) leads linear_qkv."""
+    cfg = tiny_config(q_lora_rank=None)
+    g = torch.Generator().manual_seed(3)
+    heads, qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    tensors = {}
+    for k, v in random_bf16(tiny_config(), seed=3).items():
+        if ".self_attn.q_a_" in k or ".self_attn.q_b_" in k:
+            continue
+        tensors[k] = v
+    for layer in range(cfg["num_hidden_layers"]):
+        tensors[f"model.layers.{layer}.self_attn.q_proj.weight"] = torch.randn(
+            heads * qk, cfg["hidden_size"], generator=g).to(torch.bfloat16)
+    write_hf(tmp_path / "hf", tensors, cfg, shards=2)
+    H.convert(tmp_path / "hf", tmp_path / "mc", LAYOUT, spec="mindspeed_llm", progress=False)
+    reader = DistCheckpointReader(tmp_path / "mc")
+    qkv = reader.tensor("decoder.layers.2.self_attention.linear_qkv.weight")
+    assert tuple(qkv.shape) == (heads * qk + cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["hidden_size"])
+    assert torch.equal(qkv[:heads * qk], tensors["model.layers.2.self_attn.q_proj.weight"])
+    assert not any("q_layernorm" in n or "linear_q_up_proj" in n for n in reader.names())
+    back = M.convert(tmp_path / "mc", tmp_path / "hf" / "config.json", tmp_path / "back", progress=False)
+    assert back["spec"] == "mindspeed_llm"
+    got = _read_hf(tmp_path / "back")
+    assert set(got) == set(tensors) and all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_mcore_to_hf_refuses_a_fused_projection_the_config_does_not_describe(tiny_hf, tmp_path):
+    hf, cfg, _ = tiny_hf
+    H.convert(hf, tmp_path / "mc", LAYOUT, spec="mindspeed_llm", progress=False, verify=False)
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps(dict(cfg, q_lora_rank=cfg["q_lora_rank"] + 8)))
+    with pytest.raises(H.ConversionError, match=r"linear_qkv\.weight is \(88, 64\), which cannot hold the config's 2 source tensor\(s\) \(the config gives 56 \+ 40 rows\)"):
+        M.convert(tmp_path / "mc", other, tmp_path / "back", progress=False)
 
 
 def test_storage_follows_the_training_layout(tiny_hf, tmp_path):

@@ -45,6 +45,12 @@ def device_type() -> str:
     return "cpu"
 
 
+def tensor_device_type() -> str:
+    """The device type of the tensors the accelerator holds: ``device_type()``, except where the device module
+    declares otherwise (``TENSOR_DEVICE_TYPE``): the NPU rehearsal platform's stand-in holds them on the host."""
+    return getattr(device_module(), "TENSOR_DEVICE_TYPE", None) or device_type()
+
+
 def dist_backend() -> str:
     """The torch.distributed backend for the device: hccl, nccl or gloo."""
     return _BACKENDS[device_type()]

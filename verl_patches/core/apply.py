@@ -156,8 +156,34 @@ def _check_order(patch: Patch) -> None:
         raise _error(patch, f"must be applied before {outer} (their after= lists it): apply in catalogue order")
 
 
+def _reached_through_subclass(patch: Patch) -> bool:
+    """True when ``patch`` was applied earlier in this process to a class that the target's name no longer
+    holds, but the class now there inherits the patched attribute (MindSpeed's patches manager puts subclasses
+    in the place of megatron's classes, e.g. its swap optimizer for DistributedOptimizer): the patch still
+    reaches the code that runs. A class there that overrides the attribute is an error naming it."""
+    rec = _APPLIED.get(patch.id)
+    if rec is None or not inspect.isclass(rec.owner) or vars(rec.owner).get(rec.attr) is not rec.new:
+        return False
+    *outer, attr = patch.qualname.split(".")
+    owner: Any = importlib.import_module(patch.module)
+    for part in outer:
+        owner = getattr(owner, part, None)
+    if owner is rec.owner or not (inspect.isclass(owner) and issubclass(owner, rec.owner)):
+        return False
+    found = inspect.getattr_static(owner, attr, None)
+    if patch.id in _chain_ids(_unwrap_descriptor(found)):
+        return True
+    definer = next((c for c in owner.__mro__ if attr in vars(c)), None)
+    raise _error(patch, f"applied to {rec.owner.__module__}.{rec.owner.__qualname__}.{attr}, but "
+                        f"{patch.module}.{'.'.join(outer)} is now {owner.__module__}.{owner.__qualname__}, whose "
+                        f"{attr} comes from {getattr(definer, '__qualname__', definer)} and is not the patched one: "
+                        "the patch no longer reaches the code that runs; patch that class too")
+
+
 def apply_one(patch: Patch) -> bool:
     """Apply one patch; return False if it was already in place (no change)."""
+    if _reached_through_subclass(patch):
+        return False
     owner, attr = _resolve_owner(patch)
     raw = vars(owner)[attr]
     if patch.id in _chain_ids(_unwrap_descriptor(raw)):

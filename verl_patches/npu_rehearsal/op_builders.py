@@ -6,7 +6,8 @@ module, cached per builder ``name``. On the host there is neither CANN nor an NP
 torch_npu stand-in is active, the wrapper returns a module holding the host implementations the rehearsal
 registers for that builder name (``MINDSPEED_KERNELS`` of ops.py / ops_extra.py); a builder it has none for
 raises, naming the builder and the table to add it to. Where the stand-in is not active (an NPU) the original
-runs. Applied by verl_patches.npu_rehearsal.activate_mindspeed_kernels(), on the rehearsal platform only.
+runs. The ATB builders (mindspeed/op_builder/atb_builder.py:AtbOpBuilder.load, which first needs the CANN NNAL
+package's ``ATB_HOME_PATH``) are answered the same way. Applied by verl_patches.npu_rehearsal.activate_mindspeed_kernels(), on the rehearsal platform only.
 
 MindSpeed also defines its own operators in the ``mindspeed`` torch library (``torch.ops.mindspeed.npu_gmm``,
 ...) and registers their Python implementations (which call the builders' kernels) for the NPU's dispatch
@@ -87,6 +88,25 @@ PATCHES = [
             "has no CANN and no NPU, so each builder is answered by the host implementations registered for it.",
         remove_when="Never on the rehearsal platform (a declared stand-in); not applied on an NPU.",
         upstream_ref="MindSpeed v2.2.0_core_r0.12.1 mindspeed/op_builder/builder.py",
+        platforms=("npu",),
+    ),
+    Patch(
+        feature="model_layout",
+        id="npu_rehearsal.mindspeed.atb_op_builder_load",
+        target="mindspeed.op_builder.atb_builder:AtbOpBuilder.load",
+        kind="wrap",
+        phases=("driver", "worker"),
+        upstream="mindspeed",
+        versions="==0.12.1",
+        fingerprint=Fingerprint(signature="def load(self, verbose=True)", source_sha="c4706e6fdcb3c120"),
+        replacement=f"{__name__}:wrap_load",
+        flag="VERL_PATCHES_PLATFORM=npu-rehearsal (the torch_npu stand-in active)",
+        why="MindSpeed's ATB builders (the grouped weight-gradient accumulation npu_groupmatmul_add_fp32, ...) first "
+            "read the CANN NNAL package's ATB_HOME_PATH, then compile; the rehearsal platform has neither, so they are "
+            "answered by name like every other builder (on an NPU the launcher sources NNAL's set_env.sh: "
+            "scripts/cluster/bringup.sh).",
+        remove_when="Never on the rehearsal platform (a declared stand-in); not applied on an NPU.",
+        upstream_ref="MindSpeed v2.2.0_core_r0.12.1 mindspeed/op_builder/atb_builder.py",
         platforms=("npu",),
     ),
     Patch(

@@ -215,9 +215,10 @@ class TensorGroup(OffloadGroup):
             raise ValueError(f"offload group {name!r}: tensors on several devices {sorted(devices)}; "
                              "make one group per device")
         self.device = next(iter(anchors.values())).device
-        if self.device.type != accelerator.device_type():
-            raise ValueError(f"offload group {name!r}: tensors on {self.device}, but the accelerator is "
-                             f"{accelerator.device_type()!r}; only device tensors can be offloaded")
+        if self.device.type != accelerator.tensor_device_type():
+            raise ValueError(f"offload group {name!r}: tensors on {self.device}, but the accelerator "
+                             f"({accelerator.device_type()!r}) holds its tensors on "
+                             f"{accelerator.tensor_device_type()!r}; only device tensors can be offloaded")
         if watch is not None and region is None:
             raise ValueError(f"offload group {name!r}: watch needs a region (resized storages move anyway)")
         self._anchors = list(anchors.values())

@@ -53,6 +53,7 @@ RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.megatron.patch_core_transformer_moe_router",
     "verl_patches.patches.megatron.patch_core_optimizer_distrib_optimizer",
     "verl_patches.patches.megatron.patch_core_jit",
+    "verl_patches.patches.megatron.patch_core_models_common_embeddings_rope_utils",
     "verl_patches.patches.mindspeed.patch_arguments",
     "verl_patches.patches.mindspeed.patch_features_manager_features_manager",
 )

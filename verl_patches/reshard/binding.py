@@ -50,10 +50,35 @@ def _te_name(name: str, dense_layers: set[str]) -> str:
     return name
 
 
+def _split_fused_down(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """MindSpeed-LLM's DeepSeek spec (the NPU's training model) fuses MLA's two down projections into one
+    TP-replicated ``linear_qkv``: q_a_proj's rows, then kv_a_proj_with_mqa's. The plan names them apart (the
+    TE names, replicated: ``mla_down_split`` False), so each becomes a row view of the one tensor. Its query
+    LoRA rank, where q's rows end, is the input size of the layer's ``linear_q_up_proj``."""
+    out: dict[str, torch.Tensor] = {}
+    for n, t in raw.items():
+        if not n.endswith("." + names.MINDSPEED_LLM_QKV):
+            out[n] = t
+            continue
+        layer = n[: -len(names.MINDSPEED_LLM_QKV)]
+        up = raw.get(layer + names.ATTN["q_b_proj"].mcore)
+        if up is None:
+            raise LayoutError(f"{n}: a fused down projection (MindSpeed-LLM's spec) in a layer without "
+                              f"{names.ATTN['q_b_proj'].mcore}: the reshard binding supports it with a query LoRA "
+                              "rank (q_lora_rank) only, as DeepSeek-V3 has")
+        q_rows = up.shape[1]
+        if t.dim() != 2 or not 0 < q_rows < t.shape[0]:
+            raise LayoutError(f"{n}: shape {tuple(t.shape)} cannot hold q_lora_rank {q_rows} rows and the kv rows")
+        out[layer + names.ATTN["q_a_proj"].mcore] = t.narrow(0, 0, q_rows)
+        out[layer + names.ATTN["kv_a_proj"].mcore] = t.narrow(0, q_rows, t.shape[0] - q_rows)
+    return out
+
+
 def megatron_params(modules: Any) -> dict[str, torch.Tensor]:
     """The training parameters of this rank under megatron-core's names in the Transformer-
-    Engine spec (wrappers stripped, local layer numbering of the PP stage; local-spec norm
-    names mapped to their TE names). One model chunk only: virtual pipeline stages would need
+    Engine spec (wrappers stripped, local layer numbering of the PP stage; local-spec and
+    MindSpeed-LLM-spec norm names mapped to their TE names, MindSpeed-LLM's fused down
+    projection split in two row views). One model chunk only: virtual pipeline stages would need
     one train layout per chunk."""
     chunks = list(modules) if isinstance(modules, (list, tuple, torch.nn.ModuleList)) else [modules]
     if len(chunks) != 1:
@@ -68,6 +93,7 @@ def megatron_params(modules: Any) -> dict[str, torch.Tensor]:
         while name.startswith(_WRAPPER):
             name = name[len(_WRAPPER):]
         raw[name] = p.data
+    raw = _split_fused_down(raw)
     dense = {n[: _LAYER.match(n).end()] for n in raw if _LAYER.match(n) and n.endswith(".mlp.linear_fc1.weight")}
     out = {_te_name(n, dense): t for n, t in raw.items()}
     if len(out) != len(raw):

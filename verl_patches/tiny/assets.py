@@ -8,13 +8,17 @@
 - ``dist_ckpt/``: those weights converted by the recipe's own converter
   (python -m verl_patches.tools.hf_to_mcore) to a Megatron distributed checkpoint in the tiny
   run's training layout; actor and reference load it, as the real-weight run loads DIST_CKPT_PATH.
+  Its names follow the layer spec the run's model is built from (``--spec``): ``te`` (verl's
+  Transformer-Engine spec: the CPU and CUDA runs) or ``mindspeed_llm`` (MindSpeed-LLM's DeepSeek spec:
+  the NPU path, and the default on the NPU rehearsal platform, VERL_PATCHES_PLATFORM=npu-rehearsal).
+  A build is for one spec (its index records it); another spec needs another directory.
 - ``data/train.parquet``: the toy task (``TOY_SOURCE``): "write digits" prompts, scored by the share of
   digits in the answer (verl_patches/tiny/reward.py). A random tiny model writes ~10% digits; GRPO
   raises it within a few steps.
 - ``data/val.parquet``: the shipped deepscaler sample (data/sample), prepared as the recipe prepares
   deepscaler, scored by the recipe's rule reward through verl's reward manager.
 
-``python -m verl_patches.tiny.assets OUT_DIR`` (prints the paths as shell assignments).
+``python -m verl_patches.tiny.assets OUT_DIR [--spec te|mindspeed_llm]`` (prints the paths as shell assignments).
 """
 
 from __future__ import annotations
@@ -103,12 +107,23 @@ def training_layout() -> dict:
             "layers": list(cfg.actor_rollout_ref.rollout.recipe.megatron.num_layer_list)}
 
 
-def write_checkpoint(model_dir: Path, out: Path) -> Path:
+SPECS = ("te", "mindspeed_llm")  # the layer specs the tiny run's models are built from
+
+
+def default_spec() -> str:
+    """The layer spec of this platform's training model: MindSpeed-LLM's DeepSeek spec on the NPU rehearsal
+    platform (verl_patches/npu_rehearsal/platform.py), the Transformer-Engine names elsewhere."""
+    from verl_patches.npu_rehearsal.platform import selected
+
+    return "mindspeed_llm" if selected() else "te"
+
+
+def write_checkpoint(model_dir: Path, out: Path, spec: str = "te") -> Path:
     from verl_patches.tools import hf_to_mcore
 
     lay = training_layout()
     argv = ["--hf", str(model_dir), "--out", str(out), "--tp", str(lay["tp"]), "--pp", str(lay["pp"]),
-            "--ep", str(lay["ep"]), "--num-layer-list", ",".join(map(str, lay["layers"])), "--spec", "te",
+            "--ep", str(lay["ep"]), "--num-layer-list", ",".join(map(str, lay["layers"])), "--spec", spec,
             "--no-progress"]
     import contextlib
     import io
@@ -182,18 +197,31 @@ class AssetsError(RuntimeError):
     """The output directory holds something this tool did not write."""
 
 
-def build(out_dir: Path) -> dict[str, Path]:
+def build(out_dir: Path, spec: str | None = None) -> dict[str, Path]:
     """Everything, built once: written under ``out_dir/.partial`` and moved in whole, so a finished
     build is reused by later runs and tests, and an interrupted one never passes for finished. Two builds
-    into one directory at once are serialised: the second waits for the first's lock, then reuses its build."""
+    into one directory at once are serialised: the second waits for the first's lock, then reuses its build.
+    ``spec``: the checkpoint's layer spec (default: default_spec()); a finished build for another is refused."""
     from verl_patches.base import atomic
 
+    spec = default_spec() if spec is None else spec
+    if spec not in SPECS:
+        raise AssetsError(f"layer spec {spec!r}: expected one of {', '.join(SPECS)}")
     out_dir = Path(out_dir)
     with atomic.dir_lock(out_dir, wait=True):  # a second build into the same place waits, then reuses it
-        return _build(out_dir)
+        return _build(out_dir, spec)
 
 
-def _build(out_dir: Path) -> dict[str, Path]:
+def _built_spec(done: Path) -> str | None:
+    """The layer spec a finished build's index records ("te" for an index from before specs were recorded)."""
+    try:
+        index = json.loads(done.read_text())
+    except (OSError, ValueError):
+        return None  # _changed names it
+    return index.get("spec", "te") if isinstance(index, dict) else None
+
+
+def _build(out_dir: Path, spec: str = "te") -> dict[str, Path]:
     import shutil
 
     done = out_dir / ".complete"
@@ -207,7 +235,7 @@ def _build(out_dir: Path) -> dict[str, Path]:
         shutil.rmtree(partial, ignore_errors=True)  # ours: only this tool writes there
         write_model(partial / "model")
         write_weights(partial / "model")
-        write_checkpoint(partial / "model", partial / "dist_ckpt")
+        write_checkpoint(partial / "model", partial / "dist_ckpt", spec)
         write_data(partial / "data")
         for p in parts:
             (partial / p).rename(out_dir / p)
@@ -216,9 +244,15 @@ def _build(out_dir: Path) -> dict[str, Path]:
 
         # The index, written last: what the build wrote, by content; a later run reuses the build only
         # when every file still has it.
-        atomic.write_text(done, json.dumps({"tool": "python -m verl_patches.tiny.assets",
-                                            "files": _index(out_dir, parts)}, indent=1, sort_keys=True) + "\n")
+        index = {"tool": "python -m verl_patches.tiny.assets", "files": _index(out_dir, parts)}
+        if spec != "te":  # a te build's index stays as it was before specs were recorded
+            index["spec"] = spec
+        atomic.write_text(done, json.dumps(index, indent=1, sort_keys=True) + "\n")
     else:
+        built = _built_spec(done)
+        if built is not None and built != spec:
+            raise AssetsError(f"{out_dir} holds a build whose checkpoint follows the {built!r} layer spec; this run's "
+                              f"model needs {spec!r}: give another directory (TINY_ASSETS) for it")
         changed = _changed(out_dir, done, parts)
         if changed:
             raise AssetsError(f"{out_dir} holds a build of this tool that changed since it was written ("
@@ -232,9 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.assets", description=__doc__.split("\n")[0])
     p.add_argument("out_dir", type=PathArg("output directory"))
+    p.add_argument("--spec", choices=SPECS, default=None,
+                   help="the checkpoint's layer spec: te (verl's Transformer-Engine names) or mindspeed_llm "
+                        "(MindSpeed-LLM's DeepSeek spec, the NPU path); default: mindspeed_llm on the NPU rehearsal "
+                        "platform, te elsewhere")
     args = p.parse_args(argv)
     try:
-        paths = build(args.out_dir)
+        paths = build(args.out_dir, args.spec)
     except AssetsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from verl_patches.base import atomic
+from verl_patches.reshard.deepseek_v3_names import SPECS
 from verl_patches.tools import manifest
 from verl_patches.tools.mcore_layout import (DistCheckpointReader, LayoutError, SafetensorsReader, CheckpointLayout, UnitWriter,
                                              chunk_ranges, edge_plan, extra_state_keys, layer_plan, write_metadata)
@@ -216,7 +217,7 @@ def build(how: str, sources: tuple[str, ...], get) -> torch.Tensor:
     """One Megatron tensor from its HF sources; experts are filled in place so only one expert is extra."""
     if how == "copy":
         return get(sources[0])
-    if how == "cat":
+    if how in ("cat", "cat_rows"):
         return torch.cat([get(sources[0]), get(sources[1])], dim=0)
     if how == "experts_fc1":
         first = get(sources[0])
@@ -302,7 +303,7 @@ def convert(hf: Path, out: Path, layout: CheckpointLayout, spec: str = "te", ext
                     stats["bytes"] += t.numel() * t.element_size()
                     del t
             if extra_state and unit.startswith("layer_"):
-                for key in extra_state_keys(cfg, int(unit.split("_")[1])):
+                for key in extra_state_keys(cfg, int(unit.split("_")[1]), spec):
                     writer.obj(key, [None])
             if extra_state and unit == "head" and "output_layer.weight" in [n for n, _, _ in unit_plan(cfg, unit, spec)]:
                 writer.obj("output_layer._extra_state/shard_0_1", [None])
@@ -368,8 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-tp-extend-ep", action="store_true",
                    help="experts over the TP x EP group (MindSpeed's option; the run configs leave it off and "
                         "give the expert group as --ep)")
-    p.add_argument("--spec", choices=("te", "local"), default="te",
-                   help="layer-norm naming: te (Transformer-Engine / MindSpeed spec, what verl builds) or local")
+    p.add_argument("--spec", choices=SPECS, default="te",
+                   help="Megatron layer spec the names follow: te (Transformer-Engine spec, what verl builds), local "
+                        "(megatron-core's local spec) or mindspeed_llm (MindSpeed-LLM's DeepSeek spec, what the NPU "
+                        "path builds: q and kv down projections fused into one linear_qkv)"),
     p.add_argument("--no-extra-state", action="store_true", help="do not write the linears' empty _extra_state objects")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--no-progress", action="store_true")

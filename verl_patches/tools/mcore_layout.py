@@ -21,12 +21,16 @@ from verl_patches.reshard import deepseek_v3_names as names
 # Megatron's dist-checkpoint directory markers (what dist_checkpointing.save writes).
 MCORE_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                        "common_backend": "torch", "common_backend_version": 1}
-# Layer norms are fused into the following linear in the Transformer-Engine spec (what verl
-# builds, and what MindSpeed mirrors); the local spec keeps them as separate modules.
-NORM_NAMES = {spec: {"q_a_layernorm": names.ATTN["q_a_layernorm"].mcore_for(spec),
-                     "kv_a_layernorm": names.ATTN["kv_a_layernorm"].mcore_for(spec),
-                     "dense_post_attention_layernorm": names.DENSE["post_attention_layernorm"].mcore_for(spec)}
-              for spec in ("te", "local")}
+# The layer norms' checkpoint keys: fused into the following linear in the Transformer-Engine spec (what
+# verl builds); separate modules in the local spec; in MindSpeed-LLM's DeepSeek spec (what the NPU path
+# builds) the q / kv norms are modules and the input and pre-MLP norms are saved under TE's fused names.
+NORM_NAMES = {spec: {"q_a_layernorm": names.ATTN["q_a_layernorm"].key_for(spec),
+                     "kv_a_layernorm": names.ATTN["kv_a_layernorm"].key_for(spec),
+                     "dense_post_attention_layernorm": names.DENSE["post_attention_layernorm"].key_for(spec),
+                     **({"input_layernorm": names.ATTN["input_layernorm"].key_for(spec),
+                         "moe_post_attention_layernorm": names.MOE["post_attention_layernorm"].key_for(spec)}
+                        if spec == "mindspeed_llm" else {})}
+              for spec in names.SPECS}
 # Tensor-parallel split axis per Megatron linear (column-parallel 0, row-parallel 1); None is replicated.
 TP_AXIS = {
     "self_attention.linear_proj.weight": 1,
@@ -37,6 +41,8 @@ TP_AXIS = {
     "mlp.linear_fc2.weight": 1,
     "mlp.shared_experts.linear_fc1.weight": 0,
     "mlp.shared_experts.linear_fc2.weight": 1,
+    # MindSpeed-LLM's fused q / kv down projection (self_attention.linear_qkv.weight) is a plain Linear,
+    # replicated over TP: absent here, stored whole.
 }
 # Linear modules that carry a (Transformer-Engine) _extra_state object in the checkpoint.
 EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
@@ -97,18 +103,24 @@ def is_dense(cfg: dict, layer: int) -> bool:
 
 
 def layer_plan(cfg: dict, layer: int, spec: str = "te") -> list[tuple[str, tuple[str, ...], str]]:
-    """(mcore name, HF source names, how) for one decoder layer; how: copy | cat (GLU gate;up) | experts_fc1 | experts_fc2."""
+    """(mcore checkpoint key, HF source names, how) for one decoder layer; how: copy | cat (GLU gate;up,
+    two equal halves) | cat_rows (MindSpeed-LLM's fused q / kv down projection: the sources' rows in order,
+    sizes from the config, see row_sizes) | experts_fc1 | experts_fc2."""
     h, m = names.HF_LAYER.format(layer), names.MCORE_LAYER.format(layer)
     A, D, M = names.ATTN, names.DENSE, names.MOE
 
     def copy(n: names.Name) -> tuple[str, tuple[str, ...], str]:
-        return m + n.mcore_for(spec), (h + n.hf,), "copy"
+        return m + n.key_for(spec), (h + n.hf,), "copy"
 
-    plan = [copy(A[k]) for k in ("input_layernorm", "o_proj", "kv_a_proj", "kv_b_proj", "kv_a_layernorm")]
-    if cfg.get("q_lora_rank"):
-        plan += [copy(A[k]) for k in ("q_a_proj", "q_b_proj", "q_a_layernorm")]
+    q = ("q_a_proj", "q_b_proj", "q_a_layernorm") if cfg.get("q_lora_rank") else ("q_proj",)
+    if spec == "mindspeed_llm":
+        plan = [copy(A[k]) for k in ("input_layernorm", "o_proj", "kv_b_proj", "kv_a_layernorm")]
+        down = A[q[0]]  # q_a_proj, or q_proj without a query LoRA rank
+        plan.append((m + names.MINDSPEED_LLM_QKV, (h + down.hf, h + A["kv_a_proj"].hf), "cat_rows"))
+        plan += [copy(A[k]) for k in q[1:]]
     else:
-        plan.append(copy(A["q_proj"]))
+        plan = [copy(A[k]) for k in ("input_layernorm", "o_proj", "kv_a_proj", "kv_b_proj", "kv_a_layernorm")]
+        plan += [copy(A[k]) for k in q]
     if is_dense(cfg, layer):
         plan += [
             copy(D["post_attention_layernorm"]),
@@ -142,14 +154,26 @@ def edge_plan(cfg: dict, which: str) -> list[tuple[str, tuple[str, ...], str]]:
     return plan
 
 
-def extra_state_keys(cfg: dict, layer: int) -> list[str]:
-    """ShardedObject names of the layer's linear modules' _extra_state (shard_<offset>_<shape>)."""
+def row_sizes(cfg: dict, sources: tuple[str, ...]) -> list[int]:
+    """The row counts of a cat_rows tensor's HF sources (q_a_proj or q_proj, then kv_a_proj_with_mqa), from the config."""
+    heads, qk = cfg["num_attention_heads"], cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    rows = {names.ATTN["q_a_proj"].hf: cfg.get("q_lora_rank") or 0, names.ATTN["q_proj"].hf: heads * qk,
+            names.ATTN["kv_a_proj"].hf: cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]}
+    return [rows[s.split(".", 3)[-1]] for s in sources]
+
+
+def extra_state_keys(cfg: dict, layer: int, spec: str = "te") -> list[str]:
+    """ShardedObject names of the layer's linear modules' _extra_state (shard_<offset>_<shape>).
+    MindSpeed-LLM's fused down projection is a plain torch Linear: it has none."""
     m = f"decoder.layers.{layer}."
     out = []
     mods = [x for x in EXTRA_STATE_MODULES if not x.startswith("mlp.")]
     mods.remove("self_attention.linear_q_proj" if cfg.get("q_lora_rank") else "self_attention.linear_q_down_proj")
     if not cfg.get("q_lora_rank"):
         mods.remove("self_attention.linear_q_up_proj")
+    if spec == "mindspeed_llm":
+        mods = [x for x in mods if x not in ("self_attention.linear_q_proj", "self_attention.linear_q_down_proj",
+                                             "self_attention.linear_kv_down_proj")]
     if is_dense(cfg, layer):
         mods += ["mlp.linear_fc1", "mlp.linear_fc2"]
     else:

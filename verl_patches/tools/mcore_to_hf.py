@@ -22,16 +22,19 @@ from verl_patches.base import atomic
 from verl_patches.tools import manifest
 from verl_patches.tools.hf_to_mcore import (ConversionError, check_model_config, read_json, shape_mismatches, unit_plan,
                                             units)
-from verl_patches.tools.mcore_layout import DistCheckpointReader
+from verl_patches.tools.mcore_layout import DistCheckpointReader, row_sizes
 
 
-def split(how: str, t: torch.Tensor, sources: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Inverse of hf_to_mcore.build: HF tensors (contiguous copies) from one Megatron tensor."""
+def split(how: str, t: torch.Tensor, sources: tuple[str, ...], cfg: dict | None = None) -> dict[str, torch.Tensor]:
+    """Inverse of hf_to_mcore.build: HF tensors (contiguous copies) from one Megatron tensor (``cfg``, the
+    model config, gives cat_rows' row counts)."""
     if how == "copy":
         return {sources[0]: t}
     if how == "cat":
         gate, up = t.chunk(2, dim=0)
         return {sources[0]: gate.clone(), sources[1]: up.clone()}
+    if how == "cat_rows":
+        return {s: part.clone() for s, part in zip(sources, t.split(row_sizes(cfg, sources), dim=0))}
     if how == "experts_fc1":
         out = {}
         for x in range(t.shape[0]):
@@ -45,6 +48,8 @@ def split(how: str, t: torch.Tensor, sources: tuple[str, ...]) -> dict[str, torc
 
 def detect_spec(reader: DistCheckpointReader) -> str:
     names = set(reader.names())
+    if any(n.endswith("self_attention.linear_qkv.weight") for n in names):
+        return "mindspeed_llm"
     return "te" if any(n.endswith("linear_kv_up_proj.layer_norm_weight") for n in names) else "local"
 
 
@@ -57,12 +62,14 @@ def input_identity(ckpt: Path, config: Path) -> dict:
     return manifest.identify(files)
 
 
-def hf_shapes(how: str, shape: tuple[int, ...], sources: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
+def hf_shapes(how: str, shape: tuple[int, ...], sources: tuple[str, ...], cfg: dict | None = None) -> dict[str, tuple[int, ...]]:
     """The HF shapes ``split`` makes of a Megatron tensor of ``shape`` (from metadata, no data read)."""
     if how == "copy":
         return {sources[0]: shape}
     if how == "cat":
         return {s: (shape[0] // 2, *shape[1:]) for s in sources}
+    if how == "cat_rows":
+        return {s: (rows, *shape[1:]) for s, rows in zip(sources, row_sizes(cfg, sources))}
     if how == "experts_fc1":
         return {s: (shape[1] // 2, *shape[2:]) for s in sources}
     if how == "experts_fc2":
@@ -70,9 +77,12 @@ def hf_shapes(how: str, shape: tuple[int, ...], sources: tuple[str, ...]) -> dic
     raise ValueError(how)
 
 
-def _splittable(how: str, size: tuple[int, ...], n_sources: int) -> bool:
+def _splittable(how: str, size: tuple[int, ...], sources: tuple[str, ...], cfg: dict) -> bool:
+    n_sources = len(sources)
     if how == "cat":
         return len(size) >= 1 and size[0] % 2 == 0
+    if how == "cat_rows":
+        return len(size) >= 1 and size[0] == sum(row_sizes(cfg, sources))
     if how == "experts_fc1":
         return len(size) == 3 and 2 * size[0] == n_sources and size[1] % 2 == 0
     if how == "experts_fc2":
@@ -92,10 +102,11 @@ def config_mismatches(reader: DistCheckpointReader, cfg: dict, spec: str) -> lis
                 problems.append(f"the config's model has {name}, the checkpoint does not")
                 continue
             size = tuple(meta[name].size)
-            if not _splittable(how, size, len(srcs)):
-                problems.append(f"{name} is {size}, which cannot hold the config's {len(srcs)} source tensor(s)")
+            if not _splittable(how, size, srcs, cfg):
+                rows = f" (the config gives {' + '.join(map(str, row_sizes(cfg, srcs)))} rows)" if how == "cat_rows" else ""
+                problems.append(f"{name} is {size}, which cannot hold the config's {len(srcs)} source tensor(s){rows}")
                 continue
-            shapes.update(hf_shapes(how, size, srcs))
+            shapes.update(hf_shapes(how, size, srcs, cfg))
     problems += shape_mismatches(cfg, shapes)
     extra = sorted(set(reader.names()) - used)
     if extra:
@@ -156,7 +167,7 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
         tensors = {}
         for name, srcs, how in plan:
             try:
-                tensors.update(split(how, reader.tensor(name), srcs))
+                tensors.update(split(how, reader.tensor(name), srcs, cfg))
             except KeyError as e:
                 raise ConversionError(f"{ckpt}: {e.args[0]} (spec {spec}, {unit})") from e
         with atomic.atomic_path(out / shard) as tmp:

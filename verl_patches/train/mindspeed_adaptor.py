@@ -64,6 +64,7 @@ def import_mindspeed_llm_at_rank_start() -> bool:
         importlib.import_module("mindspeed_llm")
     finally:
         sys.argv = saved
+    bind_megatron_adam()
     return True
 
 
@@ -81,3 +82,29 @@ def reapply_mindspeed_llm_features() -> None:
     MindSpeedFeaturesManager.apply_features_pre_patches(args)
     MindSpeedFeaturesManager.apply_features_patches(args)
     sys.modules.pop("transformer_engine", None)  # as FeatureAdaptor.execute: accelerate checks sys.modules for TE
+    bind_megatron_adam()
+
+
+# megatron-core 0.12.1's modules that bind ``Adam`` when imported: TE's FusedAdam, else apex's, else torch's AdamW.
+ADAM_USERS = ("megatron.core.optimizer", "megatron.core.optimizer.distrib_optimizer")
+
+
+def bind_megatron_adam() -> list[str]:
+    """megatron-core's ``Adam`` as MindSpeed selected it: the modules in ADAM_USERS bind ``Adam`` when imported,
+    and verl's worker module imports them before MindSpeed's adaptor registers its optimizer as
+    ``apex.optimizers.FusedAdam`` (MindSpeed's megatron_basic feature: ``--optimizer-selection``), so they hold
+    torch's AdamW. MindSpeed's optimizer features patch its own class (the swap optimizer: its AdamW's step, whose
+    state has no ``step`` entry for torch's AdamW to read: ``KeyError: 'step'``). Each module's ``Adam`` is
+    rebound to what an import after the adaptor would have bound; returns the modules rebound. Without MindSpeed's
+    registration (no apex FusedAdam) nothing changes."""
+    apex_optimizers = sys.modules.get("apex.optimizers")
+    fused = getattr(apex_optimizers, "FusedAdam", None)
+    if fused is None:
+        return []
+    rebound = []
+    for name in ADAM_USERS:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "Adam", None) is not fused:
+            module.Adam = fused
+            rebound.append(name)
+    return rebound

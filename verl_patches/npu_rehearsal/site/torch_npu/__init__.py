@@ -5,6 +5,7 @@ where a real torch_npu is installed. What it does, as the real package does on i
 - renames torch's PrivateUse1 backend to ``npu`` and registers ``torch.npu`` (here: ``torch_npu.npu``, the
   device API answered by the host: see that module);
 - answers pinned host memory (``pin_memory``, ``is_pinned``, ``pin_memory=True`` factories: see _pinned.py);
+- answers ``Tensor.type()`` for the device's (host) tensors as ``torch.npu.<Scalar>Tensor`` (see _tensor_type.py);
 - exposes torch_npu's operators (``torch_npu.npu_*``) as attributes: here the host implementations of
   verl_patches/npu_rehearsal (ops.OPERATORS, ops_extra.OPERATORS), looked up at each access; a name that
   is not there raises AttributeError naming it.
@@ -40,6 +41,10 @@ if torch._C._get_privateuse1_backend_name() != "npu":
 from torch_npu import _pinned  # noqa: E402
 
 _pinned.install()
+
+from torch_npu import _tensor_type  # noqa: E402
+
+_tensor_type.install()
 
 from torch_npu import npu  # noqa: E402  (the device module; registered as torch.npu below)
 

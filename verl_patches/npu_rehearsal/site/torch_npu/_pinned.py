@@ -24,7 +24,7 @@ import torch
 # the C++ storage), so the weak set forgets a storage exactly when its memory is freed.
 _PINNED: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
 FACTORIES = ("empty", "empty_like", "empty_strided", "zeros", "ones", "full", "tensor")
-_installed: dict[str, Any] = {}
+_state = {"installed": False}
 
 
 def _mark(t: torch.Tensor) -> torch.Tensor:
@@ -64,13 +64,10 @@ def _pinned_factory(name: str, real: Callable[..., torch.Tensor]) -> Callable[..
 
 def install() -> None:
     """Answer pinning on the host (idempotent; the torch_npu stand-in calls it at import)."""
-    if _installed:
+    if _state["installed"]:
         return
-    _installed["Tensor.is_pinned"] = torch.Tensor.is_pinned
-    _installed["Tensor.pin_memory"] = torch.Tensor.pin_memory
     torch.Tensor.is_pinned = is_pinned  # type: ignore[method-assign]
     torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
     for name in FACTORIES:
-        real = getattr(torch, name)
-        _installed[name] = real
-        setattr(torch, name, _pinned_factory(name, real))
+        setattr(torch, name, _pinned_factory(name, getattr(torch, name)))
+    _state["installed"] = True

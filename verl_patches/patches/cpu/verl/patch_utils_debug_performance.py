@@ -2,7 +2,12 @@
 
 Upstream: verl/utils/debug/performance.py:reduce_timing averages each worker's timings with
 ``all_reduce(ReduceOp.AVG)``, which gloo does not implement; verl's Megatron worker calls it after
-every generation. On the CPU platform the same average is a SUM divided by the world size.
+every generation. On the CPU platform the same average is taken from every rank's values, gathered
+(float64). Not a SUM all-reduce: on the NPU rehearsal platform (which applies this record,
+verl_patches/npu_rehearsal/records.py) MindSpeed's adaptor wraps ``torch.distributed.all_reduce`` so that a
+float64 tensor is reduced as a float32 copy whose result never reaches the caller's tensor
+(mindspeed/core/megatron_basic/requirements_basic.py: torch_all_reduce_double_dtype_bypass_wrapper): every
+rank kept its own values, and the report showed a quarter of each switch figure on 4 ranks.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ def reduce_timing(timing_raw):
         return timing_raw
     keys = sorted(timing_raw)
     values = torch.tensor([float(timing_raw[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return dict(zip(keys, (values / dist.get_world_size()).tolist()))
+    everyone = [torch.empty_like(values) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, values)
+    return dict(zip(keys, torch.stack(everyone).mean(dim=0).tolist()))
 
 
 PATCHES = [

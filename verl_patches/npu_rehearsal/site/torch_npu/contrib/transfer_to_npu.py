@@ -29,7 +29,7 @@ CUDA_API = ("is_available", "is_initialized", "init", "device_count", "current_d
             "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats",
             "reset_max_memory_allocated", "memory_stats", "mem_get_info", "Event", "current_stream",
             "default_stream", "stream", "manual_seed", "manual_seed_all", "seed", "initial_seed", "get_rng_state",
-            "set_rng_state", "device")
+            "set_rng_state", "device", "is_current_stream_capturing")
 # torch.cuda.random names answered by torch.npu (megatron-core reads the RNG state through torch.cuda.random).
 CUDA_RANDOM_API = ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all", "seed", "initial_seed")
 # torch functions that take a device= keyword: a cuda / npu / index device is the host.

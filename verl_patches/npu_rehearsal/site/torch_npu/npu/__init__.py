@@ -1,14 +1,16 @@
 """STAND-IN for ``torch_npu.npu`` / ``torch.npu`` (NPU rehearsal platform): the device API on the host.
 
 Declared answers, each the host's own:
-- one device, the host: ``current_device()`` answers the index ``set_device`` recorded (0 by default), as
+- one device, the host: ``TENSOR_DEVICE_TYPE`` (the overlay's accelerator facade reads it; no torch_npu name)
+  says the device's tensors are host tensors; ``current_device()`` answers the index ``set_device`` recorded (0 by default), as
   torch_npu does; transfer_to_npu makes a tensor asked for on that index (or on ``npu`` / ``cuda``) on the host;
 - streams and events are the program order (the host runs synchronously): waiting, recording and
   synchronising return at once; ``Event(enable_timing=True).elapsed_time`` measures host wall time;
 - memory figures are the host's: nothing is cached (``memory_allocated`` and the like answer 0, as the CPU
   platform's do), ``mem_get_info`` the host's (or its cgroup's) free and total bytes;
 - the generator is the host's default generator (every host op draws from it);
-- ``set_compile_mode`` records the mode (there is no NPU graph compiler on the host).
+- ``set_compile_mode`` records the mode (there is no NPU graph compiler on the host), and
+  ``is_current_stream_capturing`` answers False (no graph is captured on the host);
 Any other name raises AttributeError naming it.
 """
 
@@ -25,6 +27,7 @@ from torch._streambase import _EventBase, _StreamBase
 from verl_patches import npu_rehearsal as _platform
 
 _state = {"device": 0, "compile_mode": None}
+TENSOR_DEVICE_TYPE = "cpu"  # a tensor made "on the NPU" is a host tensor (transfer_to_npu's stand-in)
 
 
 def is_available() -> bool:
@@ -225,6 +228,10 @@ def set_rng_state(new_state: torch.Tensor, device: Any = None) -> None:
 
 
 default_generators = (torch.default_generator,)
+
+
+def is_current_stream_capturing() -> bool:
+    return False  # the host captures no graph (torch_npu: whether an NPUGraph capture is under way)
 
 
 def set_compile_mode(jit_compile: bool = False) -> None:
