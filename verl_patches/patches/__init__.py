@@ -56,6 +56,7 @@ RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.megatron.patch_core_models_common_embeddings_rope_utils",
     "verl_patches.patches.mindspeed.patch_arguments",
     "verl_patches.patches.mindspeed.patch_features_manager_features_manager",
+    "verl_patches.patches.mindspeed.patch_llm_core_transformer_custom_dot_product_attention",
 )
 
 # The CPU platform (platforms=("cpu",) only): what has no host implementation upstream.
