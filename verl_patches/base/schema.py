@@ -21,7 +21,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
+from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from verl_patches.config import env as overlay_env
 
 
 class Rule:
@@ -168,8 +172,6 @@ class PathArg(Text):
         return f"a path ({self.role}): non-empty, without NUL bytes"
 
     def check(self, raw: str) -> Any:
-        from pathlib import Path
-
         return Path(super().check(raw))
 
 
@@ -202,8 +204,6 @@ def disagreements(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
         given = given or a.option_strings[:1]
         raw = env[rule.env]
         try:
-            from verl_patches.config import env as overlay_env
-
             var = overlay_env.BY_NAME.get(rule.env)
             other = overlay_env.parse(var, raw) if var is not None else rule.check(raw)
         except (ValueError, TypeError):
@@ -219,8 +219,6 @@ def disagreements(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, then refuse options that disagree with their environment variable."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     bad = disagreements(parser, args, argv, environ)

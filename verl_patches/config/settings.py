@@ -226,6 +226,7 @@ def _lookup(node: Any, path: str) -> Any:
 def select(cfg: Any, key: str) -> Any:
     """``key`` (dotted) of a composed OmegaConf config, resolved; None where it is missing, '???' or an
     interpolation that does not resolve (the validator reports that as a bad value)."""
+    # Lazy: OmegaConf only for a composed config; the patch modules import this module while the catalogue loads.
     from omegaconf import OmegaConf
 
     try:
@@ -237,6 +238,7 @@ def select(cfg: Any, key: str) -> Any:
 def plain(node: Any) -> Any:
     """An OmegaConf node as plain dicts and lists ('???' kept as is); anything else unchanged."""
     if type(node).__name__ in ("DictConfig", "ListConfig"):
+        # Lazy: OmegaConf only for a composed config; the patch modules import this module while the catalogue loads.
         from omegaconf import OmegaConf
 
         return OmegaConf.to_container(node, resolve=True, throw_on_missing=False)

@@ -18,6 +18,8 @@ import torch
 from verl_patches.offload import groups
 from verl_patches.offload.groups import HookedGroup, Location, OffloadGroup, TensorGroup, _storage_key
 from verl_patches.offload.pool import OffloadEngine
+from verl_patches.offload.live import live_switch
+from verl_patches.train.ddp_overlap import check_settled
 
 
 def _chunks(modules: Any) -> list[torch.nn.Module]:
@@ -125,8 +127,6 @@ class _Memory:
 
     def close(self) -> None:
         """Leave the switch loop, bring everything back to device and give back the host buffers."""
-        from verl_patches.offload.live import live_switch
-
         live_switch().detach(self)
         for g in self.groups().values():
             if g.location is Location.HOST:
@@ -179,8 +179,6 @@ class ActorMemory(_Memory):
         # the last step are stale: moving them is refused, naming what is unsettled.
         self._moved = {"train_params": self.params, "grads": self.grads}
         if any(_overlapped(c) for c in self.modules):
-            from verl_patches.train.ddp_overlap import check_settled
-
             def check(role: str) -> Callable[[], None]:
                 return lambda: check_settled(self.modules, f"{name}: moving {role}")
 

@@ -15,6 +15,7 @@ from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import DTYPE_BYTES, build_plan
 from verl_patches.reshard.baselines import plan_summaries
+from verl_patches.base.schema import Number, Text
 
 
 # Input bounds: far above any DeepSeek-V3 layout (the recipe's world is 256 ranks), low enough that
@@ -82,7 +83,6 @@ def _gb(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import Number, Text
     ap = argparse.ArgumentParser(
         prog="python -m verl_patches plan",
         description="Plan the train->rollout reshard of a DeepSeek-V3 model and compare methods.")

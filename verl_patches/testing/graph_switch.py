@@ -33,6 +33,22 @@ import torch
 import torch.nn.functional as F
 
 from verl_patches.core.lock import REPO_ROOT
+from verl_patches.base import accelerator
+from verl_patches.base.schema import Integer, Text
+from verl_patches.launch.local_ranks import free_port
+from verl_patches.offload import (OffloadEngine, Region, TensorGroup, kv_cache_group, ours, reference_group,
+    rollout_weights_group, train_params_group)
+from verl_patches.offload.stable import stable_memory
+from verl_patches.preflight.graph_check import GraphCheck
+from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
+from verl_patches.reshard.checksum import verify
+from verl_patches.reshard.executor import execute, prepare
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import ModelConfig
+from verl_patches.reshard.placements import build_placements
+from verl_patches.reshard.planner import build_plan
+from verl_patches.rollout.mla import rewrite_in_place
+import torch.distributed as dist
 
 MODEL = REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json"
 BATCH = 4  # the decode batch of a single-graph run
@@ -123,23 +139,6 @@ def _train_phase(rng: random.Random, keep: list, device: torch.device) -> int:
 
 
 def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[int, ...] = (BATCH,)) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from verl_patches.base import accelerator
-    from verl_patches.offload import (OffloadEngine, Region, TensorGroup, kv_cache_group, ours, reference_group,
-                                      rollout_weights_group, train_params_group)
-    from verl_patches.offload.stable import stable_memory
-    from verl_patches.preflight.graph_check import GraphCheck
-    from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
-    from verl_patches.reshard.checksum import verify
-    from verl_patches.reshard.executor import execute, prepare
-    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
-    from verl_patches.reshard.model import ModelConfig
-    from verl_patches.reshard.placements import build_placements
-    from verl_patches.reshard.planner import build_plan
-    from verl_patches.rollout.mla import rewrite_in_place
-    from verl_patches.launch.local_ranks import free_port
-
     cfg = json.loads(MODEL.read_text())
     device = accelerator.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -285,7 +284,6 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
 
 
 def main(argv: list[str]) -> None:
-    from verl_patches.base.schema import Integer, Text
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("stable", "resize"), required=True)
     ap.add_argument("--cycles", type=Integer(low=1), default=100)

@@ -18,14 +18,13 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-from verl_patches.train.ddp_overlap import FLAG, REMOVE_WHEN
+from verl_patches.train.ddp_overlap import FLAG, REMOVE_WHEN, check_settled, complete_param_gather
 
 
 def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def update_policy(self, dataloader):
         out = original(self, dataloader)
-        from verl_patches.train.ddp_overlap import check_settled, complete_param_gather
 
         complete_param_gather(self.actor_module)
         check_settled(self.actor_module, "the actor after its update")

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from verl_patches.rollout.long_tail import rebalance as rb
+from verl_patches.base.schema import Integer, Number, Text
 
 MAX_SEQUENCES = 1_000_000
 MAX_LEN = 1_048_576
@@ -158,6 +159,7 @@ def load_table(spec: str) -> TpotTable:
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise PlanError(f"--tpot {spec}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
         try:
+            # Lazy: PyYAML for a TPOT file and matplotlib (slow, optional) for the figure only.
             import yaml
 
             data = yaml.safe_load(text)
@@ -565,10 +567,12 @@ def recommend(base: Scenario, lengths: np.ndarray, min_gain: float = 0.02, tail_
 
 def _png(path: Path, results: list[Result]) -> None:
     try:
+        # Lazy: PyYAML for a TPOT file and matplotlib (slow, optional) for the figure only.
         import matplotlib
     except ImportError:
         raise PlanError("the PNG needs matplotlib (requirements.txt)") from None
     matplotlib.use("Agg")
+    # Lazy: PyYAML for a TPOT file and matplotlib (slow, optional) for the figure only.
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
@@ -610,7 +614,6 @@ def _report(res: Result) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from verl_patches.base.schema import Integer, Number, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches rollout-plan",
                                 description=__doc__.split("\n\n")[0].replace("``", "`"))
     p.add_argument("--dp", type=Integer(low=1, high=MAX_DP), default="128", help="DP ranks of one vLLM instance, stepping together (default 128)")
