@@ -18,6 +18,9 @@ module it imports.
 from __future__ import annotations
 
 import ast
+import io
+import sys
+import tokenize
 from pathlib import Path
 
 from tests.helpers import REPO
@@ -491,25 +494,12 @@ def light_modules(root: Path = REPO, package: str = PACKAGE, light: tuple[str, .
 def _head_upstream(tree: ast.AST) -> set[str]:
     """Top-level names of the packages outside the standard library and ``PACKAGE`` that importing the module
     imports itself (function bodies and ``if TYPE_CHECKING:`` skipped; relative imports are the package's)."""
-    import sys
-
     out: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                continue
-            if isinstance(child, ast.If) and _is_type_checking(child):
-                for sub in child.orelse:
-                    visit(sub)
-                continue
-            if isinstance(child, ast.Import):
-                out.update(a.name.split(".")[0] for a in child.names)
-            elif isinstance(child, ast.ImportFrom) and not child.level:
-                out.add((child.module or "").split(".")[0])
-            visit(child)
-
-    visit(tree)
+    for node in _import_time_nodes(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add((node.module or "").split(".")[0])
     return {n for n in out if n and n != PACKAGE and n not in sys.stdlib_module_names and n != "__future__"}
 
 
@@ -583,9 +573,6 @@ def upstream_at_import(root: Path = REPO, package: str = PACKAGE) -> dict[str, s
 
 
 def _comment_lines(source: str) -> set[int]:
-    import io
-    import tokenize
-
     return {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
 
 
