@@ -25,7 +25,7 @@ DELEGATED = {
     "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
     "plot": ("verl_patches.reporting.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
     "rollout-plan": ("verl_patches.rollout.long_tail.simulator:main",
-                     "model the rollout's long tail (lockstep DP decode, graph buckets, rebalance) and recommend"),
+                     "model the rollout's long tail (lockstep DP decode, graph sizes, rebalance) and recommend"),
 }
 
 

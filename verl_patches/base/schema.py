@@ -175,10 +175,32 @@ class PathArg(Text):
         return Path(super().check(raw))
 
 
+class Renamed(argparse.Action):
+    """An option that was renamed: given, with or without a value, it ends the command naming the new name
+    (exit 2), so an old command line fails instead of meaning something else. Hidden from --help."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        got = "" if values is None else f", got {values!r}"
+        raise argparse.ArgumentError(self, f"renamed {self.new} (same meaning, same values): expected {self.new}{got}")
+
+
+def refuse_renamed(parser: argparse.ArgumentParser, renamed: Mapping[str, str]) -> None:
+    """Declare each old option name of ``renamed`` (old -> new) as refused, naming its new name."""
+    for old, new in renamed.items():
+        parser.add_argument(old, action=Renamed, new=new, dest=f"renamed_{old.lstrip('-').replace('-', '_')}",
+                            default=None)
+
+
 def declared(action: argparse.Action) -> bool:
-    """Whether an option's values are declared: a flag, a rule, or a closed set of choices."""
+    """Whether an option's values are declared: a flag, a rule, a closed set of choices, or a renamed option
+    (refused whatever its value)."""
     if action.nargs == 0 or isinstance(action, (argparse._HelpAction, argparse._VersionAction,
-                                                 argparse._SubParsersAction)):
+                                                 argparse._SubParsersAction, Renamed)):
         return True
     return isinstance(action.type, Rule) or action.choices is not None
 

@@ -44,7 +44,7 @@ from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.rollout.kv_cache import KEPT_ATTR
-from verl_patches.rollout.long_tail.migrate import RebalanceSetup, Lockstep, eager_buckets
+from verl_patches.rollout.long_tail.migrate import RebalanceSetup, Lockstep, eager_graph_sizes
 from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
 from verl_patches.rollout.settings import STASH_KEY
 import torch.distributed as dist
@@ -294,8 +294,8 @@ class _Generator:
                                  f"every worker, or turn rebalance off")
         seqs = int(self.vllm_config.scheduler_config.max_num_seqs)
         # The CPU engine is eager (no graph is captured, whatever torchair_graph_config says): the group
-        # steps at its fullest rank's batch, so every batch size is a bucket.
-        lockstep = Lockstep(coord.cpu_group, setup.policy, eager_buckets(seqs), seqs)
+        # steps at its fullest rank's batch, so every batch size is a graph size.
+        lockstep = Lockstep(coord.cpu_group, setup.policy, eager_graph_sizes(seqs), seqs)
         return lockstep, int(setup.stagger) * coord.rank_in_group
 
 

@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="switch iterations per method (>= 2 to check leaks)")
     p.add_argument("--seed", type=Integer(low=0, high=2 ** 32 - 1), default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--bucket-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0)
+    p.add_argument("--bucket-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0,
+                   help="the reshard's transfer bucket, MiB: what one rank sends plus receives in one collective")
+    p.add_argument("--copy-chunk-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0,
+                   help="the offload engine's copy chunk, MiB (before issue 38 --bucket-mb set it too)")
     p.add_argument("--kv-mb", type=Number(low=0, high=1 << 20), default=16.0,
                    help="size of the simulated KV cache per rank")
     p.add_argument("--dump", type=PathArg("output directory"), default=None,
@@ -188,7 +191,7 @@ def _options(a: argparse.Namespace, world: int) -> Any:
     check_layouts(model, train, rollout, world)
     n_params = _count_params(model)
     return Options(model=model, train=train, rollout=rollout, methods=methods, steps=a.steps, seed=a.seed,
-                   dtype=a.dtype, bucket_mb=a.bucket_mb, kv_mb=a.kv_mb, corrupt=corrupt,
+                   dtype=a.dtype, bucket_mb=a.bucket_mb, copy_chunk_mb=a.copy_chunk_mb, kv_mb=a.kv_mb, corrupt=corrupt,
                    gather_shards=n_params <= GATHER_LIMIT, graph_check=a.graph_check)
 
 

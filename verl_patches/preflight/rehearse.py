@@ -35,7 +35,8 @@ class Options:
     steps: int = 2
     seed: int = 0
     dtype: str = "bfloat16"
-    bucket_mb: float = 64.0
+    bucket_mb: float = 64.0  # the reshard's transfer bucket
+    copy_chunk_mb: float = 64.0  # the offload engine's copy chunk
     kv_mb: float = 16.0
     corrupt: tuple[int, str, str] | None = None  # (rank, vLLM parameter, method): fault injection
     gather_shards: bool = False  # send the shards to rank 0 (logit check, dump); small models only
@@ -129,7 +130,7 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
 
     for method in opts.methods:
         res = MethodResult()
-        engine = OffloadEngine(bucket_bytes=int(opts.bucket_mb * (1 << 20)))
+        engine = OffloadEngine(chunk_bytes=int(opts.copy_chunk_mb * (1 << 20)))
         params = train_shards(P, rank, seed=opts.seed, step=0, dtype=dtype, device=device)
         grads = {n: torch.zeros_like(v) for n, v in params.items()}
         ref = {n: v.clone() for n, v in params.items()}  # the reference model is the initial policy

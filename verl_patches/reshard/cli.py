@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="Megatron layout, e.g. tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7 "
                          "[,vocab_div=128][,mla_down=split|replicated]")
     ap.add_argument("--rollout", type=Text(), required=True, help="vLLM layout, e.g. tp=2,dp=128[,instances=1]")
-    ap.add_argument("--bucket-mb", type=Number(low=1 / 1024, high=1 << 20), default=256.0, help="bucket bound, MiB (default 256): what one rank sends plus receives in one "
+    ap.add_argument("--bucket-mb", type=Number(low=1 / 1024, high=1 << 20), default=256.0, help="transfer bucket bound, MiB (default 256): what one rank sends plus receives in one "
                          "collective; the executor keeps two buckets in flight")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")

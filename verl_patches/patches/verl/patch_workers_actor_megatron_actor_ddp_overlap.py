@@ -3,7 +3,7 @@
 Upstream: verl/workers/actor/megatron_actor.py:MegatronPPOActor.update_policy runs the optimizer
 steps. With ``overlap_param_gather`` (patch verl.ddp_overlap.get_model) megatron-core 0.12.1's
 distributed optimizer no longer all-gathers the updated shards in its step: the next forward's
-pre-hooks do, bucket by bucket, overlapped with compute. Until then each rank's parameters outside
+pre-hooks do, one DDP bucket at a time, overlapped with compute. Until then each rank's parameters outside
 its own shard are those of before the step, and in verl the next reader is not a forward but the
 reshard to the rollout (then the switch's offload, a checkpoint). We wrap it: after upstream
 returns, every gather still due is finished (verl_patches/train/ddp_overlap.py:complete_param_gather) and
