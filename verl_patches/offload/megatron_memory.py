@@ -2,11 +2,13 @@
 (verl_patches.offload.live, docs/DESIGN.md section 3) moves them and keeps the ledger.
 
 Where megatron-core 0.12.1 keeps things (see verl.utils.megatron_utils offload_megatron_model_to_cpu):
-a DDP chunk's ``buffers`` and ``expert_parallel_buffers`` each hold ``param_data`` (the params are
-views of it with the distributed optimizer; None without it) and ``grad_data`` (every
-``param.main_grad`` is a view of it). The optimizer's inner torch optimizers hold the state and,
-for mixed precision, the fp32 master copies as their params. Groups resize storages in place, so
-DDP's buckets, the optimizer and vLLM's reshard keep their references.
+1. A DDP chunk's ``buffers`` and ``expert_parallel_buffers`` each hold ``param_data`` and ``grad_data``.
+2. ``param_data``: the params are views of it with the distributed optimizer (None without it).
+3. ``grad_data``: every ``param.main_grad`` is a view of it.
+4. The optimizer's inner torch optimizers hold the state and, for mixed precision, the fp32 master
+   copies as their params.
+Groups resize storages in place. So megatron-core's DDP buckets, the optimizer and vLLM's reshard keep
+their references.
 """
 
 from __future__ import annotations
@@ -173,7 +175,7 @@ class ActorMemory(_Memory):
             inner_optimizers(optimizer)  # a clear error now rather than at the first offload
         self.opt: TensorGroup | None = None
         self._opt_keys: frozenset[int] = frozenset()
-        # megatron-core's overlapped DDP (verl_patches/train/ddp_overlap.py): its buckets are views of the
+        # megatron-core's overlapped DDP (verl_patches/train/ddp_overlap.py): its DDP buckets are views of the
         # buffers moved here (resized in place, so they stay the same objects), but an asynchronous
         # reduce or gather in flight would write into a freed buffer, and parameters not gathered since
         # the last step are stale: moving them is refused, naming what is unsettled.

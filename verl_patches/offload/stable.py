@@ -7,9 +7,9 @@ Backends (chosen by stable_memory() below; docs/GRAPH_MODE.md says why):
   ships its cumem extension;
 - Ascend: vLLM-Ascend's CaMemAllocator (ACL's virtual-memory calls, the same shape as CuMem);
 - CPU: none.
-vLLM's and vLLM-Ascend's allocators only offer sleep() (unmaps every tag and copies some to host)
-and wake_up(tags); per-tag release here unmaps and re-maps just that tag's allocations through
-their modules' own unmap_and_release / create_and_map.
+vLLM's and vLLM-Ascend's allocators only offer sleep() and wake_up(tags). Their sleep() unmaps every
+tag and copies some to host. Per-tag release here unmaps and re-maps just that tag's allocations,
+through their modules' own unmap_and_release / create_and_map.
 """
 
 from __future__ import annotations

@@ -2,10 +2,14 @@
 vLLM's parameters.
 
 Upstream: verl/workers/sharding_manager/megatron_vllm.py:MegatronVLLMShardingManager.__enter__
-(verl 0.4.1) reloads offloaded actor params, wakes the engine's weights, runs
-per_tensor_generator (PP broadcast, TP all-gather, EP all-gather to full tensors, HF names) into
-vLLM's load_weights, offloads the actor params, wakes the KV cache and swaps the RNG state. It
-never redoes vLLM's post-load processing, so MLA's W_UK_T / W_UV (derived from kv_b_proj once
+(verl 0.4.1) does, in order:
+1. reload the offloaded actor params;
+2. wake the engine's weights;
+3. run per_tensor_generator (PP broadcast, TP all-gather, EP all-gather to full tensors, HF names)
+   into vLLM's load_weights;
+4. offload the actor params;
+5. wake the KV cache and swap the RNG state.
+It never redoes vLLM's post-load processing. So MLA's W_UK_T / W_UV (derived from kv_b_proj once
 at engine build) stay those of the initial weights.
 
 What __enter__ and __exit__ do, in order, for a rollout built by patch verl.vllm_rollout.recipe_engine
@@ -25,12 +29,13 @@ __enter__, recipe.reshard_method direct (default) or recipe:
    vllm.llm.wake_up_to_onload); the reshard fills every byte.
 4. `the sharding manager's weight sync`, steps `reshard` (call(reshard)), `offload_train_params`
    (offload(train_params), empty_cache): the reshard runs the run's plan from the actor's live
-   parameters straight into vLLM's (direct: every byte once, one all-to-all per bucket; recipe: the
-   reference's expert AlltoAllV, dense TP all-gather and PP all-to-all), MLA's post-load processing
-   is redone (W_UK_T / W_UV from the new kv_b_proj), and every recipe.fingerprint_every-th switch
-   the self-check fingerprints every rollout parameter against what the trainer sent and re-derives
-   one layer's MLA tensors (a difference stops the run); then the training params leave the device
-   (without the switch loop: verl's offload_megatron_model_to_cpu when param_offload is on).
+   parameters straight into vLLM's. Direct moves every byte once, one all-to-all per transfer
+   bucket; recipe runs the reference's expert AlltoAllV, dense TP all-gather and PP all-to-all.
+   MLA's post-load processing is redone (W_UK_T / W_UV from the new kv_b_proj). Every
+   recipe.fingerprint_every-th switch, the self-check fingerprints every rollout parameter against
+   what the trainer sent and re-derives one layer's MLA tensors; a difference stops the run. Then
+   the training params leave the device (without the switch loop: verl's
+   offload_megatron_model_to_cpu when param_offload is on).
 5. `LLM.wake_up(tags=['kv_cache'])`, step `init_kv_cache` (allocate(kv_cache)): the KV cache is
    allocated in the memory the training params freed.
 6. Report: the switch's figures go into the manager's timing dict
@@ -324,12 +329,12 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
 _ENTER_DOES = {
     "weights": "the engine's weights region comes back allocated, no copy (under the switch loop, through patch "
                "vllm.llm.wake_up_to_onload); the reshard fills every byte.",
-    "sync": "the reshard runs the run's plan from the actor's live parameters straight into vLLM's (direct: "
-            "every byte once, one all-to-all per bucket; recipe: the reference's expert AlltoAllV, dense TP "
-            "all-gather and PP all-to-all), MLA's post-load processing is redone (W_UK_T / W_UV from the new "
-            "kv_b_proj), and every recipe.fingerprint_every-th switch the self-check fingerprints every rollout "
-            "parameter against what the trainer sent and re-derives one layer's MLA tensors (a difference stops "
-            "the run); then the training params leave the device (without the switch loop: verl's "
+    "sync": "the reshard runs the run's plan from the actor's live parameters straight into vLLM's. Direct moves "
+            "every byte once, one all-to-all per transfer bucket; recipe runs the reference's expert AlltoAllV, "
+            "dense TP all-gather and PP all-to-all. MLA's post-load processing is redone (W_UK_T / W_UV from the "
+            "new kv_b_proj). Every recipe.fingerprint_every-th switch, the self-check fingerprints every rollout "
+            "parameter against what the trainer sent and re-derives one layer's MLA tensors; a difference stops "
+            "the run. Then the training params leave the device (without the switch loop: verl's "
             "offload_megatron_model_to_cpu when param_offload is on).",
     "kv_cache": "the KV cache is allocated in the memory the training params freed.",
 }
