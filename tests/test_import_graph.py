@@ -7,6 +7,8 @@ platform record (those live under patches/cpu/), the rollout's long tail is a wi
 entry modules only; the rest lives in engines (one part each) or wings (folders by purpose: base/, config/,
 launch/, reporting/), whose layers are pinned here: the floor imports nothing above it, no module imports a
 command, launch/ has named users, no engine imports reporting/, and README's layout table names every folder.
+Dependencies at the head (issue 38): the package imports itself at module level, a function-level import says
+why it waits, and what the catalogue and the CLI load imports no upstream package (the doctor runs without torch).
 
 The graph is read from the source with `ast`, so it sees imports inside functions too (a lazy
 import that only hides a cycle is still a cycle). Imports under `if TYPE_CHECKING:` are not edges.
