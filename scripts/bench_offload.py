@@ -2,7 +2,7 @@
 shard's params, grads and Adam state, and peak device memory of our switch schedule vs verl's.
 
 Methods, same tensors, side by side after warm-up (medians of --reps):
-  ours      : verl_patches.offload groups (pinned pool allocated once, bucketed side-stream copies)
+  ours      : verl_patches.offload groups (pinned pool allocated once, chunked side-stream copies)
   pageable  : the same engine over pageable host buffers
   naive     : per tensor, p.data = p.data.cpu() / p.data = p.data.to(device)
   upstream  : per tensor .to(..., non_blocking=True) + sync (verl 0.4.1's non-DDP offload path)
@@ -106,7 +106,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
+def bench_methods(mix, reps: int, chunk_bytes: int) -> tuple[dict, int]:
     dev = accelerator.current_device()
     tensors = [t for ts in mix.values() for t in ts]
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
@@ -134,7 +134,7 @@ def bench_methods(mix, reps: int, bucket_bytes: int) -> tuple[dict, int]:
                          "host_rss_held_bytes": held if measure_host else None}
 
     for label, pin in (("ours", None), ("pageable", False)):
-        eng = OffloadEngine(pool=HostBufferPool(pin=pin), bucket_bytes=bucket_bytes)
+        eng = OffloadEngine(pool=HostBufferPool(pin=pin), chunk_bytes=chunk_bytes)
         groups = [TensorGroup(eng, k, v) for k, v in mix.items()]
 
         def off(groups=groups):
@@ -423,12 +423,14 @@ def bench_switch_regions(unit_bytes: int, iterations: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from verl_patches.base.schema import Integer, Number, Text
+    from verl_patches.base.schema import Integer, Number, Text, refuse_renamed
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=Integer(low=1), default=2, help="MoE layers of the stage shard (a stage has 7-8)")
     ap.add_argument("--shrink", type=Integer(low=1), default=1, help="divide large dims (CPU smoke runs)")
     ap.add_argument("--reps", type=Integer(low=1), default=5)
-    ap.add_argument("--bucket-mb", type=Integer(low=1), default=256)
+    ap.add_argument("--copy-chunk-mb", type=Integer(low=1), default=256,
+                    help="the offload engine's copy chunk, MiB (copies queued together on the side stream)")
+    refuse_renamed(ap, {"--bucket-mb": "--copy-chunk-mb"})  # issue 38: the copy chunk is no bucket
     ap.add_argument("--schedule-unit-mb", type=Number(low=0, low_open=True), default=128.0,
                     help="bytes per reference-layout GB in the schedule model")
     ap.add_argument("--stable-mib", type=Number(low=0), default=4096.0,
@@ -449,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     mix = build_mix(args.layers, args.shrink, accelerator.current_device())
     sizes = {k: sum(t.untyped_storage().nbytes() for t in v) for k, v in mix.items()}
     counts = {k: len(v) for k, v in mix.items()}
-    methods, nbytes = bench_methods(mix, args.reps, args.bucket_mb << 20)
+    methods, nbytes = bench_methods(mix, args.reps, args.copy_chunk_mb << 20)
     del mix
     sched = bench_schedules(int(args.schedule_unit_mb * (1 << 20)))
     stable = bench_release_allocate(int(args.stable_mib * (1 << 20)), args.reps)

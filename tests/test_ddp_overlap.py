@@ -127,8 +127,8 @@ def test_pending_communication_names_each_unsettled_bucket():
     chunk = _Chunk(overlap_param_gather=True, use_distributed_optimizer=True)
     chunk.bucket_groups, chunk.expert_parallel_bucket_groups = [group], []
     problems = D.pending_communication([chunk])
-    assert problems == ["chunk 0 bucket group 0: a gradient reduce is in flight (finish_grad_sync not reached)",
-                        "chunk 0 bucket group 0: parameters not gathered since the last optimizer step "
+    assert problems == ["chunk 0 DDP bucket group 0: a gradient reduce is in flight (finish_grad_sync not reached)",
+                        "chunk 0 DDP bucket group 0: parameters not gathered since the last optimizer step "
                         "(verl_patches.train.ddp_overlap.complete_param_gather was not run)"]
     with pytest.raises(D.DdpOverlapError, match="moving: megatron-core's overlapped DDP communication is not settled"):
         D.check_settled([chunk], "moving")

@@ -7,6 +7,8 @@ platform record (those live under patches/cpu/), the rollout's long tail is a wi
 entry modules only; the rest lives in engines (one part each) or wings (folders by purpose: base/, config/,
 launch/, reporting/), whose layers are pinned here: the floor imports nothing above it, no module imports a
 command, launch/ has named users, no engine imports reporting/, and README's layout table names every folder.
+Dependencies at the head (issue 38): the package imports itself at module level, a function-level import says
+why it waits, and what the catalogue and the CLI load imports no upstream package (the doctor runs without torch).
 
 The graph is read from the source with `ast`, so it sees imports inside functions too (a lazy
 import that only hides a cycle is still a cycle). Imports under `if TYPE_CHECKING:` are not edges.
@@ -18,6 +20,9 @@ module it imports.
 from __future__ import annotations
 
 import ast
+import io
+import sys
+import tokenize
 from pathlib import Path
 
 from tests.helpers import REPO
@@ -200,13 +205,13 @@ def test_floors_of_a_small_graph_and_the_import_time_graph_skips_function_bodies
     assert import_graph(tmp_path, "pkg", import_time=True)["pkg.a"] == {"pkg.b"}
 
 
-# The import map's height (import-time graph): 8 floors, before and after issue 28. The top chain is
-# the reshard engine's (preflight.rehearse -> reshard.executor -> baselines -> planner -> placements ->
-# deepseek_v3_names -> layouts -> model); moving the constants out of the patch modules took away the
-# edges that put config/recipe_config.py and tiny/ above the patches, but those were function-level imports,
-# which this graph does not hold (the package-level graph below does). A new module above the top is a
-# design change: raise it here with the reason.
-MAX_FLOORS = 8
+# The import map's height (import-time graph): 11 floors since issue 38 moved the package's own imports to the
+# module heads. Before, it had 8, and the package-level graph (function-level imports too) had the same 11: the
+# lazy imports hid three floors without removing an edge. The top chain is the CPU generation stand-in's
+# (patches.cpu.vllm.patch_entrypoints_llm -> cpu.engine -> reshard.binding -> reshard.checksum -> reshard.executor
+# -> baselines -> planner -> placements -> coords -> layouts -> model). A new module above the top is a design
+# change: raise it here with the reason.
+MAX_FLOORS = 11
 
 
 def test_the_import_map_has_its_floors():
@@ -449,3 +454,252 @@ def test_one_settings_module_is_imported_by_every_reader():
             bad += [f"{mod}:{line}" for line in _names_the_recipe_section(ast.parse(path.read_text(), str(path)))]
     assert not bad, "the recipe section looked up outside verl_patches/config/settings.py (use settings.read / " \
                     "settings.problems / settings.trainer_section):\n" + "\n".join(bad)
+
+
+# Dependencies at the head (issue 38): a module's imports of the package sit at its head, where a reader sees
+# them. Only an import of an upstream package (torch, vllm, megatron, verl, ...) may wait in a function, where
+# import order or cost requires it, and it says why in a comment on its line or just above its block. The one
+# exception is cost met through the package: a module the catalogue and the CLI load (LIGHT and what they import
+# at import time: the doctor reads the catalogue in a Python without the stack, tests/core/test_doctor_cli.py)
+# imports lazily a module of the package that imports an upstream package at its head. Any other lazy import of the
+# package is named in LAZY_OWN.
+LIGHT = (f"{PACKAGE}.cli", f"{PACKAGE}.core", f"{PACKAGE}.patches")
+# The overlay's one dependency besides the standard library (pyproject.toml): a light module may import it.
+OVERLAY_DEPENDENCIES = {"packaging"}
+# importer -> module of the package it imports in a function, and why.
+LAZY_OWN = {
+    (f"{PACKAGE}.reshard.checksum", f"{PACKAGE}.reshard.fingerprint_kernel"):
+        "the fused fingerprint kernel is written in Triton, which is optional (none on an NPU or a CPU-only "
+        "build): the kernel's module is imported where Triton is tried",
+}
+
+
+def light_modules(root: Path = REPO, package: str = PACKAGE, light: tuple[str, ...] = LIGHT) -> set[str]:
+    """The modules under LIGHT and every module of the package they import at import time (parents included)."""
+    graph = import_graph(root, package, import_time=True)
+    table = facades(root, package)
+    for m, path in {_module_name(p, root): p for p in (root / package).rglob("*.py")}.items():
+        graph[m] = graph[m] | _through_facades(ast.parse(path.read_text(), str(path)), m, path.name == "__init__.py",
+                                               table, True)
+    todo = [m for m in graph if any(m == p or m.startswith(p + ".") for p in light)]
+    seen: set[str] = set()
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in graph:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        todo += list(graph[m]) + [".".join(parts[:i]) for i in range(1, len(parts))]
+    return seen
+
+
+def _head_upstream(tree: ast.AST) -> set[str]:
+    """Top-level names of the packages outside the standard library and ``PACKAGE`` that importing the module
+    imports itself (function bodies and ``if TYPE_CHECKING:`` skipped; relative imports are the package's)."""
+    out: set[str] = set()
+    for node in _import_time_nodes(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add((node.module or "").split(".")[0])
+    return {n for n in out if n and n != PACKAGE and n not in sys.stdlib_module_names and n != "__future__"}
+
+
+def facades(root: Path = REPO, package: str = PACKAGE) -> dict[str, dict[str, str]]:
+    """package -> {name: module} for the packages whose public names are imported on first use (``lazy_names``
+    over a ``_WHERE`` table): ``from verl_patches.offload import OffloadEngine`` imports offload.pool."""
+    out = {}
+    for path in (root / package).rglob("__init__.py"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["_WHERE"]:
+                out[_module_name(path, root)] = eval(compile(ast.Expression(node.value), str(path), "eval"),
+                                                     {"__builtins__": {}, "dict": dict})
+    return out
+
+
+def _through_facades(tree: ast.AST, mod: str, is_package: bool, table: dict[str, dict[str, str]],
+                     import_time: bool) -> set[str]:
+    """The modules that names imported from a facade (``facades``) live in."""
+    out = set()
+    for node in ast.walk(tree) if not import_time else _import_time_nodes(tree):
+        if isinstance(node, ast.ImportFrom):
+            prefix = next(iter(_imports(ast.Module(body=[ast.ImportFrom(module=node.module, names=[], level=node.level)],
+                                                   type_ignores=[]), mod, is_package)))
+            out.update(table[prefix][a.name] for a in node.names if a.name in table.get(prefix, {}))
+    return out
+
+
+def _import_time_nodes(tree: ast.AST) -> list[ast.AST]:
+    nodes = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for sub in child.orelse:
+                    visit(sub)
+                continue
+            nodes.append(child)
+            visit(child)
+
+    visit(tree)
+    return nodes
+
+
+def upstream_at_import(root: Path = REPO, package: str = PACKAGE) -> dict[str, set[str]]:
+    """module -> the upstream packages that importing it imports: its own head's, and those of every module of
+    the package it imports at import time (parent packages included: importing a.b runs a's __init__)."""
+    files = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+    graph = import_graph(root, package, import_time=True)
+    table = facades(root, package)
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in files.items()}
+    for m, tree in trees.items():
+        graph[m] = graph[m] | _through_facades(tree, m, files[m].name == "__init__.py", table, True)
+    own = {m: _head_upstream(tree) for m, tree in trees.items()}
+    out: dict[str, set[str]] = {}
+    for mod in files:
+        seen, todo, found = set(), [mod], set()
+        while todo:
+            m = todo.pop()
+            if m in seen or m not in files:
+                continue
+            seen.add(m)
+            found |= own[m]
+            todo += list(graph.get(m, ()))
+            parts = m.split(".")
+            todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        out[mod] = found
+    return out
+
+
+def _comment_lines(source: str) -> set[int]:
+    return {t.start[0] for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+
+
+def function_level_imports(root: Path = REPO, package: str = PACKAGE) -> list[tuple[str, int, str, set[str], bool]]:
+    """(module, line, statement, modules of the package it imports, has a reason comment) for every import inside a
+    function. The reason is a comment on the statement's lines or on the line just above its block: the
+    statements (and ``try:`` lines) that run on without a blank line share the comment above the first."""
+    files = {_module_name(p, root): p for p in (root / package).rglob("*.py")}
+    table = facades(root, package)
+    out = []
+    for mod, path in sorted(files.items()):
+        source = path.read_text()
+        tree = ast.parse(source, str(path))
+        lines = source.splitlines()
+        comments = _comment_lines(source)
+        lazy: list[ast.stmt] = []
+
+        def visit(node: ast.AST, in_function: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if in_function and isinstance(child, (ast.Import, ast.ImportFrom)):
+                    lazy.append(child)
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+        visit(tree, False)
+        import_lines = {ln for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                        for ln in range(n.lineno, n.end_lineno + 1)}
+        for node in lazy:
+            reason = any(ln in comments for ln in range(node.lineno, node.end_lineno + 1))
+            above = node.lineno - 1
+            while not reason and above >= 1 and (above in import_lines or lines[above - 1].strip() == "try:"):
+                reason = above in comments
+                above -= 1
+            reason = reason or (above >= 1 and lines[above - 1].lstrip().startswith("#"))
+            through = _through_facades(ast.Module(body=[node], type_ignores=[]), mod, path.name == "__init__.py",
+                                       table, False)
+            # A name read through a facade is an import of the module it lives in, not of the facade.
+            targets = (_targets(node, mod, path.name == "__init__.py", files) - (set(table) if through else set())) \
+                | through
+            out.append((mod, node.lineno, ast.unparse(node), targets, reason))
+    return out
+
+
+def _targets(node: ast.Import | ast.ImportFrom, mod: str, is_package: bool, files: dict) -> set[str]:
+    """The package's modules one import statement imports, each the deepest module its name reaches."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = _imports(ast.Module(body=[ast.ImportFrom(module=node.module, names=[], level=node.level)],
+                                   type_ignores=[]), mod, is_package)
+        prefix = next(iter(base))
+        names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in files else prefix for a in node.names]
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        while parts and ".".join(parts) not in files:
+            parts.pop()
+        if parts:
+            out.add(".".join(parts))
+    return out
+
+
+def lazy_own_problems(root: Path = REPO, package: str = PACKAGE, light: tuple[str, ...] = LIGHT,
+                      allowed: dict | None = None) -> list[str]:
+    """Function-level imports of the package that break the rule above, and function-level imports without a
+    reason comment."""
+    allowed = LAZY_OWN if allowed is None else allowed
+    upstream = upstream_at_import(root, package)
+    lights = light_modules(root, package, light)
+    bad = []
+    for mod, line, stmt, targets, reason in function_level_imports(root, package):
+        where = f"{mod}:{line}: {stmt}"
+        is_light = mod in lights
+        for t in sorted(targets):
+            if (mod, t) in allowed:
+                continue
+            if not is_light:
+                bad.append(f"{where}: imports {t} in a function (move it to the module's head)")
+            elif not upstream[t] - OVERLAY_DEPENDENCIES:
+                bad.append(f"{where}: {t} imports no upstream package at its head (move it to the module's head)")
+        if not reason:
+            bad.append(f"{where}: a function-level import without a reason comment (on its line or just above)")
+    return bad
+
+
+def test_the_lazy_import_checker_catches_a_lazy_own_import_and_a_missing_reason(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "patches").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "patches" / "__init__.py").write_text("")
+    (pkg / "heavy.py").write_text("import torch\n")
+    (pkg / "plain.py").write_text("X = 1\n")
+    (pkg / "patches" / "p.py").write_text(
+        "def f():\n    # Lazy: heavy imports torch.\n    from pkg import heavy\n\n"
+        "def g():\n    from pkg import plain\n    import torch\n\n"
+        "def h():\n    # Lazy: torch is costly; one comment covers the block.\n    import torch\n    import vllm\n")
+    (pkg / "engine.py").write_text("def f():\n    from pkg import heavy  # lazy, but not a light module\n")
+    light = ("pkg.patches",)
+    bad = lazy_own_problems(tmp_path, "pkg", light, {})
+    assert upstream_at_import(tmp_path, "pkg")["pkg.heavy"] == {"torch"}
+    assert any("pkg.patches.p:6" in b and "pkg.plain imports no upstream" in b for b in bad), bad
+    assert any("pkg.patches.p:6" in b and "without a reason" in b for b in bad), bad
+    assert any("pkg.patches.p:7" in b and "without a reason" in b for b in bad), bad
+    assert any(b.startswith("pkg.engine:2") and "move it to the module's head" in b for b in bad), bad
+    assert not [b for b in bad if "pkg.patches.p:3" in b or ":11" in b or ":12" in b], bad
+    assert lazy_own_problems(tmp_path, "pkg", light, {("pkg.engine", "pkg.heavy"): "why"}) == \
+        [b for b in bad if not b.startswith("pkg.engine")]
+
+
+def test_the_package_imports_itself_at_the_heads():
+    """No function-level import of the package's own modules outside the rule above (LIGHT, LAZY_OWN), and every
+    function-level import says why it waits."""
+    bad = lazy_own_problems()
+    assert not bad, "function-level imports against issue 38's rule (tests/test_import_graph.py):\n" + "\n".join(bad)
+
+
+def test_the_light_modules_import_no_upstream_package():
+    """What the catalogue and the CLI load imports nothing but the standard library and packaging, so the doctor
+    runs in a Python without the stack: an import of a module of the package that imports torch waits in the
+    function that needs it."""
+    lights = light_modules()
+    bad = sorted(f"{m}: {', '.join(sorted(u - OVERLAY_DEPENDENCIES))}" for m, u in upstream_at_import().items()
+                 if m in lights and u - OVERLAY_DEPENDENCIES)
+    assert not bad, "modules the catalogue or the CLI load import upstream packages at import time:\n" + "\n".join(bad)
+
+
+def test_the_allowlist_is_used():
+    used = {(mod, t) for mod, _, _, targets, _ in function_level_imports() for t in targets}
+    assert set(LAZY_OWN) <= used, f"LAZY_OWN names imports that are no longer lazy: {sorted(set(LAZY_OWN) - used)}"

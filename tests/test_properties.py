@@ -355,7 +355,7 @@ def test_rollout_plan_properties(tmp_path_factory):
     Options that size the model skip the recommendation's search (each example stays short)."""
     root = tmp_path_factory.mktemp("rollout_plan")
     sized = ["--dp", "--prompts", "--n", "--max-len", "--max-num-seqs", "--prompt-len"]
-    other = ["--graph-batch-sizes", "--min-bucket-drop", "--max-imbalance", "--tail-fraction", "--seed",
+    other = ["--graph-batch-sizes", "--min-graph-size-drop", "--max-imbalance", "--tail-fraction", "--seed",
              "--min-gain", "--metrics-step"]
     lines = TINY_METRICS.read_text().splitlines()
     damaged = {

@@ -38,7 +38,7 @@ OTHER = {
     "fingerprint_every": 3,
     "tensorboard_dir": "run/tb",
     "rebalance": True,
-    "rebalance_min_bucket_drop": 2,
+    "rebalance_min_graph_size_drop": 2,
     "rebalance_max_imbalance": 1.5,
     "rebalance_cpu_stagger": 5,
     "devices_per_card": 2,
@@ -133,7 +133,7 @@ READERS = {
     "devices_per_card": [lambda c: settings.from_trainer(c).devices_per_card],
     "fingerprint_every": [lambda c: _from_llm(c).recipe.fingerprint_every],  # the sharding manager's self-check
     "rebalance": [lambda c: _policy(c).enabled, lambda c: _generation(c).policy.enabled],
-    "rebalance_min_bucket_drop": [lambda c: _policy(c).min_bucket_drop, lambda c: _generation(c).policy.min_bucket_drop],
+    "rebalance_min_graph_size_drop": [lambda c: _policy(c).min_graph_size_drop, lambda c: _generation(c).policy.min_graph_size_drop],
     "rebalance_max_imbalance": [lambda c: _policy(c).max_imbalance, lambda c: _generation(c).policy.max_imbalance],
     "rebalance_cpu_stagger": [lambda c: _generation(c).stagger],
 }

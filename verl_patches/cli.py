@@ -8,6 +8,16 @@ import importlib
 import inspect
 import json
 import sys
+from dataclasses import asdict
+
+from verl_patches import npu_rehearsal
+from verl_patches.base.schema import PathArg, Text
+from verl_patches.core import hook
+from verl_patches.core.docs import upstream_lines, PATCHES_MD, render_patches_md
+from verl_patches.core.doctor import as_json, run_doctor, is_failing, env_findings
+from verl_patches.core.fingerprint import TargetNotFound, source_span, fingerprint_file
+from verl_patches.core.upstream import module_file
+from verl_patches.patches import load_catalogue, get_patch
 
 # Subcommands implemented by an engine's own CLI module: name -> "module:function(argv) -> int".
 DELEGATED = {
@@ -15,26 +25,21 @@ DELEGATED = {
     "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
     "plot": ("verl_patches.reporting.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
     "rollout-plan": ("verl_patches.rollout.long_tail.simulator:main",
-                     "model the rollout's long tail (lockstep DP decode, graph buckets, rebalance) and recommend"),
+                     "model the rollout's long tail (lockstep DP decode, graph sizes, rebalance) and recommend"),
 }
 
 
 def _platform_default() -> str:
+    # Lazy: accelerator imports torch; only the doctor asks it, the other verbs and --help run without torch.
     from verl_patches.base import accelerator
 
     return accelerator.device_type()
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from verl_patches.core.doctor import as_json, run_doctor
-    from verl_patches.patches import load_catalogue
-
-    from verl_patches.core.doctor import is_failing
-
     if args.upstream_root is not None and not args.upstream_root.is_dir():
         print(f"error: --upstream-root {args.upstream_root} is not a directory", file=sys.stderr)
         return 2
-    from verl_patches.core.doctor import env_findings
 
     # The overlay's own variables that are set, each ok or invalid (none set: no line, no entry).
     settings = env_findings()
@@ -54,7 +59,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return code
     for f in findings + settings:
         print(f.line())
-    from verl_patches import npu_rehearsal
 
     if platform == "npu" or npu_rehearsal.selected():
         # Which torch_npu is in use: the real one, or the NPU rehearsal platform's stand-in (never both).
@@ -71,11 +75,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_patches(args: argparse.Namespace) -> int:
-    from dataclasses import asdict
-
-    from verl_patches.core.docs import upstream_lines
-    from verl_patches.patches import load_catalogue
-
     patches = load_catalogue()
     if args.json:
         rows = []
@@ -96,10 +95,6 @@ def cmd_patches(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from verl_patches.core.fingerprint import TargetNotFound, source_span
-    from verl_patches.patches import get_patch
-    from verl_patches.core.upstream import module_file
-
     try:
         patch = get_patch(args.id)
     except KeyError as e:
@@ -127,9 +122,6 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
-    from verl_patches.core.docs import PATCHES_MD, render_patches_md
-    from verl_patches.patches import load_catalogue
-
     current = PATCHES_MD.read_text(encoding="utf-8") if PATCHES_MD.exists() else ""
     unread: list[str] = []
     text = render_patches_md(load_catalogue(), current, unread)
@@ -152,8 +144,6 @@ def cmd_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_hook(args: argparse.Namespace) -> int:
-    from verl_patches.core import hook
-
     try:
         if args.action == "install":
             changed, path = hook.install(args.upstream_root)
@@ -172,9 +162,6 @@ def cmd_hook(args: argparse.Namespace) -> int:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    from verl_patches.core.fingerprint import TargetNotFound, fingerprint_file
-    from verl_patches.core.upstream import module_file
-
     module, sep, qualname = args.target.partition(":")
     path = module_file(module, args.upstream_root) if sep else None
     if path is None:
@@ -203,7 +190,6 @@ def _delegate(name: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from verl_patches.base.schema import PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 

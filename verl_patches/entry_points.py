@@ -17,7 +17,11 @@ from verl_patches.config import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
 from verl_patches.core.record import Patch
+from verl_patches.npu_rehearsal.records import applies_on_rehearsal
 from verl_patches.patches import in_application_order, load_catalogue
+from verl_patches.base import accelerator
+from verl_patches.rollout.compile_context import save_real_compile
+from verl_patches.train.mindspeed_adaptor import import_mindspeed_llm_at_rank_start
 
 
 def disabled_ids() -> set[str]:
@@ -28,8 +32,6 @@ def disabled_ids() -> set[str]:
 def patches_for(phase: str, registry: list[Patch] | None = None, device_type: str | None = None) -> list[Patch]:
     """The patches this process applies, in the order it applies them (the CPU platform's first, then
     the catalogue's order): its phase, its accelerator, not disabled."""
-    from verl_patches.base import accelerator
-
     off = disabled_ids()
     dev = device_type or accelerator.device_type()
     applies = lambda p: p.applies_on(dev)  # noqa: E731
@@ -37,7 +39,7 @@ def patches_for(phase: str, registry: list[Patch] | None = None, device_type: st
         # The NPU rehearsal platform: the NPU's records, and the host records decided per record
         # (verl_patches/npu_rehearsal/records.py: APPLY where the host lacks what the stand-in's device
         # mapping cannot give, never the host layer spec).
-        from verl_patches.npu_rehearsal.records import applies_on_rehearsal as applies
+        applies = applies_on_rehearsal
     return [p for p in in_application_order(registry if registry is not None else load_catalogue())
             if phase in p.phases and p.id not in off and applies(p)]
 
@@ -71,14 +73,11 @@ def apply_prelude(phase: str | None = None) -> list[str]:
     """Apply this phase's patches; return the ids newly applied (empty when already done)."""
     if env.get("VERL_PATCHES_OFF"):
         return []
-    # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/rollout/compile_context.py).
-    from verl_patches.rollout.compile_context import save_real_compile
-
     boot_rehearsal()  # before anything reads the accelerator (the stand-in is the NPU there)
+    # Before MindSpeed's adaptor replaces torch.compile for training (verl_patches/rollout/compile_context.py).
     save_real_compile()
     phase = phase or current_phase()
     patches = patches_for(phase)
-    from verl_patches.base import accelerator
 
     if phase != "worker" or accelerator.device_type() != "npu" or importlib.util.find_spec("mindspeed_llm") is None:
         return apply_all(patches)
@@ -87,8 +86,6 @@ def apply_prelude(phase: str | None = None) -> list[str]:
     # what the adaptor registers) and megatron's jit_fuser reading torch.compile when used (the adaptor's features
     # import megatron's fusions while they register), then the adaptor, then every other record (on upstream code
     # as MindSpeed left it, so their fingerprints see what runs).
-    from verl_patches.train.mindspeed_adaptor import import_mindspeed_llm_at_rank_start
-
     first = [p for p in patches if p.upstream == "mindspeed" or p.id in BEFORE_MINDSPEED_ADAPTOR]
     applied = apply_all(first)
     import_mindspeed_llm_at_rank_start()

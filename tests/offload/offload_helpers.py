@@ -52,7 +52,7 @@ class ScaledDie:
         def randn(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.randn(n, generator=g).to(dtype).to(dev)
 
-        # Uneven sizes (and an odd one) so storages do not line up with buckets or segments.
+        # Uneven sizes (and an odd one) so storages do not line up with copy chunks or segments.
         p_shapes = [(3, unit), (unit + 7,), (unit // 2, 2), (13,)]
         self.model = torch.nn.Module()
         for i, shape in enumerate(p_shapes):

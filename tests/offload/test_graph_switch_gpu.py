@@ -30,12 +30,12 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _run(tmp_path, mode: str, cycles: int, buckets: str = "4") -> dict:
+def _run(tmp_path, mode: str, cycles: int, graph_sizes: str = "4") -> dict:
     out = tmp_path / f"{mode}.json"
     path = os.pathsep.join([str(REPO), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
     env = dict(os.environ, PYTHONPATH=path, NCCL_NVLS_ENABLE="0", VERL_PATCHES_DEVICE="cuda")
     proc = subprocess.run([sys.executable, "-m", "verl_patches.testing.graph_switch", "--mode", mode,
-                           "--cycles", str(cycles), "--buckets", buckets, "--json", str(out)], env=env, cwd=REPO,
+                           "--cycles", str(cycles), "--graph-sizes", graph_sizes, "--json", str(out)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     if not out.exists():
         pytest.fail(f"graph_switch --mode {mode} wrote no result (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -44,17 +44,17 @@ def _run(tmp_path, mode: str, cycles: int, buckets: str = "4") -> dict:
     return r
 
 
-BUCKETS = (1, 2, 4, 8)  # several captured decode batch sizes over the same regions (docs/ROLLOUT.md)
+GRAPH_SIZES = (1, 2, 4, 8)  # several captured decode batch sizes over the same regions (docs/ROLLOUT.md)
 
 
 def test_graph_replays_equal_eager_across_100_switches_with_stable_regions(tmp_path):
     pytest.importorskip("torch_memory_saver")
-    r = _run(tmp_path, "stable", 100, ",".join(map(str, BUCKETS)))
+    r = _run(tmp_path, "stable", 100, ",".join(map(str, GRAPH_SIZES)))
     assert r["error"] is None, r
     assert r["backend"] == "torch_memory_saver"
-    # One graph per bucket, each replayed and compared with its eager forward after every switch.
-    assert r["buckets"] == list(BUCKETS) and r["graphs"] == len(BUCKETS), r
-    assert r["replays"] == 100 * len(BUCKETS), r
+    # One graph per graph size, each replayed and compared with its eager forward after every switch.
+    assert r["graph_sizes"] == list(GRAPH_SIZES) and r["graphs"] == len(GRAPH_SIZES), r
+    assert r["replays"] == 100 * len(GRAPH_SIZES), r
     assert r["cycles"] == 100 and r["ok_cycles"] == 100, r["failed_cycles"]
     assert r["moved_cycles"] == 0 and r["unequal_cycles"] == 0
     # Released for real: the KV cache and weights regions' memory came back to the device each time.
@@ -67,7 +67,7 @@ def test_graph_replays_equal_eager_across_100_switches_with_stable_regions(tmp_p
 
 
 def test_the_resize_path_fails_the_same_check(tmp_path):
-    r = _run(tmp_path, "resize", 6, ",".join(map(str, BUCKETS)))
+    r = _run(tmp_path, "resize", 6, ",".join(map(str, GRAPH_SIZES)))
     failed = r.get("crashed") or r["error"] or r["failed_count"] > 0
     assert failed, f"the resize path passed the graph check, so the check proves nothing: {r}"
     if not r.get("crashed"):

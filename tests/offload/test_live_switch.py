@@ -27,7 +27,7 @@ class Member:
 
 
 def die_and_engine(seed: int = 0):
-    engine = OffloadEngine(pool=HostBufferPool(reserve_bytes=0), bucket_bytes=4096)
+    engine = OffloadEngine(pool=HostBufferPool(reserve_bytes=0), chunk_bytes=4096)
     return ScaledDie(engine, unit=256, seed=seed), engine
 
 

@@ -14,21 +14,21 @@ class Boom(RuntimeError):
     pass
 
 
-def fail_at(point, bucket, item=0, times=1):
+def fail_at(point, chunk, item=0, times=1):
     """A fault hook raising once (by default) at the given copy / allocation."""
     left = [times]
 
     def hook(p, b, i):
-        if p == point and b == bucket and i == item and left[0] > 0:
+        if p == point and b == chunk and i == item and left[0] > 0:
             left[0] -= 1
             if point == "alloc":
                 raise torch.OutOfMemoryError("injected allocation failure")
-            raise Boom(f"injected failure in {p} bucket {b} item {i}")
+            raise Boom(f"injected failure in {p} copy chunk {b} item {i}")
     return hook
 
 
-def group_of(n_tensors=6, numel=300, bucket_bytes=3000):
-    eng = OffloadEngine(pool=HostBufferPool(reserve_bytes=0), bucket_bytes=bucket_bytes)
+def group_of(n_tensors=6, numel=300, chunk_bytes=3000):
+    eng = OffloadEngine(pool=HostBufferPool(reserve_bytes=0), chunk_bytes=chunk_bytes)
     ts = [torch.randn(numel + k, device=device()) for k in range(n_tensors)]
     return eng, TensorGroup(eng, "g", ts), ts
 
@@ -49,18 +49,18 @@ def test_failure_mid_offload_leaves_the_group_on_device_and_retry_works():
     assert group_digests(g) == want
 
 
-@pytest.mark.parametrize("point,bucket", [("h2d", 2), ("alloc", 1), ("h2d", 0)])
-def test_failure_mid_onload_leaves_the_group_on_host_and_retry_works(point, bucket):
+@pytest.mark.parametrize("point,chunk", [("h2d", 2), ("alloc", 1), ("h2d", 0)])
+def test_failure_mid_onload_leaves_the_group_on_host_and_retry_works(point, chunk):
     eng, g, ts = group_of()
     want = group_digests(g)
     g.offload()
     accelerator.synchronize()
     dev_before = accelerator.memory_allocated()
-    eng.fault_hook = fail_at(point, bucket)
+    eng.fault_hook = fail_at(point, chunk)
     with pytest.raises((Boom, torch.OutOfMemoryError)):
         g.onload()
     assert g.location is Location.HOST and wholly_placed(g) and g.device_bytes() == 0
-    assert accelerator.memory_allocated() == dev_before  # buckets already allocated were given back
+    assert accelerator.memory_allocated() == dev_before  # copy chunks already allocated were given back
     g.onload()
     assert group_digests(g) == want
 
@@ -85,15 +85,15 @@ def _consistent(s):
         assert e.resident[r] == (g.nbytes if g.location is Location.DEVICE else 0), r
 
 
-@pytest.mark.parametrize("step,point,bucket", [
+@pytest.mark.parametrize("step,point,chunk", [
     ("update_onload", "alloc", 0),      # train params onloaded, grads allocation fails
     ("update_onload", "h2d", 0),        # first copy fails
     ("offload_train_params", "d2h", 0),
     ("ref_onload", "h2d", 0),
     ("update_end", "d2h", 0),           # the optimizer's copy
 ])
-def test_failure_inside_a_switch_step_is_retryable(step, point, bucket):
-    d = ScaledDie(OffloadEngine(pool=HostBufferPool(reserve_bytes=0), bucket_bytes=4096), unit=256)
+def test_failure_inside_a_switch_step_is_retryable(step, point, chunk):
+    d = ScaledDie(OffloadEngine(pool=HostBufferPool(reserve_bytes=0), chunk_bytes=4096), unit=256)
     s = ours(d.groups)
     s.run_iteration(**d.hooks())
     s.run_until(s.step_names[s.step_names.index(step) - 1], **d.hooks())
@@ -112,7 +112,7 @@ def test_failure_inside_a_switch_step_is_retryable(step, point, bucket):
                     raise torch.OutOfMemoryError("injected allocation failure in grads")
         eng.fault_hook = hook
     else:
-        eng.fault_hook = fail_at(point, bucket)
+        eng.fault_hook = fail_at(point, chunk)
     with pytest.raises((Boom, torch.OutOfMemoryError)) as err:
         s.advance(**d.hooks())
     assert f"step {step!r} failed" in "\n".join(getattr(err.value, "__notes__", []))
@@ -167,7 +167,7 @@ def test_insufficient_host_memory_fails_before_anything_moves(make):
 
 @pytest.mark.skipif(accelerator.device_type() == "cpu", reason="a real allocation failure needs a device")
 def test_real_device_oom_during_onload_rolls_back():
-    eng, g, ts = group_of(n_tensors=4, numel=64 << 20, bucket_bytes=256 << 20)  # 4 x 256 MiB
+    eng, g, ts = group_of(n_tensors=4, numel=64 << 20, chunk_bytes=256 << 20)  # 4 x 256 MiB
     want = group_digests(g)
     g.offload()
     accelerator.synchronize()

@@ -12,8 +12,8 @@ from verl_patches.offload import (CallbackGroup, GroupStateError, HostBufferPool
                                   TensorGroup, optimizer_state_group, train_params_group)
 
 
-def engine(bucket_bytes=4096):
-    return OffloadEngine(pool=HostBufferPool(reserve_bytes=0), bucket_bytes=bucket_bytes)
+def engine(chunk_bytes=4096):
+    return OffloadEngine(pool=HostBufferPool(reserve_bytes=0), chunk_bytes=chunk_bytes)
 
 
 def test_round_trip_keeps_parameter_identity_views_and_bytes():
@@ -153,7 +153,7 @@ RSS_TOLERANCE = 2 << 20
 
 
 def test_every_group_round_trips_bit_exactly_for_1000_cycles_without_memory_growth():
-    eng = engine(bucket_bytes=2048)
+    eng = engine(chunk_bytes=2048)
     die = ScaledDie(eng, unit=64)
     g = die.groups
     copied = ["train_params", "grads", "optimizer", "ref_params"]

@@ -1,5 +1,5 @@
 """Host buffer pool and copy engine: power-of-two pinned segments, reuse across steps,
-the host-memory check before anything is allocated, and bucket splitting."""
+the host-memory check before anything is allocated, and copy chunk splitting."""
 
 import pytest
 import torch
@@ -58,8 +58,8 @@ def test_host_memory_check_names_needed_and_available_and_allocates_nothing():
     assert pool.allocations == 0 and pool.reserved_bytes == 0
 
 
-def test_buckets_group_consecutive_items():
-    eng = CopyEngine(bucket_bytes=100)
+def test_chunks_group_consecutive_items():
+    eng = CopyEngine(chunk_bytes=100)
     assert eng.split([40, 40, 40, 300, 10, 10]) == [[0, 1], [2], [3], [4, 5]]
     assert eng.split([]) == []
 

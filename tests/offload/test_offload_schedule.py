@@ -13,7 +13,7 @@ from verl_patches.offload import (CallbackGroup, HostBufferPool, Location, Memor
 
 
 def die(unit=256, **kw):
-    return ScaledDie(OffloadEngine(pool=HostBufferPool(reserve_bytes=0), bucket_bytes=4096), unit=unit, **kw)
+    return ScaledDie(OffloadEngine(pool=HostBufferPool(reserve_bytes=0), chunk_bytes=4096), unit=unit, **kw)
 
 
 def sizes(d):

@@ -171,7 +171,7 @@ def test_recipe_section_keys(random_init):
     assert set(rec) == {"reshard_method", "tensor_cache", "dp_sync_on_device", "offload", "rollout_torch_compile",
                         "fixed_routing", "device_memory_gib", "host_memory_gib", "vllm_dp", "megatron", "metrics_file",
                         "tensorboard_dir", "devices_per_card", "fingerprint_every", "rebalance",
-                        "rebalance_min_bucket_drop", "rebalance_max_imbalance", "rebalance_cpu_stagger",
+                        "rebalance_min_graph_size_drop", "rebalance_max_imbalance", "rebalance_cpu_stagger",
                         "overlap_grad_reduce", "overlap_param_gather"}
     # verl 0.4.1's own tree has no recipe section and no recompute_old_log_prob: both are ours.
     from hydra import compose, initialize_config_module

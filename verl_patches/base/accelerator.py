@@ -17,6 +17,8 @@ from typing import Any, Iterator
 
 import torch
 
+from verl_patches.config import env
+
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 _BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 
@@ -33,8 +35,6 @@ def _npu_available() -> bool:
 
 def device_type() -> str:
     """'npu', 'cuda' or 'cpu': the forced value if set, else the first one available."""
-    from verl_patches.config import env
-
     forced = env.get("VERL_PATCHES_DEVICE")
     if forced:
         return forced

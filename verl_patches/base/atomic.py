@@ -6,7 +6,11 @@ leaves a half-written file where a good one was.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -75,8 +79,6 @@ def replace_dir(path: Path) -> Iterator[Path]:
     whole (an earlier directory there is removed, with whatever it held), on any error it is removed
     and ``path`` is left as it was. A reader never sees old and new files mixed.
     The caller decides whether an earlier ``path`` may be replaced (it must be its own output)."""
-    import shutil
-
     path = Path(path)
     tmp = partial_name(path)
     old = path.with_name(f".{path.name}.{os.getpid()}.old")
@@ -99,8 +101,6 @@ def replace_dir(path: Path) -> Iterator[Path]:
 
 def writable_dir(folder: Path) -> str | None:
     """None when a file can be created in ``folder`` (created if missing), else why not (the OS's words)."""
-    import tempfile
-
     folder = Path(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -120,9 +120,6 @@ def dir_lock(path: Path, wait: bool = True) -> Iterator[None]:
     """Hold the lock of the output directory ``path`` (an advisory ``flock`` on ``.NAME.lock`` beside
     it, released when the holder exits, however it ends): a second writer of the same directory waits
     for the first (``wait``) or is refused with ``DirLockedError`` naming the holder's process."""
-    import fcntl
-    import sys
-
     path = Path(path)
     lock = path.with_name(f".{path.name}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)

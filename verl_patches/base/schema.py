@@ -21,7 +21,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
+from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from verl_patches.config import env as overlay_env
 
 
 class Rule:
@@ -168,15 +172,35 @@ class PathArg(Text):
         return f"a path ({self.role}): non-empty, without NUL bytes"
 
     def check(self, raw: str) -> Any:
-        from pathlib import Path
-
         return Path(super().check(raw))
 
 
+class Renamed(argparse.Action):
+    """An option that was renamed: given, with or without a value, it ends the command naming the new name
+    (exit 2), so an old command line fails instead of meaning something else. Hidden from --help."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, new: str = "", **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.new = new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        got = "" if values is None else f", got {values!r}"
+        raise argparse.ArgumentError(self, f"renamed {self.new} (same meaning, same values): expected {self.new}{got}")
+
+
+def refuse_renamed(parser: argparse.ArgumentParser, renamed: Mapping[str, str]) -> None:
+    """Declare each old option name of ``renamed`` (old -> new) as refused, naming its new name."""
+    for old, new in renamed.items():
+        parser.add_argument(old, action=Renamed, new=new, dest=f"renamed_{old.lstrip('-').replace('-', '_')}",
+                            default=None)
+
+
 def declared(action: argparse.Action) -> bool:
-    """Whether an option's values are declared: a flag, a rule, or a closed set of choices."""
+    """Whether an option's values are declared: a flag, a rule, a closed set of choices, or a renamed option
+    (refused whatever its value)."""
     if action.nargs == 0 or isinstance(action, (argparse._HelpAction, argparse._VersionAction,
-                                                 argparse._SubParsersAction)):
+                                                 argparse._SubParsersAction, Renamed)):
         return True
     return isinstance(action.type, Rule) or action.choices is not None
 
@@ -202,8 +226,6 @@ def disagreements(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
         given = given or a.option_strings[:1]
         raw = env[rule.env]
         try:
-            from verl_patches.config import env as overlay_env
-
             var = overlay_env.BY_NAME.get(rule.env)
             other = overlay_env.parse(var, raw) if var is not None else rule.check(raw)
         except (ValueError, TypeError):
@@ -219,8 +241,6 @@ def disagreements(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
                environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, then refuse options that disagree with their environment variable."""
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     bad = disagreements(parser, args, argv, environ)

@@ -13,11 +13,18 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 from verl_patches.config import settings
 from verl_patches.core.lock import REPO_ROOT
 from verl_patches.reporting.findings import finish
+from verl_patches.base.schema import PathArg, Text
+from verl_patches.config.megatron_args import RecipeMegatronError, parse as parse_megatron
+from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
+from verl_patches.config.recipe_memory import estimate
+from verl_patches.data.check import check_files, recipe_scorer
+from verl_patches.rollout.graph_safe import alloc_conf_conflict
 
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
@@ -29,6 +36,7 @@ R = "actor_rollout_ref.rollout"  # verl's rollout section
 
 def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), config_dir: Path = CONFIG_DIR):
     """The config verl's main_ppo would see for ``--config-path config_dir --config-name config_name``."""
+    # Lazy: verl, Hydra and OmegaConf load when configs are composed (several seconds; --help runs without them).
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -161,8 +169,8 @@ def _tree_paths(node: Any, prefix: str, known: set[str], free: set[str]) -> None
 def known_keys(config_dir: Path = CONFIG_DIR) -> tuple[frozenset[str], frozenset[str]]:
     """The schema of a run config's keys: verl's own trainer tree (its installed
     ``ppo_megatron_trainer.yaml``) and every key the recipe's committed configs set."""
+    # Lazy: verl, Hydra and OmegaConf load when configs are composed (several seconds; --help runs without them).
     from omegaconf import OmegaConf
-
     import verl.trainer.config as verl_config
 
     known: set[str] = set()
@@ -178,6 +186,7 @@ def check_unknown_keys(rep: Report, cfg, config_dir: Path = CONFIG_DIR) -> None:
     ``+`` (Hydra's own hint for a key it does not know) is accepted by Hydra and then ignored by verl, so
     a misspelt ``+trainer.totl_training_steps=2`` would change nothing, silently. The recipe section has
     its own typed table (settings.py), checked by settings.problems."""
+    # Lazy: verl, Hydra and OmegaConf load when configs are composed (several seconds; --help runs without them).
     from omegaconf import OmegaConf
 
     known, free = known_keys(config_dir)
@@ -245,9 +254,6 @@ def _pos(rep: Report, cfg, key: str) -> int | None:
 
 def _recipe_megatron(recipe: dict):
     """The recipe's Megatron section parsed, or None (a malformed one is reported by settings.problems)."""
-    from verl_patches.config.megatron_args import RecipeMegatronError
-    from verl_patches.config.megatron_args import parse as parse_megatron
-
     try:
         return parse_megatron(recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else None)
     except RecipeMegatronError:
@@ -408,8 +414,6 @@ def engine_rules(rep: Report, cfg, recipe: dict, environ: Mapping[str, str] | No
     # vLLM-Ascend's CaMem pool, which expandable segments bypass (the rollout refuses it at build too).
     if eager is False and recipe.get("offload", settings.KEYS["offload"].default) is True \
             and str(_select(cfg, "trainer.device")) == "npu":
-        from verl_patches.rollout.graph_safe import alloc_conf_conflict
-
         conflict = alloc_conf_conflict(environ)
         if conflict:
             rep.errors.append(conflict)
@@ -481,7 +485,6 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
     if any(k not in model for k in MEMORY_KEYS):
         rep.notes.append("memory not estimated: the model config lacks the layer sizes")
         return None
-    from verl_patches.config.recipe_memory import estimate
 
     arr = cfg.actor_rollout_ref
     # MindSpeed's swap optimizer keeps Adam's state on the host between its uses (Ascend only);
@@ -523,8 +526,6 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
 def _optimizer_offload(rep: Report, cfg, swap_optimizer: bool):
     """actor.optim's optimizer-offload settings (patch verl.optim.cpu_offload): the checked dict, None when
     off, False when they are malformed or cannot combine (the error is recorded)."""
-    from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
-
     optim = _select(cfg, "actor_rollout_ref.actor.optim")
     if optim is None:
         return None
@@ -543,8 +544,7 @@ def _optimizer_offload(rep: Report, cfg, swap_optimizer: bool):
 
 def verl_validate(cfg) -> str | None:
     """verl's own trainer-side checks (RayPPOTrainer._validate_config); the failure message, or None."""
-    from types import SimpleNamespace
-
+    # Lazy: verl, Hydra and OmegaConf load when configs are composed (several seconds; --help runs without them).
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     # It reads only these three attributes; GRPO has no critic and uses the reference policy (KL loss).
@@ -570,8 +570,6 @@ def data_files(cfg) -> list[Path]:
 
 def check_data(cfg, rep: Report) -> None:
     """Errors for rows of the configured data files that the configured reward cannot score."""
-    from verl_patches.data.check import check_files, recipe_scorer
-
     present = []
     for f in data_files(cfg):
         if f.is_file():
@@ -593,7 +591,6 @@ def check_data(cfg, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.config.recipe_config", description=__doc__)
     p.add_argument("--config-name", type=Text(), required=True, help=f"one of {RUN_CONFIGS}")
     p.add_argument("--config-dir", type=PathArg("config directory"), default=CONFIG_DIR)
@@ -605,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", type=Text(), help="Hydra overrides, as given to verl.trainer.main_ppo")
     args = p.parse_args(argv)
     try:
+        # Lazy: verl, Hydra and OmegaConf load when configs are composed (several seconds; --help runs without them).
         from omegaconf import OmegaConf
     except ImportError as e:
         print(f"error: {e}: hydra-core is needed to compose the config (requirements.txt)", file=sys.stderr)

@@ -51,7 +51,7 @@ KEYS: dict[str, Key] = {
     "offload": Key(bool, True, "the recipe's switch schedule instead of verl's offload and vLLM's sleep mode"),
     "rollout_torch_compile": Key(bool, True, "the real torch.compile for the rollout under MindSpeed"),
     "fixed_routing": Key(bool, False, "load-balanced expert routing (random-init benchmarks)"),
-    "overlap_grad_reduce": Key(bool, False, "megatron-core's DDP launches each gradient bucket's reduce from the "
+    "overlap_grad_reduce": Key(bool, False, "megatron-core's DDP launches each DDP bucket's gradient reduce from the "
                                             "backward hooks (verl_patches/train/ddp_overlap.py); false: verl's DDP"),
     "overlap_param_gather": Key(bool, False, "megatron-core's DDP gathers the distributed optimizer's updated "
                                              "shards in the next forward's pre-hooks, finished when the update "
@@ -70,10 +70,10 @@ KEYS: dict[str, Key] = {
     # read by the planner) and the mechanism (verl_patches/rollout/long_tail/migrate.py), which only the CPU
     # generation stand-in runs yet: on vLLM's engine (NPU, GPU) the rollout refuses rebalance: True.
     "rebalance": Key(bool, False, "move unfinished requests between DP ranks so the DP group drops to a smaller "
-                                  "captured graph bucket (the CPU generation stand-in only: vLLM's engine on a "
-                                  "device does not implement the move yet and refuses it)"),
-    "rebalance_min_bucket_drop": Key(int, 1, "rebalance only when it lowers the group's graph bucket by at least "
-                                             "this many steps of graph_batch_sizes", minimum=1),
+                                  "graph size, one of the captured graph_batch_sizes (the CPU generation stand-in "
+                                  "only: vLLM's engine on a device does not implement the move yet and refuses it)"),
+    "rebalance_min_graph_size_drop": Key(int, 1, "rebalance only when it lowers the group's graph size by at least "
+                                                 "this many steps of graph_batch_sizes", minimum=1),
     "rebalance_max_imbalance": Key(float, None, "or, for a smaller drop, when the fullest DP rank holds more than "
                                                 "this many times the mean; null: only the drop counts", minimum=1.0),
     "rebalance_cpu_stagger": Key(int, 0, "tests only, CPU generation stand-in: DP rank r admits its requests r x N "
@@ -148,14 +148,28 @@ def check_type(kind: Any, value: Any, here: str) -> Any:
 def check_value(key: str, value: Any, where: str = SECTION) -> Any:
     """``value`` for ``key`` if it has the key's type; else SettingsError naming ``where.key``."""
     if key not in KEYS:
-        raise SettingsError(f"{where}.{key}: unknown key (known: {', '.join(sorted(KEYS))})")
+        raise SettingsError(_renamed(key, where) or f"{where}.{key}: unknown key (known: {', '.join(sorted(KEYS))})")
     problem = _problem(KEYS[key], value, f"{where}.{key}")
     if problem:
         raise SettingsError(problem)
     return value
 
 
+# Keys that were renamed: the old name is refused, naming the new one (never read beside it). Issue 38 gave the
+# captured graph batch sizes their own name (graph size); "bucket" is the reshard's transfer bucket.
+RENAMED: dict[str, str] = {"rebalance_min_bucket_drop": "rebalance_min_graph_size_drop"}
+
+
+def _renamed(key: Any, where: str) -> Optional[str]:
+    new = RENAMED.get(key) if isinstance(key, str) else None
+    return None if new is None else (f"{where}.{key} was renamed {where}.{new} (same meaning, same values): "
+                                     f"write {new} instead")
+
+
 def _unknown(key: Any, known: Mapping[str, Any], here: str) -> str:
+    where = here.rsplit(".", 1)[0]
+    if known is SCHEMA and _renamed(key, where):
+        return _renamed(key, where)
     close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(sorted(known))})"
     return f"{here}: unknown key{hint}"
@@ -226,6 +240,7 @@ def _lookup(node: Any, path: str) -> Any:
 def select(cfg: Any, key: str) -> Any:
     """``key`` (dotted) of a composed OmegaConf config, resolved; None where it is missing, '???' or an
     interpolation that does not resolve (the validator reports that as a bad value)."""
+    # Lazy: OmegaConf only for a composed config; the patch modules import this module while the catalogue loads.
     from omegaconf import OmegaConf
 
     try:
@@ -237,6 +252,7 @@ def select(cfg: Any, key: str) -> Any:
 def plain(node: Any) -> Any:
     """An OmegaConf node as plain dicts and lists ('???' kept as is); anything else unchanged."""
     if type(node).__name__ in ("DictConfig", "ListConfig"):
+        # Lazy: OmegaConf only for a composed config; the patch modules import this module while the catalogue loads.
         from omegaconf import OmegaConf
 
         return OmegaConf.to_container(node, resolve=True, throw_on_missing=False)
@@ -250,7 +266,7 @@ def read(section: Any, key: str, where: str = SECTION, check: bool = True) -> An
     if check:
         check_value(key, value, where)
     elif key not in KEYS:
-        raise SettingsError(f"{where}.{key}: unknown key (known: {', '.join(sorted(KEYS))})")
+        raise SettingsError(_renamed(key, where) or f"{where}.{key}: unknown key (known: {', '.join(sorted(KEYS))})")
     return KEYS[key].default if value is None else value
 
 

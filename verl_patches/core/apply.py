@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
 from verl_patches.core.fingerprint import TargetNotFound, fingerprint_file
 from verl_patches.core.lock import load_lock
 from verl_patches.core.record import Patch
@@ -62,9 +65,6 @@ def _error(patch: Patch, what: str) -> PatchError:
 
 
 def _version_ok(patch: Patch) -> tuple[bool, str]:
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
     v = installed_version(patch)
     if v.startswith("unknown"):
         return True, v  # a source tree without a version: the fingerprint decides

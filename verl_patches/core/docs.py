@@ -8,8 +8,10 @@ import re
 from pathlib import Path
 
 from verl_patches.core.features import FEATURES
-from verl_patches.core.lock import REPO_ROOT
+from verl_patches.core.lock import REPO_ROOT, load_lock
 from verl_patches.core.record import Patch
+from verl_patches.core.fingerprint import TargetNotFound, source_span
+from verl_patches.core.upstream import module_file
 
 PATCHES_MD = REPO_ROOT / "docs" / "PATCHES.md"
 
@@ -20,10 +22,6 @@ NOT_INSTALLED = "(not installed here)"
 def upstream_lines(patch: Patch, root: Path | None = None) -> str:
     """``<component> <locked version> <path in the package>#L<first>-L<last>``: the definition the
     patch replaces or wraps, read from the installed upstream (the fingerprint pins its text)."""
-    from verl_patches.core.fingerprint import TargetNotFound, source_span
-    from verl_patches.core.lock import load_lock
-    from verl_patches.core.upstream import module_file
-
     comp = load_lock().get(patch.upstream)
     version = comp.version if comp else "?"
     path = module_file(patch.module, root)

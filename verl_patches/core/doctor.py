@@ -7,8 +7,11 @@ component and per patch; each is ok, missing, changed or version-mismatch.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 
 from packaging.version import InvalidVersion, Version
@@ -17,6 +20,9 @@ from verl_patches.core.fingerprint import SourceUnreadable, TargetNotFound, fing
 from verl_patches.core.lock import Component, load_lock
 from verl_patches.core.record import Patch
 from verl_patches.core.upstream import locate, module_file
+from verl_patches.config import env as overlay_env
+from verl_patches.core.sources import source_problem
+from packaging.specifiers import SpecifierSet
 
 STATUSES = ("ok", "missing", "changed", "version-mismatch", "invalid")  # invalid: an env:VERL_PATCHES_* setting
 
@@ -81,8 +87,6 @@ def check_component(comp: Component, platform: str, root: Path | None) -> Findin
     required = comp.required_on(platform)
     fid = f"lock:{comp.key}"
     if platform == "npu" and comp.key in REHEARSAL_STANDS_IN:
-        from verl_patches.config import env as overlay_env  # not npu_rehearsal: it imports core (its records)
-
         if overlay_env.get("VERL_PATCHES_PLATFORM") == "npu-rehearsal":  # npu_rehearsal.platform.selected()
             return Finding(fid, comp.key, "stood-in", f"{comp.key} {comp.ref or comp.version}: the NPU rehearsal "
                            "platform stands in for it (only an NPU proves it)", None, comp.ref or comp.version, False)
@@ -107,8 +111,6 @@ def check_component(comp: Component, platform: str, root: Path | None) -> Findin
     if comp.archive and loc.origin == "installed" and comp.package:
         # A source-only release reports one version for every release (MindSpeed 0.12.1, MindSpeed-LLM
         # 0.0.1): the source its installer recorded says which one it is (verl_patches/core/sources.py).
-        from verl_patches.core.sources import source_problem
-
         problem = source_problem(comp.package, comp.archive_sha256, comp.commit)
         if problem:
             return Finding(fid, comp.import_name, "version-mismatch",
@@ -119,8 +121,6 @@ def check_component(comp: Component, platform: str, root: Path | None) -> Findin
 
 
 def check_patch(patch: Patch, lock: dict[str, Component], platform: str, root: Path | None) -> Finding:
-    from packaging.specifiers import SpecifierSet
-
     comp = lock.get(patch.upstream)
     if comp is None:
         # A lock for one accelerator (the CUDA variant) has no entry for another's packages; only a
@@ -183,9 +183,6 @@ PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins")  # pyproject.t
 
 def _defines(module: str, attr: str) -> bool:
     """Whether ``module`` (found on the path, not imported) defines ``attr`` at its top level."""
-    import ast
-    import importlib.util
-
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -204,8 +201,6 @@ def install_findings() -> list[Finding]:
     whose vLLM processes would only log that the plugin failed to load and run unpatched. None when
     every entry point resolves or the package is not installed, so the doctor's output is then what
     it always was."""
-    from importlib import metadata
-
     try:
         entry_points = metadata.distribution("verl-patches").entry_points
     except metadata.PackageNotFoundError:
@@ -224,11 +219,9 @@ def install_findings() -> list[Finding]:
 def env_findings(environ=None) -> list[Finding]:
     """One finding per VERL_PATCHES_* variable that is set: ok, or invalid (failing); none when
     none is set, so the doctor's output is then what it always was."""
-    from verl_patches.config import env
-
     return [Finding(f"env:{s.name}", "environment", "ok" if s.ok else "invalid", s.detail, s.raw,
-                    env.BY_NAME[s.name].allowed() if s.name in env.BY_NAME else None, True)
-            for s in env.settings(environ)]
+                    overlay_env.BY_NAME[s.name].allowed() if s.name in overlay_env.BY_NAME else None, True)
+            for s in overlay_env.settings(environ)]
 
 
 def as_json(findings: list[Finding]) -> list[dict]:

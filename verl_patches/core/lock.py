@@ -9,6 +9,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from verl_patches.config import env
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCK_PATH = REPO_ROOT / "configs" / "upstream.lock.toml"
 CUDA_LOCK_PATH = REPO_ROOT / "configs" / "upstream.cuda.lock.toml"
@@ -38,8 +40,6 @@ class Component:
 
 
 def load_lock(path: Path | None = None) -> dict[str, Component]:
-    from verl_patches.config import env
-
     path = Path(path or env.get(LOCK_ENV) or LOCK_PATH)
     if not path.is_file():
         raise FileNotFoundError(f"upstream lock not found: {path}")

@@ -9,11 +9,10 @@ import multiprocessing
 import os
 
 from verl_patches.core.record import PHASES
+from verl_patches.config import env
 
 
 def current_phase() -> str:
-    from verl_patches.config import env
-
     forced = env.get("VERL_PATCHES_PHASE")
     if forced:
         assert forced in PHASES, forced  # env's table lists PHASES (tests/test_env.py checks they agree)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from verl_patches.core.record import Patch, PatchDefinitionError
+from verl_patches.core.features import FEATURES
 
 
 def load_registry(modules: tuple[str, ...]) -> list[Patch]:
@@ -38,8 +39,6 @@ def check_catalogue(patches: list[Patch]) -> None:
     """What no single record can check: features exist, ``requires`` and ``after`` name earlier
     records, a required record applies wherever its requirer does (same process, earlier), and
     the records that wrap one upstream object are in a declared order."""
-    from verl_patches.core.features import FEATURES
-
     problems = []
     position = {p.id: i for i, p in enumerate(patches)}
     by_id = {p.id: p for p in patches}

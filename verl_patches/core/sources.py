@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
+import importlib.metadata as md
 import json
 import sys
 import sysconfig
@@ -41,8 +42,6 @@ def installed_source(dist_name: str) -> dict | None:
     """The source pip (or install_tree) recorded for the installed ``dist_name``: {"archive_sha256": ...},
     {"commit": ...}, {"other": URL} for a record that names neither (a directory, an editable install), or
     None where the distribution is absent or has no record (installed from an index, or by hand)."""
-    import importlib.metadata as md
-
     try:
         text = md.distribution(dist_name).read_text("direct_url.json")
     except md.PackageNotFoundError:
@@ -85,8 +84,6 @@ def _b64_sha256(data: bytes) -> str:
 
 def verify_record(dist_name: str) -> list[str]:
     """Files of the installed ``dist_name`` whose content differs from its RECORD, or that are gone."""
-    import importlib.metadata as md
-
     dist = md.distribution(dist_name)
     bad = []
     for f in dist.files or []:
@@ -189,8 +186,6 @@ def _main(argv: list[str] | None = None) -> int:
     i.add_argument("--commit", default="")
     a = p.parse_args(argv)
     if a.cmd == "check":
-        import importlib.metadata as md
-
         try:
             installed = md.version(a.dist)
         except md.PackageNotFoundError:

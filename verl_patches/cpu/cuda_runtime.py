@@ -15,6 +15,7 @@ and a host tensor answers ``.type()`` as its CUDA type, which megatron's optimiz
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -101,8 +102,6 @@ class CudaOnCpu(TorchFunctionMode):
 
 def on_host(fn):
     """``fn`` run under CudaOnCpu (a fresh mode per call: modes are per thread)."""
-    import functools
-
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with CudaOnCpu():

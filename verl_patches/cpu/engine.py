@@ -31,10 +31,23 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import torch
+
+from verl_patches.core import stash
+from verl_patches.preflight.hf_check import assemble, to_hf
+from verl_patches.reshard.binding import derive_rollout_layout, vllm_params
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import ModelConfig
+from verl_patches.reshard.placements import build_placements
+from verl_patches.rollout.kv_cache import KEPT_ATTR
+from verl_patches.rollout.long_tail.migrate import RebalanceSetup, Lockstep, eager_graph_sizes
+from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
+from verl_patches.rollout.settings import STASH_KEY
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +69,8 @@ class _Worker:
 
     def kv_cache_shapes(self, num_blocks: int) -> dict[str, tuple[int, ...]]:
         """One latent cache per MLA layer: [blocks, block size, kv_lora_rank + rope dim] (vLLM's MLA layout)."""
+        # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform and
+        # the patches are in place.
         from vllm.attention import Attention
 
         hf = self.vllm_config.model_config.hf_config
@@ -67,6 +82,8 @@ class _Worker:
 
     def initialize_from_config(self, kv_cache_configs: Any) -> None:
         cfg = kv_cache_configs[0] if isinstance(kv_cache_configs, (list, tuple)) else kv_cache_configs
+        # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform and
+        # the patches are in place.
         from vllm.v1.utils import bind_kv_cache
 
         dtype = self.vllm_config.model_config.dtype
@@ -79,8 +96,6 @@ class _EngineCore:
     """The in-process engine core as the recipe's KV-cache functions see it (one worker)."""
 
     def __init__(self, worker: _Worker, kv_cache_config: dict) -> None:
-        from verl_patches.rollout.kv_cache import KEPT_ATTR
-
         self.vllm_config = worker.vllm_config
         self.model_executor = SimpleNamespace(driver_worker=SimpleNamespace(worker=worker),
                                               collective_rpc=self._collective_rpc)
@@ -98,7 +113,8 @@ def llm_init(self, model: str, *, tensor_parallel_size: int = 1, dtype: str = "a
              enforce_eager: bool = False, max_model_len: Optional[int] = None, trust_remote_code: bool = False,
              **kwargs: Any) -> None:
     """Stand-in for vllm.LLM.__init__ (CPU platform): vLLM's engine config and model, no scheduler."""
-    import torch.distributed as dist
+    # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform and the
+    # patches are in place.
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
@@ -156,7 +172,6 @@ def llm_generate(self, prompts: Any = None, sampling_params: Any = None, prompt_
             raise CpuEngineError("the CPU engine takes token-id prompts ({'prompt_token_ids': [...]}), as verl sends")
         token_ids.append([int(t) for t in p["prompt_token_ids"]])
     params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(token_ids)
-    from verl_patches.core import stash
 
     outputs = self._cpu_generator.generate(token_ids, params, rebalance=rebalance_setup(self))
     # Into the sharding manager's timing dict (verl's channel from the generation workers to the
@@ -171,14 +186,9 @@ def llm_generate(self, prompts: Any = None, sampling_params: Any = None, prompt_
 def rebalance_setup(llm: Any) -> Any:
     """The rebalance the generation runs (a ``RebalanceSetup``), or None when it is off: from the rollout
     settings the rollout patch left on vLLM's LLM (recipe.rebalance*; verl_patches/rollout/settings.py)."""
-    from verl_patches.core import stash
-    from verl_patches.rollout.settings import STASH_KEY
-
     rollout = stash.get(llm, STASH_KEY)
     if rollout is None or not rollout.recipe.rebalance:
         return None
-    from verl_patches.rollout.long_tail.migrate import RebalanceSetup
-    from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
 
     return RebalanceSetup(RebalancePolicy.from_settings(rollout.recipe), rollout.recipe.rebalance_cpu_stagger)
 
@@ -192,13 +202,6 @@ class _Generator:
 
     def _placements_for_rollout(self) -> Any:
         if self._placements is None:
-            import torch.distributed as dist
-
-            from verl_patches.reshard.binding import derive_rollout_layout, vllm_params
-            from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
-            from verl_patches.reshard.model import ModelConfig
-            from verl_patches.reshard.placements import build_placements
-
             cfg = ModelConfig.from_hf(self.vllm_config.model_config.hf_config.to_dict())
             par = self.vllm_config.parallel_config
             tp, dp = par.tensor_parallel_size, par.data_parallel_size
@@ -210,11 +213,6 @@ class _Generator:
 
     def _load_hf(self) -> torch.nn.Module:
         """transformers' DeepseekV3 holding exactly the rollout shards of every rank (gathered)."""
-        import torch.distributed as dist
-
-        from verl_patches.preflight.hf_check import assemble, to_hf
-        from verl_patches.reshard.binding import vllm_params
-
         local = {n: t.detach().clone() for n, t in vllm_params(self.vllm_model).items()}
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
@@ -222,6 +220,8 @@ class _Generator:
         dtype = self.vllm_config.model_config.dtype
         state = to_hf(placements, assemble(placements, "rollout", dict(enumerate(everyone)), dtype))
         if self._hf is None:
+            # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform
+            # and the patches are in place.
             from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
             cfg = {k: v for k, v in self.vllm_config.model_config.hf_config.to_dict().items()
@@ -243,6 +243,8 @@ class _Generator:
         """vLLM's RequestOutputs for ``prompts``. ``rebalance`` (a ``RebalanceSetup``, patch
         verl.vllm_rollout.recipe_engine; None: off): decode in lockstep with the other ranks of vLLM's
         DP group and move unfinished requests between them (verl_patches/rollout/long_tail/migrate.py)."""
+        # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform and
+        # the patches are in place.
         from vllm.outputs import CompletionOutput, RequestOutput
 
         model = self._load_hf()
@@ -277,9 +279,9 @@ class _Generator:
     def _lockstep(self, setup: Any) -> tuple[Any, int]:
         """The lockstep over vLLM's DP group (its gloo group), and this rank's arrival step under the
         test-only stagger (recipe.rebalance_cpu_stagger)."""
+        # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform and
+        # the patches are in place.
         from vllm.distributed import parallel_state as ps
-
-        from verl_patches.rollout.long_tail.migrate import Lockstep, eager_buckets
 
         coord = ps.get_dp_group()
         # A moved request goes on computing on another rank: the same arithmetic only at the same
@@ -292,8 +294,8 @@ class _Generator:
                                  f"every worker, or turn rebalance off")
         seqs = int(self.vllm_config.scheduler_config.max_num_seqs)
         # The CPU engine is eager (no graph is captured, whatever torchair_graph_config says): the group
-        # steps at its fullest rank's batch, so every batch size is a bucket.
-        lockstep = Lockstep(coord.cpu_group, setup.policy, eager_buckets(seqs), seqs)
+        # steps at its fullest rank's batch, so every batch size is a graph size.
+        lockstep = Lockstep(coord.cpu_group, setup.policy, eager_graph_sizes(seqs), seqs)
         return lockstep, int(setup.stagger) * coord.rank_in_group
 
 
@@ -394,6 +396,8 @@ def _forward(model: torch.nn.Module, batch: list[RequestState]) -> torch.Tensor:
 def _forward_one(model: torch.nn.Module, state: RequestState) -> torch.Tensor:
     """One request's forward, alone: its prompt (prefill) or its last token over its own KV (decode).
     Its KV becomes the request's own positions again; returns the last position's logits [1, vocab]."""
+    # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform and the
+    # patches are in place.
     from transformers import DynamicCache
 
     if state.kv is None:
@@ -445,8 +449,8 @@ def _sample(model: torch.nn.Module, prompts: list[list[int]], params: list[Any],
     (verl_patches/rollout/long_tail/migrate.py), every step ends with the DP group's check and the moves it
     plans, and the outputs come back to their original rank and order at the end. ``pad`` is
     unused: no request is padded (kept for the callers' signature)."""
-    from collections import deque
-
+    # Lazy: vLLM and transformers load when the CPU stand-in builds or runs its engine, after vLLM's platform and the
+    # patches are in place.
     from vllm.sequence import Logprob
 
     del pad

@@ -56,6 +56,7 @@ class HostNorm(torch.nn.Module):
 
 
 def _column_parallel_linear():
+    # Lazy: megatron-core loads when a layer is built, after the patches on it are applied.
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     return ColumnParallelLinear
@@ -137,6 +138,7 @@ class _HostGroupedLinear(torch.nn.Module):
                  bias: bool, skip_bias_add: bool, is_expert: bool, tp_comm_buffer_name: Optional[str] = None,
                  **_: Any) -> None:
         super().__init__()
+        # Lazy: megatron-core loads when a layer is built, after the patches on it are applied.
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
@@ -166,6 +168,7 @@ class _HostGroupedLinear(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Each local expert as a slice of the global expert axis, replicated over the expert data
         parallel group (what TE's grouped linear writes, without TE's fp8 extra state)."""
+        # Lazy: megatron-core loads when a layer is built, after the patches on it are applied.
         from megatron.core import parallel_state as ps
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -197,6 +200,7 @@ class HostRowParallelGroupedLinear(_HostGroupedLinear):
 def te_layer_spec(config: Any) -> Any:
     """megatron-core's DeepSeek-V3 decoder block spec in Transformer Engine's structure, with the
     host modules above in TE's places (what verl's DeepseekV3Model asks for on a GPU)."""
+    # Lazy: megatron-core loads when a layer is built, after the patches on it are applied.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.identity_op import IdentityOp

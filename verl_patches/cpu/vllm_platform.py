@@ -14,6 +14,10 @@ import os
 import sys
 from typing import Optional
 
+from verl_patches import npu_rehearsal
+from verl_patches.base import accelerator
+import torch
+
 COMPAT_MODULE = "_vllm_ascend_torch251_custom_op_compat"
 HOST_PLATFORM = "verl_patches.cpu.vllm_host_platform.HostPlatform"
 
@@ -25,7 +29,6 @@ def torch251_custom_op_compat() -> bool:
     file is loaded by path. Idempotent; returns whether the fix is in place."""
     if COMPAT_MODULE in sys.modules:
         return True
-    import torch
 
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     if (major, minor) >= (2, 6):
@@ -45,9 +48,6 @@ def torch251_custom_op_compat() -> bool:
 
 def register() -> Optional[str]:
     """The plugin: the host platform's class on the CPU platform and the NPU rehearsal platform, else None."""
-    from verl_patches import npu_rehearsal
-    from verl_patches.base import accelerator
-
     # The NPU rehearsal platform generates with the CPU platform's stand-in too (its training side is the NPU's;
     # verl_patches/npu_rehearsal/records.py): vLLM runs as the host platform there, never vLLM-Ascend's.
     if accelerator.device_type() != "cpu" and not npu_rehearsal.selected():

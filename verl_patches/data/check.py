@@ -16,6 +16,7 @@ the boxed one). The recipe's reward patch is in place while probing, as in the t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 from collections import Counter
@@ -23,6 +24,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from verl_patches.reporting.findings import finish
+from verl_patches.base.schema import PathArg, Text
+from verl_patches.core.apply import apply_all, undo
+from verl_patches.data.prepare import answer_problem
+from verl_patches.patches import get_patch
+from verl_patches.reward import DEEPSCALER_SOURCES
 
 REWARD_PATCH = "verl.reward_score.deepscaler"
 # Rows scored per data source: enough to catch a scorer that rejects the source, cheap on 40k rows.
@@ -42,16 +48,12 @@ def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
     """(scorer, description) for ``config``: its custom_reward_function when it names one (loaded
     by verl's own loader; it may call verl's default scorer, so the recipe's reward patch is applied
     around each call), else verl's default scorer with that patch."""
-    from verl_patches.patches import get_patch
-
     if config is not None:
         custom = (config.get("custom_reward_function") or {}) if hasattr(config, "get") else {}
         if custom.get("path"):
-            import importlib.util
-
+            # Lazy: verl and pyarrow load when data is checked (the recipe's validator imports this module for its
+            # rules).
             from verl.trainer.ppo.reward import get_custom_reward_fn
-
-            from verl_patches.core.apply import apply_all, undo
 
             fn = get_custom_reward_fn(config)
             spec = importlib.util.spec_from_file_location("_reward_probe_module", custom["path"])
@@ -68,6 +70,7 @@ def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
 
             scorer.correct_answer = answer  # type: ignore[attr-defined]
             return scorer, f"custom_reward_function {custom.get('path')}:{custom.get('name')}"
+    # Lazy: verl and pyarrow load when data is checked (the recipe's validator imports this module for its rules).
     from verl.utils.reward_score import default_compute_score
 
     wrap = get_patch(REWARD_PATCH).load_replacement()
@@ -75,6 +78,7 @@ def recipe_scorer(config: Any = None) -> tuple[Callable[..., Any], str]:
 
 
 def _is_text(t) -> bool:
+    # Lazy: verl and pyarrow load when data is checked (the recipe's validator imports this module for its rules).
     import pyarrow as pa
 
     if pa.types.is_dictionary(t):
@@ -83,6 +87,7 @@ def _is_text(t) -> bool:
 
 
 def _is_number(t) -> bool:
+    # Lazy: verl and pyarrow load when data is checked (the recipe's validator imports this module for its rules).
     import pyarrow as pa
 
     return pa.types.is_integer(t) or pa.types.is_floating(t)
@@ -96,6 +101,7 @@ def _field(t, name: str):
 def schema_problems(schema, prompt_key: str = PROMPT_KEY) -> list[str]:
     """What is wrong with a file's columns for the recipe (empty when nothing): the columns verl's
     RL dataset and reward manager read, with the types they need."""
+    # Lazy: verl and pyarrow load when data is checked (the recipe's validator imports this module for its rules).
     import pyarrow as pa
 
     missing = [c for c in (DATA_SOURCE, prompt_key, REWARD_MODEL) if schema.get_field_index(c) < 0]
@@ -124,8 +130,6 @@ def schema_problems(schema, prompt_key: str = PROMPT_KEY) -> list[str]:
 
 
 def _boxed_sources() -> frozenset:
-    from verl_patches.reward import DEEPSCALER_SOURCES
-
     return frozenset(DEEPSCALER_SOURCES)
 
 
@@ -157,8 +161,6 @@ def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tupl
     elif isinstance(gt, str) and src in _boxed_sources():
         # The recipe's boxed-answer rule scores these rows: a value no response can match is no ground truth
         # (the same rule as the data preparation's, verl_patches/data/prepare.py answer_problem).
-        from verl_patches.data.prepare import answer_problem
-
         why = answer_problem("deepscaler", gt)
         if why:
             out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", why))
@@ -172,6 +174,7 @@ def scan(path: Path, problems: list[str], prompt_key: str = PROMPT_KEY,
     """Read every row of a verl RL parquet file in record batches of ``batch_rows`` (bounded
     memory), append one message per problem to ``problems`` (the first ``MAX_ROW_PROBLEMS`` rows
     with one, then a count), and yield (data_source, ground truth) of each sound row."""
+    # Lazy: verl and pyarrow load when data is checked (the recipe's validator imports this module for its rules).
     import pyarrow.parquet as pq
 
     try:
@@ -267,7 +270,6 @@ def check_files(files: Iterable[Path], scorer: Callable[..., Any], prompt_key: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.data.check", description=__doc__)
     p.add_argument("files", nargs="+", type=PathArg("parquet file"), help="verl RL parquet files (train / val)")
     p.add_argument("--prompt-key", type=Text(), default=PROMPT_KEY, help="the prompt column (verl's data.prompt_key)")

@@ -18,6 +18,8 @@ from pathlib import Path
 from verl_patches.base import atomic
 from verl_patches.core.lock import REPO_ROOT
 from verl_patches.reward import DEEPSCALER_SOURCES
+from verl_patches.base.schema import Integer, Number, PathArg, Text
+from verl_patches.reward.deepscaler import _ground_truth_answer, extract_last_boxed, normalize
 
 SAMPLES = {
     "deepscaler": REPO_ROOT / "data" / "sample" / "deepscaler_sample.json",
@@ -145,8 +147,6 @@ def answer_problem(kind: str, answer: str) -> str | None:
     """Why ``answer`` cannot be a ground truth, or None: a placeholder that is no answer, a gsm8k final
     answer that is not a number, or one the recipe's rule reward cannot score 1.0 even when a response
     boxes exactly it (unbalanced braces, an empty box)."""
-    from verl_patches.reward.deepscaler import _ground_truth_answer, extract_last_boxed, normalize
-
     if answer.strip().strip("$").strip().lower() in NOT_ANSWERS:
         return f"ground truth {answer!r} is a placeholder, not an answer"
     if kind == "gsm8k" and not _NUMBER.match(answer):
@@ -260,7 +260,6 @@ def prepare(kind: str, input_path: Path | None, out_dir: Path, test_size: float 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import Integer, Number, PathArg, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.data.prepare", description=__doc__)
     p.add_argument("kind", choices=sorted(SAMPLES))
     p.add_argument("--input", type=PathArg("input file"), default=None, help="raw file (default: the shipped sample)")

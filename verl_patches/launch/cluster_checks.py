@@ -21,6 +21,7 @@ import argparse
 import errno
 import json
 import os
+import pickle
 import re
 import socket
 import sys
@@ -29,6 +30,8 @@ from typing import Mapping
 
 from verl_patches.config import env as overlay_env
 from verl_patches.reporting.findings import finish
+from verl_patches.base.schema import Text
+from verl_patches.tools import check_ckpt
 
 POSITIVE_INTS = ("NNODES", "DEVICES_PER_NODE", "WAIT_TIMEOUT_S", "STOP_GRACE_S")
 CHOICES = {"DEVICE": ("npu", "cuda", "cpu", "npu-rehearsal"), "ROLE": ("head", "worker"), "LAUNCH_CONSOLE": ("full", "steps")}
@@ -118,8 +121,6 @@ def model_config(model_path: str) -> tuple[dict | None, str | None]:
 def ckpt_shape_problems(ckpt: Path, cfg: dict, model_path: str) -> list[str]:
     """Whether the checkpoint holds the model ``cfg`` describes: the embedding's (vocab_size, hidden_size)
     and num_hidden_layers decoder layers, from the torch_dist index (.metadata; no tensor is read)."""
-    import pickle
-
     with open(Path(ckpt) / ".metadata", "rb") as f:
         md = pickle.load(f)
     sizes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
@@ -170,8 +171,6 @@ def shared_problems(environ: Mapping[str, str] | None = None, ckpt: str | None =
             out.append(f"data file not found: {name}={f} (python -m verl_patches.data.prepare deepscaler "
                        "--input ... --out-dir ...)")
     if ckpt:
-        from verl_patches.tools import check_ckpt
-
         found, summary = check_ckpt.problems(Path(ckpt))
         out += found
         if not found:
@@ -184,7 +183,6 @@ def shared_problems(environ: Mapping[str, str] | None = None, ckpt: str | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import Text
     p = argparse.ArgumentParser(prog="python -m verl_patches.launch.cluster_checks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("env", "head", "worker"),

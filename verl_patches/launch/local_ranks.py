@@ -12,6 +12,7 @@ import signal
 import sys
 import time
 import traceback
+from multiprocessing.reduction import DupFd
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -20,6 +21,7 @@ import torch.multiprocessing as mp
 from verl_patches.config import env as overlay_env
 from verl_patches.launch import procs, rank_boot
 from verl_patches.launch.ports import free_port_block
+from verl_patches.base import accelerator
 
 
 def free_port() -> int:
@@ -44,8 +46,6 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable[..., An
     try:
         rank_boot.check_preload()
         if backend != "gloo":
-            from verl_patches.base import accelerator
-
             accelerator.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world)
         if ready is not None:
@@ -94,7 +94,6 @@ def _context(backend: str) -> tuple[Any, Any]:
     # Read when the server starts (the first call); a later call's preload setting is the server's.
     ctx.set_forkserver_preload(["verl_patches.launch.rank_preload", "verl_patches.launch.rank_boot",
                                 "verl_patches.launch.local_ranks"])
-    from multiprocessing.reduction import DupFd
 
     stdio = {}
     for fd in (1, 2):

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.nodes < 1 or not args.interval > 0 or not args.rpc_timeout > 0:
         p.error("--nodes, --interval and --rpc-timeout must be positive")
+    # Lazy: Ray's GCS client after the arguments are checked (a bad option fails without importing Ray).
     from ray._raylet import GcsClient
 
     client = GcsClient(address=args.address)

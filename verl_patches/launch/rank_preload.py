@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib
 import os
 
+from verl_patches.config import env
+
 _BEFORE = dict(os.environ)
 
 
@@ -29,8 +31,6 @@ def _load() -> tuple[tuple[str, ...], dict[str, str]]:
     # Nothing may escape: an exception here would end the forkserver, and the caller would see only
     # a broken pipe. Failures are named to the ranks instead.
     try:
-        from verl_patches.config import env
-
         names = env.get("VERL_PATCHES_RANK_PRELOAD")
     except Exception as e:  # noqa: BLE001
         return (f"VERL_PATCHES_RANK_PRELOAD: {e}",), {}

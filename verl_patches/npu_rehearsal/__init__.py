@@ -32,6 +32,8 @@ from verl_patches.npu_rehearsal.platform import (  # noqa: F401
     ENV, PLATFORM, SITE, STAND_INS, RehearsalError, activate, active, describe, mindspeed_kernels, missing_operator,
     operators, real_torch_npu_origin, selected,
 )
+from verl_patches.core import apply
+from verl_patches.npu_rehearsal.op_builders import PATCHES
 
 
 def activate_mindspeed_kernels() -> list[str]:
@@ -39,7 +41,5 @@ def activate_mindspeed_kernels() -> list[str]:
     MindSpeed importable. Returns the ids applied."""
     if not active():
         raise RehearsalError("activate() the torch_npu stand-in before binding MindSpeed's op builders to host kernels")
-    from verl_patches.core import apply
-    from verl_patches.npu_rehearsal.op_builders import PATCHES
 
     return apply.apply_all(PATCHES)

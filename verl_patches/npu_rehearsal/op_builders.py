@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.npu_rehearsal.platform import mindspeed_kernels, active
 
 
 class MissingKernel(RuntimeError):
@@ -32,8 +33,6 @@ class MissingKernel(RuntimeError):
 
 
 def host_kernels(name: str) -> types.ModuleType:
-    from verl_patches.npu_rehearsal.platform import mindspeed_kernels
-
     table = mindspeed_kernels()
     if name not in table:
         raise MissingKernel(f"MindSpeed op builder {name!r} has no host implementation on the NPU rehearsal platform "
@@ -49,8 +48,6 @@ def host_kernels(name: str) -> types.ModuleType:
 def wrap_load(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(self, verbose=True):
-        from verl_patches.npu_rehearsal.platform import active
-
         if not active():
             return original(self, verbose)
         return host_kernels(self.name)
@@ -62,7 +59,6 @@ def wrap_library_impl(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def impl(self, op_name, fn, dispatch_key="", *, with_keyset=False):
         result = original(self, op_name, fn, dispatch_key, with_keyset=with_keyset)
-        from verl_patches.npu_rehearsal.platform import active
 
         if active() and self.ns == "mindspeed" and dispatch_key == "PrivateUse1":
             original(self, op_name, fn, "CPU", with_keyset=with_keyset)  # the host is the NPU here

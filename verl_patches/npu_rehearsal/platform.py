@@ -11,6 +11,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+from verl_patches.config import env
+
 PACKAGE = "verl_patches.npu_rehearsal"
 PLATFORM = "npu-rehearsal"
 ENV = "VERL_PATCHES_PLATFORM"
@@ -24,8 +26,6 @@ class RehearsalError(RuntimeError):
 
 def selected(environ: Mapping[str, str] | None = None) -> bool:
     """True when ``VERL_PATCHES_PLATFORM=npu-rehearsal`` is set (checked by the overlay's env reader)."""
-    from verl_patches.config import env
-
     return env.get(ENV, environ) == PLATFORM
 
 
@@ -55,7 +55,6 @@ def activate() -> Any:
     if not selected():
         raise RehearsalError(f"the NPU rehearsal platform is not selected: set {ENV}={PLATFORM} to use the "
                              "torch_npu stand-in (it is never used otherwise)")
-    from verl_patches.config import env
 
     forced = env.get("VERL_PATCHES_DEVICE")
     if forced and forced != "npu":

@@ -113,11 +113,11 @@ class _Resize:
         for t in group._anchors:
             t.untyped_storage().resize_(0)
 
-    def alloc(self, group: "TensorGroup", indices: Sequence[int], bucket: int) -> None:
+    def alloc(self, group: "TensorGroup", indices: Sequence[int], chunk: int) -> None:
         for j, i in enumerate(indices):
             st = group._anchors[i].untyped_storage()
             if st.nbytes() == 0:
-                group.engine.copier.fault("alloc", bucket, j)
+                group.engine.copier.fault("alloc", chunk, j)
                 st.resize_(group._sizes[i])
 
     def resident(self, group: "TensorGroup") -> int:
@@ -159,9 +159,9 @@ class _Stable:
     def free(self, group: "TensorGroup") -> None:
         self.region.release()
 
-    def alloc(self, group: "TensorGroup", indices: Sequence[int], bucket: int) -> None:
+    def alloc(self, group: "TensorGroup", indices: Sequence[int], chunk: int) -> None:
         for j, _ in enumerate(indices):
-            group.engine.copier.fault("alloc", bucket, j)
+            group.engine.copier.fault("alloc", chunk, j)
         self.region.allocate()
 
     def resident(self, group: "TensorGroup") -> int:
@@ -282,7 +282,7 @@ class TensorGroup(OffloadGroup):
     def reserve_host(self) -> None:
         self.engine.pool.acquire(self.name, self._host_nbytes)
 
-    def _buckets(self) -> list[list[int]]:
+    def _chunks(self) -> list[list[int]]:
         return self.engine.copier.split(self._sizes)
 
     def _jobs(self, i: int, to_host: bool) -> list[CopyJob]:
@@ -298,8 +298,8 @@ class TensorGroup(OffloadGroup):
     def _free_all(self) -> None:
         self.memory.free(self)
 
-    def _alloc(self, indices: Sequence[int], bucket: int) -> None:
-        self.memory.alloc(self, indices, bucket)
+    def _alloc(self, indices: Sequence[int], chunk: int) -> None:
+        self.memory.alloc(self, indices, chunk)
 
     def check_storages(self) -> None:
         """Every tensor must still hold the storage (and size) it was registered with. An owner that
@@ -328,7 +328,7 @@ class TensorGroup(OffloadGroup):
         self.reserve_host()
         self._host_valid = False  # the host range is being overwritten
         moved = self.engine.copier.device_to_host(
-            [lambda b=b: [job for i in b for job in self._jobs(i, True)] for b in self._buckets()])
+            [lambda b=b: [job for i in b for job in self._jobs(i, True)] for b in self._chunks()])
         # Free only once every byte is on host: a failure above leaves the group on device.
         self._host_valid = True
         self._free_all()
@@ -342,14 +342,14 @@ class TensorGroup(OffloadGroup):
             raise GroupStateError(f"offload group {self.name!r} has no host copy to onload "
                                   f"(location {self.location.value}); use allocate()")
 
-        def bucket(b: int, idx: list[int]) -> Callable[[], list[CopyJob]]:
+        def chunk(b: int, idx: list[int]) -> Callable[[], list[CopyJob]]:
             def make() -> list[CopyJob]:
                 self._alloc(idx, b)
                 return [job for i in idx for job in self._jobs(i, False)]
             return make
 
         try:
-            moved = self.engine.copier.host_to_device([bucket(b, idx) for b, idx in enumerate(self._buckets())])
+            moved = self.engine.copier.host_to_device([chunk(b, idx) for b, idx in enumerate(self._chunks())])
             self.memory.verify(self)
         except BaseException:
             # Roll back to wholly-on-host: the host copy was only read, so it is intact.
@@ -375,7 +375,7 @@ class TensorGroup(OffloadGroup):
             return 0
         zero = self.zero_on_allocate if zero is None else zero
         try:
-            for b, idx in enumerate(self._buckets()):
+            for b, idx in enumerate(self._chunks()):
                 self._alloc(idx, b)
             self.memory.verify(self)
         except BaseException:

@@ -41,6 +41,7 @@ from verl_patches.offload.groups import Location, OffloadGroup
 from verl_patches.offload.ledger import LedgerEntry
 from verl_patches.offload.schedule import (OUR_INITIAL, ROLES, Action, RunsSteps, ScheduleError, StepRunner, StepSpec,
                                            locations_after, our_steps, step_roles)
+from verl_patches.offload.pool import OffloadEngine
 
 # Call steps whose work runs inside verl's own bodies, between two reached steps.
 VERL_RUNS = ("reshard", "generate")
@@ -207,8 +208,6 @@ class LiveSwitch(RunsSteps):
         """The process's one OffloadEngine: the training groups and the rollout engine's share its host
         pool and its storage registry (one storage, one owner, one host copy). Made on first use."""
         if self.engine is None:
-            from verl_patches.offload.pool import OffloadEngine
-
             self.engine = OffloadEngine()
         return self.engine
 

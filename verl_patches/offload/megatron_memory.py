@@ -2,11 +2,13 @@
 (verl_patches.offload.live, docs/DESIGN.md section 3) moves them and keeps the ledger.
 
 Where megatron-core 0.12.1 keeps things (see verl.utils.megatron_utils offload_megatron_model_to_cpu):
-a DDP chunk's ``buffers`` and ``expert_parallel_buffers`` each hold ``param_data`` (the params are
-views of it with the distributed optimizer; None without it) and ``grad_data`` (every
-``param.main_grad`` is a view of it). The optimizer's inner torch optimizers hold the state and,
-for mixed precision, the fp32 master copies as their params. Groups resize storages in place, so
-DDP's buckets, the optimizer and vLLM's reshard keep their references.
+1. A DDP chunk's ``buffers`` and ``expert_parallel_buffers`` each hold ``param_data`` and ``grad_data``.
+2. ``param_data``: the params are views of it with the distributed optimizer (None without it).
+3. ``grad_data``: every ``param.main_grad`` is a view of it.
+4. The optimizer's inner torch optimizers hold the state and, for mixed precision, the fp32 master
+   copies as their params.
+Groups resize storages in place. So megatron-core's DDP buckets, the optimizer and vLLM's reshard keep
+their references.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from verl_patches.offload import groups
 from verl_patches.offload.groups import HookedGroup, Location, OffloadGroup, TensorGroup, _storage_key
 from verl_patches.offload.pool import OffloadEngine
+from verl_patches.offload.live import live_switch
+from verl_patches.train.ddp_overlap import check_settled
 
 
 def _chunks(modules: Any) -> list[torch.nn.Module]:
@@ -125,8 +129,6 @@ class _Memory:
 
     def close(self) -> None:
         """Leave the switch loop, bring everything back to device and give back the host buffers."""
-        from verl_patches.offload.live import live_switch
-
         live_switch().detach(self)
         for g in self.groups().values():
             if g.location is Location.HOST:
@@ -173,14 +175,12 @@ class ActorMemory(_Memory):
             inner_optimizers(optimizer)  # a clear error now rather than at the first offload
         self.opt: TensorGroup | None = None
         self._opt_keys: frozenset[int] = frozenset()
-        # megatron-core's overlapped DDP (verl_patches/train/ddp_overlap.py): its buckets are views of the
+        # megatron-core's overlapped DDP (verl_patches/train/ddp_overlap.py): its DDP buckets are views of the
         # buffers moved here (resized in place, so they stay the same objects), but an asynchronous
         # reduce or gather in flight would write into a freed buffer, and parameters not gathered since
         # the last step are stale: moving them is refused, naming what is unsettled.
         self._moved = {"train_params": self.params, "grads": self.grads}
         if any(_overlapped(c) for c in self.modules):
-            from verl_patches.train.ddp_overlap import check_settled
-
             def check(role: str) -> Callable[[], None]:
                 return lambda: check_settled(self.modules, f"{name}: moving {role}")
 

@@ -1,7 +1,7 @@
-"""Pinned host buffer pool and the bucketed device<->host copy engine of the offload path.
+"""Pinned host buffer pool and the chunked device<->host copy engine of the offload path.
 
 Host buffers are allocated once per group and reused every step; copies run on a side
-stream in buckets; on CPU the same code degrades to plain, synchronous copies.
+stream in copy chunks; on CPU the same code degrades to plain, synchronous copies.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from verl_patches.config import env as overlay_env
 GiB = 1 << 30
 MiB = 1 << 20
 
-# A fault hook gets (point, bucket index, item index) before every copy and allocation;
+# A fault hook gets (point, copy chunk index, item index) before every copy and allocation;
 # tests raise from it to check that a failure half-way through a group rolls back.
 FaultHook = Callable[[str, int, int], None]
 
@@ -193,15 +193,15 @@ CopyJob = tuple[torch.Tensor, torch.Tensor]  # (destination, source), both flat 
 class CopyEngine:
     """Bucketed copies between device and host on one side stream.
 
-    A bucket is a run of copies of at most ``bucket_bytes`` (a larger single copy is its own
-    bucket); for device<-host the bucket's device memory is allocated just before its
-    copies are queued, so allocation overlaps the previous bucket's transfer. Every call
+    A copy chunk is a run of copies of at most ``chunk_bytes`` (a larger single copy is its own
+    copy chunk); for device<-host the copy chunk's device memory is allocated just before its
+    copies are queued, so allocation overlaps the previous copy chunk's transfer. Every call
     returns only when its copies are complete, and drains the side stream before an error
     propagates, so callers may free or roll back memory safely.
     """
 
-    def __init__(self, bucket_bytes: int = 256 * MiB) -> None:
-        self.bucket_bytes = int(bucket_bytes)
+    def __init__(self, chunk_bytes: int = 256 * MiB) -> None:
+        self.chunk_bytes = int(chunk_bytes)
         self.fault_hook: FaultHook | None = None
         self._stream = None
         self._stream_made = False
@@ -213,30 +213,30 @@ class CopyEngine:
             self._stream_made = True
         return self._stream
 
-    def fault(self, point: str, bucket: int, item: int) -> None:
+    def fault(self, point: str, chunk: int, item: int) -> None:
         if self.fault_hook is not None:
-            self.fault_hook(point, bucket, item)
+            self.fault_hook(point, chunk, item)
 
     def split(self, sizes: Sequence[int]) -> list[list[int]]:
-        """Indices of ``sizes`` grouped into consecutive buckets of about bucket_bytes."""
-        buckets: list[list[int]] = []
+        """Indices of ``sizes`` grouped into consecutive copy chunks of about chunk_bytes."""
+        chunks: list[list[int]] = []
         cur: list[int] = []
         acc = 0
         for i, n in enumerate(sizes):
-            if cur and acc + n > self.bucket_bytes:
-                buckets.append(cur)
+            if cur and acc + n > self.chunk_bytes:
+                chunks.append(cur)
                 cur, acc = [], 0
             cur.append(i)
             acc += n
         if cur:
-            buckets.append(cur)
-        return buckets
+            chunks.append(cur)
+        return chunks
 
-    def _run(self, point: str, buckets: Sequence[Callable[[], Sequence[CopyJob]]]) -> int:
+    def _run(self, point: str, chunks: Sequence[Callable[[], Sequence[CopyJob]]]) -> int:
         side = self.stream
         moved = 0
         if side is None:  # CPU: plain copies, in order
-            for b, make_jobs in enumerate(buckets):
+            for b, make_jobs in enumerate(chunks):
                 for j, (dst, src) in enumerate(make_jobs()):
                     self.fault(point, b, j)
                     dst.copy_(src)
@@ -247,7 +247,7 @@ class CopyEngine:
         # writing them, nor write into blocks the compute stream just freed and re-issued.
         side.wait_stream(current)
         try:
-            for b, make_jobs in enumerate(buckets):
+            for b, make_jobs in enumerate(chunks):
                 # make_jobs allocates on the compute stream; a block the caching allocator
                 # hands back may have been freed there with work still queued on it, so the
                 # side stream waits again (an event, no host stall) before writing into it.
@@ -265,13 +265,13 @@ class CopyEngine:
         current.wait_stream(side)
         return moved
 
-    def device_to_host(self, buckets: Sequence[Callable[[], Sequence[CopyJob]]]) -> int:
-        """Run the (host dst, device src) copies of each bucket; returns bytes copied."""
-        return self._run("d2h", buckets)
+    def device_to_host(self, chunks: Sequence[Callable[[], Sequence[CopyJob]]]) -> int:
+        """Run the (host dst, device src) copies of each copy chunk; returns bytes copied."""
+        return self._run("d2h", chunks)
 
-    def host_to_device(self, buckets: Sequence[Callable[[], Sequence[CopyJob]]]) -> int:
-        """Allocate (inside each bucket callable) and copy host->device; returns bytes copied."""
-        return self._run("h2d", buckets)
+    def host_to_device(self, chunks: Sequence[Callable[[], Sequence[CopyJob]]]) -> int:
+        """Allocate (inside each copy chunk callable) and copy host->device; returns bytes copied."""
+        return self._run("h2d", chunks)
 
 
 class OffloadEngine:
@@ -281,10 +281,10 @@ class OffloadEngine:
     never be given two host copies (tied weights and views are deduplicated by storage).
     """
 
-    def __init__(self, *, pool: HostBufferPool | None = None, bucket_bytes: int = 256 * MiB,
+    def __init__(self, *, pool: HostBufferPool | None = None, chunk_bytes: int = 256 * MiB,
                  copier: CopyEngine | None = None) -> None:
         self.pool = pool or HostBufferPool()
-        self.copier = copier or CopyEngine(bucket_bytes)
+        self.copier = copier or CopyEngine(chunk_bytes)
         self._owners: dict[int, str] = {}
         self._names: set[str] = set()
 

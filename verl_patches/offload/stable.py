@@ -7,9 +7,9 @@ Backends (chosen by stable_memory() below; docs/GRAPH_MODE.md says why):
   ships its cumem extension;
 - Ascend: vLLM-Ascend's CaMemAllocator (ACL's virtual-memory calls, the same shape as CuMem);
 - CPU: none.
-vLLM's and vLLM-Ascend's allocators only offer sleep() (unmaps every tag and copies some to host)
-and wake_up(tags); per-tag release here unmaps and re-maps just that tag's allocations through
-their modules' own unmap_and_release / create_and_map.
+vLLM's and vLLM-Ascend's allocators only offer sleep() and wake_up(tags). Their sleep() unmaps every
+tag and copies some to host. Per-tag release here unmaps and re-maps just that tag's allocations,
+through their modules' own unmap_and_release / create_and_map.
 """
 
 from __future__ import annotations
@@ -103,6 +103,8 @@ class TorchMemorySaverBackend(StableBackend):
 
     def __init__(self) -> None:
         super().__init__()
+        # Lazy: each backend's allocator is optional (torch_memory_saver on CUDA, vLLM's cumem on CUDA, CaMem on
+        # Ascend); tried when chosen.
         from torch_memory_saver import torch_memory_saver as tms
 
         if getattr(tms, "_impl", None) is None:
@@ -216,6 +218,8 @@ def _tms() -> tuple[StableBackend | None, str]:
 
 def _cumem() -> tuple[StableBackend | None, str]:
     try:
+        # Lazy: each backend's allocator is optional (torch_memory_saver on CUDA, vLLM's cumem on CUDA, CaMem on
+        # Ascend); tried when chosen.
         from vllm.device_allocator import cumem
     except ImportError as e:
         return None, f"vllm.device_allocator.cumem does not import ({e})"
@@ -227,6 +231,8 @@ def _cumem() -> tuple[StableBackend | None, str]:
 
 def _camem() -> tuple[StableBackend | None, str]:
     try:
+        # Lazy: each backend's allocator is optional (torch_memory_saver on CUDA, vLLM's cumem on CUDA, CaMem on
+        # Ascend); tried when chosen.
         from vllm_ascend.device_allocator import camem
     except ImportError as e:
         return None, f"vllm_ascend.device_allocator.camem does not import ({e})"

@@ -11,6 +11,9 @@ its own order (:func:`in_application_order`). The catalogue hands its modules to
 
 from __future__ import annotations
 
+from verl_patches.config import env
+from verl_patches.core.registry import check_catalogue, load_registry, find_patch
+
 RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_utils_reward_score",
     "verl_patches.patches.verl.patch_utils_model",
@@ -94,9 +97,6 @@ def in_application_order(patches: list) -> list:
 def load_catalogue() -> list:
     """Every patch record of the catalogue, plus the modules named by VERL_PATCHES_EXTRA_MODULES (a site's
     own patches; tests use it for fixtures), checked by the registry."""
-    from verl_patches.config import env
-    from verl_patches.core.registry import check_catalogue, load_registry
-
     records = load_registry(PATCH_MODULES + env.get("VERL_PATCHES_EXTRA_MODULES"))
     check_catalogue(in_application_order(records))  # requires / after hold in the order they are applied in too
     return records
@@ -104,6 +104,4 @@ def load_catalogue() -> list:
 
 def get_patch(patch_id: str):
     """The catalogue's record ``patch_id`` (KeyError if there is none)."""
-    from verl_patches.core.registry import find_patch
-
     return find_patch(load_catalogue(), patch_id)

@@ -7,6 +7,7 @@ die) it runs in place, which is how it runs across the cluster before a real job
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -17,6 +18,21 @@ from typing import Any
 
 from verl_patches.core.lock import REPO_ROOT
 from verl_patches.reshard import METHODS
+from verl_patches.base import atomic, accelerator
+from verl_patches.base.schema import Integer, Number, PathArg, Text, parse_args as schema_parse
+from verl_patches.config import env as overlay_env
+from verl_patches.launch.local_ranks import run_distributed
+from verl_patches.launch.procs import Terminated
+from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
+from verl_patches.preflight.rehearse import Options, rehearse
+from verl_patches.reshard.baselines import plan_summaries
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import LayoutError, ModelConfig
+from verl_patches.reshard.placements import build_placements
+from verl_patches.reshard.planner import build_plan
+from verl_patches.reshard.shards import torch_dtype
+import torch
+import torch.distributed as dist
 
 MODELS = {"tiny": REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json",
           "deepseek_v3": REPO_ROOT / "configs" / "model" / "deepseek_v3.json"}
@@ -46,8 +62,6 @@ DUMP_MANIFEST = "manifest.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from verl_patches.base.schema import Integer, Number, PathArg, Text
-
     p = argparse.ArgumentParser(prog="python -m verl_patches preflight", description=__doc__)
     p.add_argument("--nproc", type=Integer(low=1, high=4096, env="WORLD_SIZE"), default=None,
                    help="local processes to spawn (default 8); under torchrun it must equal WORLD_SIZE")
@@ -60,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="switch iterations per method (>= 2 to check leaks)")
     p.add_argument("--seed", type=Integer(low=0, high=2 ** 32 - 1), default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--bucket-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0)
+    p.add_argument("--bucket-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0,
+                   help="the reshard's transfer bucket, MiB: what one rank sends plus receives in one collective")
+    p.add_argument("--copy-chunk-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0,
+                   help="the offload engine's copy chunk, MiB (before issue 38 --bucket-mb set it too)")
     p.add_argument("--kv-mb", type=Number(low=0, high=1 << 20), default=16.0,
                    help="size of the simulated KV cache per rank")
     p.add_argument("--dump", type=PathArg("output directory"), default=None,
@@ -95,9 +112,6 @@ def dump_foreign(root: Path) -> list[str]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from verl_patches.base import atomic
-    from verl_patches.base.schema import parse_args as schema_parse
-
     p = build_parser()
     a = schema_parse(p, argv)
     if a.graph_check and a.backend != "nccl":
@@ -125,15 +139,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def backend_problem(backend: str) -> str | None:
     """Why ``--backend`` cannot run here (its device package absent, no device), or None."""
-    import importlib.util
-
     if backend == "hccl":
         if importlib.util.find_spec("torch_npu") is None:
             return ("--backend hccl runs on Ascend NPUs through torch_npu, which is not installed in this Python; "
                     "install torch_npu (CANN), or use --backend gloo (CPU) or nccl (CUDA)")
     elif backend == "nccl":
-        import torch
-
         if not torch.cuda.is_available():
             return ("--backend nccl runs on CUDA devices, and torch finds none here (torch.cuda.is_available() is "
                     f"False; torch {torch.__version__}); use --backend gloo (CPU) or hccl (Ascend NPU)")
@@ -162,8 +172,6 @@ def _load_model(spec: str) -> tuple[dict[str, Any], str]:
 
 
 def _options(a: argparse.Namespace, world: int) -> Any:
-    from verl_patches.preflight.rehearse import Options
-
     model, _ = _load_model(a.model)
     train, rollout = a.train, a.rollout
     if train is None or rollout is None:
@@ -183,16 +191,12 @@ def _options(a: argparse.Namespace, world: int) -> Any:
     check_layouts(model, train, rollout, world)
     n_params = _count_params(model)
     return Options(model=model, train=train, rollout=rollout, methods=methods, steps=a.steps, seed=a.seed,
-                   dtype=a.dtype, bucket_mb=a.bucket_mb, kv_mb=a.kv_mb, corrupt=corrupt,
+                   dtype=a.dtype, bucket_mb=a.bucket_mb, copy_chunk_mb=a.copy_chunk_mb, kv_mb=a.kv_mb, corrupt=corrupt,
                    gather_shards=n_params <= GATHER_LIMIT, graph_check=a.graph_check)
 
 
 def check_layouts(model: dict[str, Any], train: str, rollout: str, world: int) -> None:
     """Every layout rule the ranks would apply, checked here so that a mistake costs no process."""
-    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
-    from verl_patches.reshard.model import LayoutError, ModelConfig
-    from verl_patches.reshard.placements import build_placements
-
     try:
         P = build_placements(ModelConfig.from_hf(model), TrainLayout.parse(train), RolloutLayout.parse(rollout))
     except (LayoutError, TypeError, ValueError) as e:
@@ -203,17 +207,11 @@ def check_layouts(model: dict[str, Any], train: str, rollout: str, world: int) -
 
 
 def _count_params(model: dict[str, Any]) -> int:
-    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
-    from verl_patches.reshard.model import ModelConfig
-    from verl_patches.reshard.placements import build_placements
-
     P = build_placements(ModelConfig.from_hf(model), TrainLayout(1, 1, 1, (), 1, True), RolloutLayout(1, 1))
     return sum(t.numel for t in P.tensors)
 
 
 def _rank_entry(rank: int, world: int, opts: Any) -> dict[str, Any]:
-    from verl_patches.preflight.rehearse import rehearse
-
     return rehearse(rank, world, opts)
 
 
@@ -277,9 +275,6 @@ def render(report: dict[str, Any]) -> str:
 
 
 def reference_plans(model_path: Path) -> list[dict[str, Any]]:
-    from verl_patches.reshard.planner import build_plan
-    from verl_patches.reshard.baselines import plan_summaries
-
     out = []
     for train, rollout in REFERENCE_LAYOUTS:
         plan = build_plan(str(model_path), train, rollout)
@@ -342,8 +337,6 @@ def _finish(a: argparse.Namespace, opts: Any, results: list[dict[str, Any]], ela
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     """The results file, whole or not at all (an earlier one stays as it was on failure)."""
-    from verl_patches.base import atomic
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(path, json.dumps(payload, indent=2, default=str))
@@ -353,12 +346,6 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
 
 
 def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
-    from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
-    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
-    from verl_patches.reshard.model import ModelConfig
-    from verl_patches.reshard.placements import build_placements
-    from verl_patches.reshard.shards import torch_dtype
-
     P = build_placements(ModelConfig.from_hf(opts.model), TrainLayout.parse(opts.train),
                          RolloutLayout.parse(opts.rollout))
     dtype = torch_dtype(opts.dtype)
@@ -380,14 +367,8 @@ def _logit_check(opts: Any, results: list[dict[str, Any]]) -> Any:
 def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
     """The rollout shards, the reference model and a manifest listing them, written into a fresh
     directory that then replaces ``root`` whole: no file of an earlier dump stays beside them."""
+    # Lazy: safetensors only when an HF checkpoint is written.
     from safetensors.torch import save_file
-
-    from verl_patches.base import atomic
-    from verl_patches.preflight.hf_check import reference, to_hf
-    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
-    from verl_patches.reshard.model import ModelConfig
-    from verl_patches.reshard.placements import build_placements
-    from verl_patches.reshard.shards import torch_dtype
 
     if not opts.gather_shards:
         print("dump skipped: the model is too large to gather on one rank")
@@ -423,8 +404,6 @@ def _dump(root: Path, opts: Any, results: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from verl_patches.launch.procs import Terminated
-
     try:
         return _main(argv)
     except PreflightInputError as e:
@@ -471,9 +450,6 @@ def _main(argv: list[str]) -> int:
     print(f"preflight: {world} local processes, backend {a.backend}, model {a.model}, "
           f"train {opts.train}, rollout {opts.rollout}, methods {', '.join(opts.methods)}, steps {opts.steps}",
           flush=True)
-    from verl_patches.launch.local_ranks import run_distributed
-
-    from verl_patches.config import env as overlay_env
 
     heartbeat = a.heartbeat_timeout or overlay_env.get("VERL_PATCHES_HEARTBEAT_TIMEOUT_S")
     # The ranks left waiting in a collective for a stopped one get as long as the heartbeat (at most 30 s).
@@ -484,10 +460,6 @@ def _main(argv: list[str]) -> int:
 
 
 def _main_torchrun(a: argparse.Namespace, t0: float) -> int:
-    import torch.distributed as dist
-
-    from verl_patches.base import accelerator
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if a.nproc is not None and a.nproc != world:  # parse_args refuses it already; kept for callers of this function
         raise PreflightInputError(f"--nproc {a.nproc} and WORLD_SIZE={world} disagree: under torchrun the launcher "

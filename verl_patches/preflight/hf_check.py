@@ -15,10 +15,13 @@ locked version.
 
 from __future__ import annotations
 
+import inspect
+import tempfile
 from typing import Any
 
 import torch
 
+from verl_patches.core.lock import load_lock
 from verl_patches.preflight.values import box_values
 from verl_patches.reshard.box import full_box
 from verl_patches.reshard.deepseek_v3_names import hf_expert_names, is_expert_stack
@@ -68,11 +71,10 @@ def to_hf(placements: Placements, logical: dict[str, torch.Tensor]) -> dict[str,
 
 def versions() -> tuple[str, str]:
     """(installed transformers version, the lock's version)."""
+    # Lazy: transformers (slow to import) and safetensors only for the HF logits check.
     import transformers
 
     try:
-        from verl_patches.core.lock import load_lock
-
         locked = load_lock()["transformers"].version or "?"
     except Exception:  # noqa: BLE001 - a lock that cannot be read still leaves the installed version to name
         locked = "? (configs/upstream.lock.toml unreadable)"
@@ -91,9 +93,7 @@ def _refuse(label: str, unknown: int, unset: int, mismatched: int) -> LogitCheck
 def _load_converted(config: Any, state: dict[str, torch.Tensor], label: str) -> torch.nn.Module:
     """The model built by the installed transformers' own loader from ``state`` saved as a checkpoint
     (its checkpoint-name conversion applies); refuses when that loader leaves anything over or unset."""
-    import inspect
-    import tempfile
-
+    # Lazy: transformers (slow to import) and safetensors only for the HF logits check.
     from safetensors.torch import save_file
     from transformers import DeepseekV3ForCausalLM
 
@@ -124,6 +124,7 @@ def check_logits(hf_config: dict[str, Any], placements: Placements, variants: di
     the first variant's. Every model parameter must come from the shards. Where the installed
     transformers' model does not take the variants' names (or ``via_checkpoint``), every variant goes
     through its checkpoint loader instead (``_load_converted``)."""
+    # Lazy: transformers (slow to import) and safetensors only for the HF logits check.
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = {k: v for k, v in hf_config.items() if k not in ("architectures", "transformers_version", "torch_dtype")}
@@ -154,6 +155,7 @@ def check_logits(hf_config: dict[str, Any], placements: Placements, variants: di
         if not torch.equal(logits[label], logits[first]):
             err = (logits[label] - logits[first]).abs().max().item()
             raise LogitCheckError(f"logits of the model built from {label} differ from {first} (max abs {err:.3g})")
+    # Lazy: transformers (slow to import) and safetensors only for the HF logits check.
     import transformers
 
     return {"compared": list(logits), "logits_shape": list(logits[first].shape),

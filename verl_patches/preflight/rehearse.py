@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from verl_patches.base import accelerator
 from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
-                                  rollout_weights_group, train_params_group)
-from verl_patches.offload.stable import stable_memory
+    rollout_weights_group, train_params_group, Region)
+from verl_patches.offload.stable import stable_memory, install_hint
 from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
 from verl_patches.reshard.executor import execute, prepare
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
@@ -23,6 +23,7 @@ from verl_patches.reshard.model import ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import build_plan
 from verl_patches.reshard.shards import torch_dtype
+from verl_patches.preflight.graph_check import GraphCheck
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Options:
     steps: int = 2
     seed: int = 0
     dtype: str = "bfloat16"
-    bucket_mb: float = 64.0
+    bucket_mb: float = 64.0  # the reshard's transfer bucket
+    copy_chunk_mb: float = 64.0  # the offload engine's copy chunk
     kv_mb: float = 16.0
     corrupt: tuple[int, str, str] | None = None  # (rank, vLLM parameter, method): fault injection
     gather_shards: bool = False  # send the shards to rank 0 (logit check, dump); small models only
@@ -95,14 +97,11 @@ def _regions(opts: Options, method: str):
     """(weights region, KV region) for --graph-check, else (None, None)."""
     if not opts.graph_check:
         return None, None
-    from verl_patches.offload import Region
 
     if accelerator.device_type() != "cuda":
         raise ValueError(f"--graph-check captures CUDA graphs; this rank's device is {accelerator.device_type()!r}")
     backend, why = stable_memory()
     if backend is None:
-        from verl_patches.offload.stable import install_hint
-
         raise ValueError(f"--graph-check needs an address-stable allocator: {why}; install {install_hint('cuda')}")
     return Region(backend, f"preflight_{method}_weights"), Region(backend, f"preflight_{method}_kv")
 
@@ -131,7 +130,7 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
 
     for method in opts.methods:
         res = MethodResult()
-        engine = OffloadEngine(bucket_bytes=int(opts.bucket_mb * (1 << 20)))
+        engine = OffloadEngine(chunk_bytes=int(opts.copy_chunk_mb * (1 << 20)))
         params = train_shards(P, rank, seed=opts.seed, step=0, dtype=dtype, device=device)
         grads = {n: torch.zeros_like(v) for n, v in params.items()}
         ref = {n: v.clone() for n, v in params.items()}  # the reference model is the initial policy
@@ -141,8 +140,6 @@ def rehearse(rank: int, world: int, opts: Options) -> dict[str, Any]:
         kv = _in(kr, lambda: [torch.empty(kv_elems, dtype=dtype, device=device)])
         graph = None
         if opts.graph_check:
-            from verl_patches.preflight.graph_check import GraphCheck
-
             graph = GraphCheck(lambda: _byte_sums(rollout, kv[0]), lambda: {**rollout, "kv_cache": kv[0]})
         groups = {
             "train_params": train_params_group(engine, list(params.values())),

@@ -19,6 +19,7 @@ import sys
 from typing import BinaryIO, TextIO
 
 from verl_patches.reporting.report import CONSOLE_LINE
+from verl_patches.base.schema import PathArg
 
 # Ray's colour codes and the prefix it gives a worker's lines: "(TaskRunner pid=123)" or, from another
 # node, "(TaskRunner pid=123, ip=10.0.0.2)".
@@ -46,7 +47,6 @@ def relay(source: BinaryIO, log: BinaryIO, out: TextIO) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.reporting.console", description=__doc__.split("\n\n")[0])
     p.add_argument("log", type=PathArg("log file"), help="file the whole output is appended to")
     args = p.parse_args(argv)

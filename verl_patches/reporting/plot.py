@@ -21,11 +21,15 @@ a malformed line) is a PlotError naming it; the CLI prints it and exits 2.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from verl_patches.base.schema import PathArg
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -103,6 +107,8 @@ def event_dirs(root: Path) -> list[Path]:
 def read_tensorboard(root: Path) -> Series:
     """Every scalar of the event files under ``root`` (tensorboard's EventAccumulator)."""
     try:
+        # Lazy: matplotlib and tensorboard are optional and slow to import; only drawing and reading event files need
+        # them.
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:
         raise PlotError(f"reading the event files under {root} needs tensorboard (requirements.txt)") from None
@@ -153,6 +159,7 @@ def _line(ax: Any, s: Series, key: str, label: str | None = None, scale: float =
     pts = sorted((t, v) for t, v in s.get(key).items() if t > 0)
     if not pts:
         return False
+    # Lazy: matplotlib and tensorboard are optional and slow to import; only drawing and reading event files need them.
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -308,10 +315,13 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> tuple[Series, dict[s
     if not _train_steps(series):
         raise PlotError(f"{series.source} has no training step yet (only step 0, the validation before training)")
     try:
+        # Lazy: matplotlib and tensorboard are optional and slow to import; only drawing and reading event files need
+        # them.
         import matplotlib
     except ImportError:
         raise PlotError("the plots need matplotlib (requirements.txt)") from None
     matplotlib.use("Agg")
+    # Lazy: matplotlib and tensorboard are optional and slow to import; only drawing and reading event files need them.
     import matplotlib.pyplot as plt
 
     out_dir = out_dir or run_dir / PLOTS_DIR
@@ -334,10 +344,6 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> tuple[Series, dict[s
 
 
 def main(argv: list[str]) -> int:
-    import argparse
-    import sys
-
-    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches plot", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=PathArg("run directory"), help="the run's output directory (metrics.jsonl and/or tensorboard/)")
     p.add_argument("--out", type=PathArg("output directory"), default=None, help=f"where the PNGs go (default RUN_DIR/{PLOTS_DIR})")

@@ -19,6 +19,9 @@ from typing import Any
 
 from verl_patches.core import stash
 from verl_patches.reporting.report import DEVICE_PEAKS, MEM_PREFIX, SWITCH_PREFIX
+from verl_patches.base import accelerator
+import torch
+import torch.distributed as dist
 
 
 def switch_figures(stats: Any, ledger: Any, checks: dict[str, float] | None = None) -> dict[str, float]:
@@ -86,11 +89,6 @@ def memory_figures(switch: Any) -> dict[str, float]:
 
 def max_over_ranks(figures: dict[str, float]) -> dict[str, float]:
     """Each figure's maximum over the default process group's ranks (unchanged without one)."""
-    import torch
-    import torch.distributed as dist
-
-    from verl_patches.base import accelerator
-
     if not figures or not dist.is_initialized():
         return figures
     keys = sorted(figures)

@@ -23,6 +23,7 @@ from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import Plan, build_plan
+from verl_patches.reshard.checksum import verify
 
 _WRAPPER = "module."  # DDP and Float16Module both hold the model as .module
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -277,8 +278,6 @@ class LiveReshard:
                group: Any = None) -> Any:
         """The weight fingerprint (verl_patches/reshard/checksum.py) of ``roll`` against the training
         tensors ``run`` read (cast as it cast them). Every rank calls it; WeightMismatchError on all."""
-        from verl_patches.reshard.checksum import verify
-
         return verify(self.plan, self.rank, as_rollout_dtype(train, next(iter(roll.values())).dtype), roll,
                       step=step, group=group)
 

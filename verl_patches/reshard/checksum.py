@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -49,6 +50,9 @@ import torch.distributed as dist
 
 from verl_patches.reshard.box import Box
 from verl_patches.reshard.planner import Plan, Transfer
+from verl_patches.base import accelerator
+from verl_patches.config import env as overlay_env
+from verl_patches.reshard.executor import src_view
 
 MOD = (1 << 31) - 1  # the checksum's modulus (a prime); chunk sums stay far below 2**63
 _SHIFT = 22
@@ -223,13 +227,12 @@ def _span(dest: torch.Tensor) -> int:
 
 @functools.lru_cache(maxsize=1)
 def _fused_kernel():
-    from verl_patches.config import env as overlay_env
-
     if not overlay_env.get("VERL_PATCHES_FINGERPRINT_TRITON"):
         return None
+    # Lazy: Triton is optional (none on an NPU or a CPU-only build), and fingerprint_kernel, the package's one
+    # lazily imported module (tests/test_import_graph.py, LAZY_OWN), defines its kernel with Triton at its head.
     try:
         import triton
-
         from verl_patches.reshard.fingerprint_kernel import fingerprint_partials
     except Exception:  # noqa: BLE001 - no Triton (NPU, a CPU-only build): the torch path
         return None
@@ -339,11 +342,6 @@ def verify(plan: Plan, rank: int, train: Mapping[str, torch.Tensor], roll: Mappi
     """Compare every rollout parameter of every rank with what the training side implies (all ranks
     call it together, after the reshard, with the training tensors it read). Raises
     WeightMismatchError on every rank when any rank differs."""
-    import time
-
-    from verl_patches.base import accelerator
-    from verl_patches.reshard.executor import src_view
-
     t0 = time.perf_counter()
     P = plan.placements
     table = FingerprintTable.of(plan)

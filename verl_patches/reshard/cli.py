@@ -15,6 +15,7 @@ from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import DTYPE_BYTES, build_plan
 from verl_patches.reshard.baselines import plan_summaries
+from verl_patches.base.schema import Number, Text
 
 
 # Input bounds: far above any DeepSeek-V3 layout (the recipe's world is 256 ranks), low enough that
@@ -82,7 +83,6 @@ def _gb(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import Number, Text
     ap = argparse.ArgumentParser(
         prog="python -m verl_patches plan",
         description="Plan the train->rollout reshard of a DeepSeek-V3 model and compare methods.")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="Megatron layout, e.g. tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7 "
                          "[,vocab_div=128][,mla_down=split|replicated]")
     ap.add_argument("--rollout", type=Text(), required=True, help="vLLM layout, e.g. tp=2,dp=128[,instances=1]")
-    ap.add_argument("--bucket-mb", type=Number(low=1 / 1024, high=1 << 20), default=256.0, help="bucket bound, MiB (default 256): what one rank sends plus receives in one "
+    ap.add_argument("--bucket-mb", type=Number(low=1 / 1024, high=1 << 20), default=256.0, help="transfer bucket bound, MiB (default 256): what one rank sends plus receives in one "
                          "collective; the executor keeps two buckets in flight")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -36,6 +36,7 @@ def train_coords(t: int, p: int, e: int, world: int) -> TrainCoords:
     expert_model_parallel=t*e: the expert group is then TP x EP (tests check this against
     initialize_model_parallel on gloo)."""
     try:
+        # Lazy: the planner runs without megatron-core and torch (metadata only); only the rank groups need them.
         from megatron.core.parallel_state import RankGenerator
     except ImportError as exc:  # pragma: no cover - megatron-core is a runtime requirement
         raise LayoutError("megatron-core (0.12.1) is needed for Megatron rank coordinates") from exc
@@ -64,6 +65,7 @@ def rollout_coords(r: RolloutLayout) -> RolloutCoords:
     arange(world).reshape(ExternalDP, DP, PP, TP); the EP group of an instance is its DP x TP
     ranks, EP rank = dp_rank * tp + tp_rank (FusedMoEParallelConfig.make). Tests compare
     these groups with the ones vLLM builds on gloo."""
+    # Lazy: the planner runs without megatron-core and torch (metadata only); only the rank groups need them.
     import torch
 
     all_ranks = torch.arange(r.world).reshape(r.instances, r.dp, 1, r.tp)

@@ -23,6 +23,7 @@ def _kernel():
     if not overlay_env.get("VERL_PATCHES_RESHARD_TRITON"):  # the typed table's reader (a bad value names it)
         return None
     try:
+        # Lazy: Triton is optional (none on a CPU or an NPU): plain copies without it.
         import triton
         import triton.language as tl
     except Exception:  # noqa: BLE001 - no Triton (CPU, NPU): plain copies

@@ -21,6 +21,8 @@ from typing import Any, Mapping
 
 import torch
 
+from verl_patches.config import env
+
 ENV = "VERL_PATCHES_INJECT_FAULT"
 KINDS = ("flip", "transpose")
 
@@ -57,8 +59,6 @@ def parse(text: str) -> Fault:
 
 def configured() -> list[Fault]:
     """The faults in VERL_PATCHES_INJECT_FAULT (several separated by ';')."""
-    from verl_patches.config import env
-
     text = env.get(ENV) or ""
     return [parse(part) for part in text.split(";") if part.strip()]
 

@@ -21,6 +21,7 @@ def main() -> None:
             pass
     if os.getppid() != parent:
         return
+    # Lazy: math-verify after the parent check (a worker whose parent is gone exits without importing it).
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     # The caller bounds each check; math-verify would warn on every call that its own is off.

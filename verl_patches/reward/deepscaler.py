@@ -5,6 +5,7 @@ Entry point for verl: ``verl_patches.reward.deepscaler.compute_score`` (custom_r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import queue
@@ -236,8 +237,6 @@ def _checker() -> _Checker:
 
 
 def _worker_env() -> dict[str, str]:
-    import importlib.util
-
     spec = importlib.util.find_spec("math_verify")
     if spec is None or not spec.origin:
         raise ImportError("math-verify is not installed: the deepscaler reward needs it (requirements.txt)")

@@ -217,6 +217,7 @@ def setup_dp_domain(spec: DPSpec, local_addr: str, environ: dict | None = None, 
     master also reports whether its ports are free, so that a taken port is an error on every
     rank at once rather than a hang in vLLM's rendezvous.
     """
+    # Lazy: torch.distributed when the domain is agreed on (the derivation runs without torch).
     import torch.distributed as dist
 
     domain = derive_dp_domain(dist.get_rank(group), dist.get_world_size(group), spec)

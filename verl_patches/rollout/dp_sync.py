@@ -13,6 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from verl_patches.config import env
+
 # The switch, exported by the rollout patch from actor_rollout_ref.rollout.recipe.dp_sync_on_device:
 # vLLM's engine loop calls these functions without any config object that could carry it.
 FLAG_ENV = "VERL_PATCHES_DP_SYNC_ON_DEVICE"
@@ -20,8 +22,6 @@ FLAG_ENV = "VERL_PATCHES_DP_SYNC_ON_DEVICE"
 
 def dp_sync_on_device() -> bool:
     """On unless the flag says off (the recipe's default is on)."""
-    from verl_patches.config import env
-
     return bool(env.get(FLAG_ENV))
 
 
@@ -84,6 +84,7 @@ def vllm_device_dp_group(expected_size: Optional[int] = None) -> Optional[tuple[
     """
     if not dp_sync_on_device():
         return None
+    # Lazy: vLLM's parallel state only inside a vLLM rank; the DP agreement module loads without vLLM.
     from vllm.distributed import parallel_state as ps
 
     coord = ps._DP  # read the module global: get_dp_group() asserts when it is unset

@@ -17,6 +17,9 @@ from verl_patches.offload import (CallbackGroup, HookedGroup, OffloadEngine, Off
                                   rollout_weights_group)
 from verl_patches.core import stash
 from verl_patches.rollout import kv_cache
+from verl_patches.offload.live import live_switch
+from verl_patches.rollout.graph_safe import BUILD_ATTR, PATCH_IDS, GraphModeError
+from verl_patches.rollout.mla import release_mla_derived
 
 
 
@@ -24,8 +27,6 @@ def attach_engine_memory(llm: Any, memory: Any) -> None:
     """Put a recipe engine's memory (VllmEngineMemory) under the process's switch loop and route
     the engine's sleep / wake_up to it. The loop starts where an update ends, so its weights and
     KV cache are released now: what upstream's build-time sleep would do."""
-    from verl_patches.offload.live import live_switch
-
     live_switch().attach(memory)
     # Where the sleep / wake_up wrappers (patch vllm.llm.*) find it.
     stash.put(llm, "memory", memory)
@@ -40,8 +41,6 @@ def _kv_tensors_of(worker: Any) -> list:
 
 
 def _stable_build_of(worker: Any) -> Any:
-    from verl_patches.rollout.graph_safe import BUILD_ATTR
-
     return getattr(worker, BUILD_ATTR, None)
 
 
@@ -61,8 +60,6 @@ class VllmEngineMemory:
     def __init__(self, llm: Any, engine: Optional[OffloadEngine] = None, *, name: str = "rollout") -> None:
         self.core = kv_cache.engine_core_of(llm)
         if engine is None:
-            from verl_patches.offload.live import live_switch
-
             engine = live_switch().offload_engine()
         self.engine = engine
         executor = self.core.model_executor
@@ -75,16 +72,12 @@ class VllmEngineMemory:
         # addresses they had then: in graph mode all of them must stay there.
         self._graph_mode = not bool(getattr(self.core.vllm_config.model_config, "enforce_eager", True))
         if self._graph_mode and self.stable is None:
-            from verl_patches.rollout.graph_safe import PATCH_IDS, GraphModeError
-
             raise GraphModeError("the rollout engine runs graphs (enforce_eager=False) but was not built inside "
                                  "address-stable regions: call verl_patches.rollout.graph_safe.arm_for_build before "
                                  f"building it, with patch {' / '.join(PATCH_IDS)} applied; or set enforce_eager=True")
         self.weights: OffloadGroup
         self.kv: OffloadGroup
         if self.stable is None:
-            from verl_patches.rollout.mla import release_mla_derived
-
             # Parameters only: the reshard rewrites every one of them after each update. Buffers
             # (rotary caches and the like) are computed once at build time and nothing rewrites
             # them, so freeing them without a copy would bring back garbage; they are small.
@@ -103,8 +96,6 @@ class VllmEngineMemory:
     def close(self) -> None:
         """Give the weights' host buffer and storage claims back to the offload engine (engine rebuilt)."""
         if not self._closed:
-            from verl_patches.offload.live import live_switch
-
             live_switch().detach(self)
             self.weights.close()
             self.kv.close()  # a TensorGroup in graph mode (its name and storages are claimed too)

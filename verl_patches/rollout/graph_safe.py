@@ -10,6 +10,7 @@ offload groups of them. Eager mode (enforce_eager=True) keeps the resize path un
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import Any, Callable, Mapping, Optional
@@ -20,6 +21,8 @@ from verl_patches.base import accelerator
 from verl_patches.core import stash
 from verl_patches.offload.stable import (Region, StableBackend, StableMemoryError, describe, inside, install_hint,
                                          live_tensors_in, stable_memory, storage_key, storage_span)
+from verl_patches.rollout.kv_cache import _tensors
+from verl_patches.rollout.mla import derived_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +181,6 @@ class StableBuild:
     # -- weights ------------------------------------------------------------------------
     def weight_tensors(self, model: Any = None) -> dict[str, torch.Tensor]:
         """What the reshard and the MLA redo write and graphs read: parameters and MLA's derived tensors."""
-        from verl_patches.rollout.mla import derived_tensors
-
         model = self.model if model is None else model
         out = dict(model.named_parameters())
         try:
@@ -205,8 +206,6 @@ class StableBuild:
         self.moved_out = _move_out(self.model, tracked, self.weights.ranges())
         strays = live_tensors_in(self.weights.ranges(), exclude=tracked)
         if strays:
-            import gc
-
             named = [f"{describe(t)} held by {sorted({type(r).__name__ for r in gc.get_referrers(t) if r is not strays})}"
                      for t in strays[:4]]
             raise GraphModeError(
@@ -233,7 +232,6 @@ class StableBuild:
                                  "released and re-mapped in place, never re-created")
         with self.kv.region():
             out = original()
-        from verl_patches.rollout.kv_cache import _tensors
 
         self.kv_tensors = list(_tensors(kv_caches_of()))
         ranges = self.kv.ranges()
@@ -247,8 +245,6 @@ class StableBuild:
 
     def kv_watch(self, kv_caches_of: Callable[[], Any], forward_context: Callable[[], dict]) -> Callable[[], dict]:
         """The cache tensors graphs read: the runner's list and each attention layer's bound cache."""
-        from verl_patches.rollout.kv_cache import _tensors
-
         def watch() -> dict[str, torch.Tensor]:
             out = {f"kv_caches[{i}]": t for i, t in enumerate(_tensors(kv_caches_of()))}
             for name, layer in forward_context().items():

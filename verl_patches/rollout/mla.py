@@ -23,6 +23,7 @@ class MLADerivedError(RuntimeError):
 
 
 def _mla_layers(model: torch.nn.Module) -> list[Any]:
+    # Lazy: vLLM is needed only when a vLLM model is walked (the checks' arithmetic runs without it).
     from vllm.attention import Attention
 
     return [m for m in model.modules()
@@ -65,6 +66,7 @@ def rewrite_in_place(impl: Any, recompute: Callable[[], None], names: tuple[str,
 
 def derived_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The live derived tensors by qualified name (``<attention module>.impl.W_UK_T``)."""
+    # Lazy: vLLM is needed only when a vLLM model is walked (the checks' arithmetic runs without it).
     from vllm.attention import Attention
 
     out = {}
@@ -96,6 +98,7 @@ def check_mla_derived(model: torch.nn.Module, index: int) -> int:
     use, and compare them bit for bit with the tensors the attention reads. MLADerivedError names the
     layer when they differ (stale after a weight update: the NeMo-RL / vLLM-Ascend failure class).
     Returns the layers checked (0: no MLA layer, or a quantized kv_b_proj that has no plain weight)."""
+    # Lazy: vLLM is needed only when a vLLM model is walked (the checks' arithmetic runs without it).
     from vllm.attention import Attention
 
     layers = [(n, m) for n, m in model.named_modules()

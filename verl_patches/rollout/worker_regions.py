@@ -22,6 +22,8 @@ REMOVE_WHEN = ("vLLM (and vLLM-Ascend) can release and re-map the weights and th
 def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_model(self):
+        # Lazy: graph_safe imports torch, and the catalogue loads this module (through the two worker patches)
+        # without it.
         from verl_patches.rollout.graph_safe import worker_load_model
 
         return worker_load_model(self, lambda: original(self))
@@ -32,6 +34,8 @@ def wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_initialize_from_config(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def initialize_from_config(self, kv_cache_config):
+        # Lazy: graph_safe imports torch, and the catalogue loads this module (through the two worker patches)
+        # without it.
         from verl_patches.rollout.graph_safe import worker_initialize_from_config
 
         return worker_initialize_from_config(self, lambda: original(self, kv_cache_config))

@@ -12,14 +12,26 @@ by ``_generation``: the rollout segment begins, the manager is entered and left,
 
 from __future__ import annotations
 
-import json
 import contextlib
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from verl_patches.core import stash
 import torch
+from verl_patches.core.apply import apply_all
+from verl_patches.offload import HookedGroup, OffloadEngine, TensorGroup
+from verl_patches.offload.live import live_switch, reset_live_switch
+from verl_patches.offload.megatron_memory import _Memory, param_tensors, ActorMemory
+from verl_patches.patches import get_patch
+from verl_patches.reshard.binding import megatron_params, check_expert_placement
+from verl_patches.reshard.shards import full_state, logical_state, train_shards
+from verl_patches.rollout.mla import release_mla_derived
+from verl_patches.rollout.settings import STASH_KEY, RolloutSettings
+from verl_patches.testing.live_models import (megatron_cpu_stand_ins, vllm_cpu_stand_ins, build_megatron_deepseek,
+    build_vllm_deepseek, megatron_to_hf, mla_derived, randomize, vllm_post_load)
+from torch.distributed.device_mesh import init_device_mesh
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -28,8 +40,6 @@ class _Engine:
     """Stand-in for vLLM's LLM as verl's manager sees it: the model runner path and wake_up / sleep."""
 
     def __init__(self, model: Any, settings: Any, events: list[str]) -> None:
-        from verl_patches.rollout.settings import STASH_KEY
-
         runner = SimpleNamespace(model=model)
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
             driver_worker=SimpleNamespace(worker=SimpleNamespace(model_runner=runner))))
@@ -46,10 +56,6 @@ class _Engine:
 
 def _params_memory(actor: torch.nn.Module, events: list[str]) -> Any:
     """The training params as the worker's ActorMemory groups them, attached to the switch loop."""
-    from verl_patches.offload import HookedGroup, OffloadEngine, TensorGroup
-    from verl_patches.offload.live import live_switch
-    from verl_patches.offload.megatron_memory import _Memory, param_tensors
-
     class ParamsMemory(_Memory):
         def __init__(self) -> None:
             self.engine = OffloadEngine()
@@ -69,8 +75,6 @@ def _params_memory(actor: torch.nn.Module, events: list[str]) -> Any:
 def _generation(manager: Any):
     """What the worker's generate_sequences wrapper does around verl's body (the manager's
     __enter__ / __exit__ are verl's, with our patch)."""
-    from verl_patches.offload.live import live_switch
-
     live_switch().begin_rollout()
     with manager:
         yield
@@ -95,15 +99,11 @@ def _cpu_device_stand_ins() -> None:
 def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case: grouped (GroupedMLP or SequentialMLP experts), method, dtype, recipe (extra
     recipe keys), patched. Unpatched cases must come first: the patch stays applied after."""
-    from verl_patches.testing.live_models import megatron_cpu_stand_ins, vllm_cpu_stand_ins
-
     vllm_cpu_stand_ins()
     megatron_cpu_stand_ins()
     _cpu_device_stand_ins()
+    # Lazy: megatron-core and verl load inside the rank, after the patches are applied.
     from megatron.core import parallel_state as mpu
-
-    from verl_patches.core.apply import apply_all
-    from verl_patches.patches import get_patch
 
     mpu.initialize_model_parallel(1, 1)
     out, applied = [], False
@@ -119,6 +119,7 @@ def sharding_manager_rank(rank: int, world: int, model_dir: str, cases: list[dic
 
 def _ddp(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """megatron-core's DDP with the distributed optimizer's layout: params are views of param_data."""
+    # Lazy: megatron-core and verl load inside the rank, after the patches are applied.
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     return DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
@@ -127,12 +128,8 @@ def _ddp(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 
 def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
           recipe: dict[str, Any] | None = None, ddp: bool = False) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
+    # Lazy: megatron-core and verl load inside the rank, after the patches are applied.
     from verl.workers.sharding_manager.megatron_vllm import MegatronVLLMShardingManager
-
-    from verl_patches.rollout.settings import RolloutSettings
-    from verl_patches.testing.live_models import (build_megatron_deepseek, build_vllm_deepseek, megatron_to_hf,
-                                                  mla_derived, randomize, vllm_post_load)
 
     dt = _DTYPES[dtype]
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -158,14 +155,10 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
     manager = MegatronVLLMShardingManager(
         actor_module=[actor], inference_engine=engine, model_config=SimpleNamespace(to_dict=lambda: dict(cfg)),
         transformer_config=None, layer_name_mapping={}, weight_converter=None, device_mesh=mesh, offload_param=False)
-    from verl_patches.offload.live import reset_live_switch
 
     switch = reset_live_switch()  # one loop per case, as one worker process has
     if ddp:
         # The worker's real ActorMemory, attached as patch verl.megatron_worker.offload_init does.
-        from verl_patches.offload import OffloadEngine
-        from verl_patches.offload.megatron_memory import ActorMemory
-
         memory = ActorMemory([actor], engine=OffloadEngine())
         switch.attach(memory)
         before = {n: p.detach().clone() for n, p in actor.named_parameters()}
@@ -189,8 +182,6 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
             result["train_params_back_exact"] = all(torch.equal(p, before[n]) for n, p in actor.named_parameters())
     if error is None and method != "upstream":
         # What the recipe engine's offload does with the weights (VllmEngineMemory), then the next switch.
-        from verl_patches.rollout.mla import release_mla_derived
-
         result["mla_freed_bytes"] = release_mla_derived(model)
         result["mla_emptied"] = all(t.numel() == 0 for t in mla_derived(model).values())
         with _generation(manager):  # again right after a generation, as validation does
@@ -209,21 +200,13 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     full model through the layout (its names and shapes are checked against the real modules;
     the single-rank cases check the values' mapping independently); the reference is vLLM's
     own load_weights of that full model on every rank."""
+    # Lazy: megatron-core and verl load inside the rank, after the patches are applied.
     from megatron.core import parallel_state as mpu
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from verl_patches.core.apply import apply_all
-    from verl_patches.patches import get_patch
-    from verl_patches.reshard.binding import megatron_params
-    from verl_patches.reshard.shards import full_state, logical_state, train_shards
-    from verl_patches.rollout.settings import RolloutSettings
-    from verl_patches.testing.live_models import (build_megatron_deepseek, build_vllm_deepseek,
-                                                  megatron_cpu_stand_ins, mla_derived, randomize, vllm_cpu_stand_ins,
-                                                  vllm_post_load)
 
     vllm_cpu_stand_ins()
     megatron_cpu_stand_ins()
     _cpu_device_stand_ins()
+    # Lazy: megatron-core and verl load inside the rank, after the patches are applied.
     from verl.workers.sharding_manager.megatron_vllm import MegatronVLLMShardingManager
 
     tp, pp, layers = train["tp"], train["pp"], tuple(train["layers"])
@@ -246,7 +229,6 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
         actor_module=[actor], inference_engine=_Engine(model, settings, events),
         model_config=SimpleNamespace(to_dict=lambda: dict(cfg)), transformer_config=None, layer_name_mapping={},
         weight_converter=None, device_mesh=mesh, offload_param=False)
-    from verl_patches.offload.live import live_switch
 
     stash.put(manager, "actor_memory", _params_memory(actor, events))
     # The plan (built on the first switch) gives the layout; fill the actor through it, then switch again.
@@ -254,7 +236,6 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
         pass
     live_switch().begin_rollout()  # the training params back on device for the fill (rollout_again)
     P = manager._verl_patches_reshard.plan.placements
-    from verl_patches.reshard.binding import check_expert_placement
 
     experts_checked = check_expert_placement(model, P, rank)
     full = full_state(P, seed=3, dtype="float32")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from verl_patches.reshard.checksum import WeightMismatchError, verify
+from verl_patches.reshard.executor import execute
+from verl_patches.reshard.shards import full_state, logical_state, rollout_shards, train_shards
 
 
 def _faulty(rank: int, roll: dict, fault: str) -> str:
@@ -26,9 +28,6 @@ def _faulty(rank: int, roll: dict, fault: str) -> str:
 
 def check_fingerprints(rank: int, world: int, plans: list) -> list[dict]:
     """For run_distributed: per plan, the checked parameter counts and each fault's error (or None)."""
-    from verl_patches.reshard.executor import execute
-    from verl_patches.reshard.shards import full_state, logical_state, rollout_shards, train_shards
-
     out = []
     for plan in plans:
         P = plan.placements

@@ -13,7 +13,7 @@ replay == its eager forward bit for bit, every address a graph reads is the one 
 rollout weights are the expected shards. ``--mode resize`` is the storage-resize path (eager
 mode's): it fails.
 
-Several graphs (``--buckets 1,2,4,8``): one decode graph per captured batch size, as vLLM captures
+Several graphs (``--graph-sizes 1,2,4,8``): one decode graph per captured batch size, as vLLM captures
 one CUDA graph per capture size and vLLM-Ascend one TorchAir graph per ``graph_batch_sizes`` entry,
 all over the same weights, MLA tensors and KV cache (the same regions); each graph keeps its own
 captured addresses, and each is replayed and compared every cycle.
@@ -33,6 +33,22 @@ import torch
 import torch.nn.functional as F
 
 from verl_patches.core.lock import REPO_ROOT
+from verl_patches.base import accelerator
+from verl_patches.base.schema import Integer, Text, refuse_renamed
+from verl_patches.launch.local_ranks import free_port
+from verl_patches.offload import (OffloadEngine, Region, TensorGroup, kv_cache_group, ours, reference_group,
+    rollout_weights_group, train_params_group)
+from verl_patches.offload.stable import stable_memory
+from verl_patches.preflight.graph_check import GraphCheck
+from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
+from verl_patches.reshard.checksum import verify
+from verl_patches.reshard.executor import execute, prepare
+from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
+from verl_patches.reshard.model import ModelConfig
+from verl_patches.reshard.placements import build_placements
+from verl_patches.reshard.planner import build_plan
+from verl_patches.rollout.mla import rewrite_in_place
+import torch.distributed as dist
 
 MODEL = REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json"
 BATCH = 4  # the decode batch of a single-graph run
@@ -122,24 +138,7 @@ def _train_phase(rng: random.Random, keep: list, device: torch.device) -> int:
     return total
 
 
-def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[int, ...] = (BATCH,)) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from verl_patches.base import accelerator
-    from verl_patches.offload import (OffloadEngine, Region, TensorGroup, kv_cache_group, ours, reference_group,
-                                      rollout_weights_group, train_params_group)
-    from verl_patches.offload.stable import stable_memory
-    from verl_patches.preflight.graph_check import GraphCheck
-    from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
-    from verl_patches.reshard.checksum import verify
-    from verl_patches.reshard.executor import execute, prepare
-    from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
-    from verl_patches.reshard.model import ModelConfig
-    from verl_patches.reshard.placements import build_placements
-    from verl_patches.reshard.planner import build_plan
-    from verl_patches.rollout.mla import rewrite_in_place
-    from verl_patches.launch.local_ranks import free_port
-
+def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, graph_sizes: tuple[int, ...] = (BATCH,)) -> dict[str, Any]:
     cfg = json.loads(MODEL.read_text())
     device = accelerator.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -163,9 +162,9 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
 
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-    if not buckets or any(b < 1 for b in buckets) or len(set(buckets)) != len(buckets):
-        raise ValueError(f"buckets must be distinct positive batch sizes, got {list(buckets)}")
-    slots = max(max(buckets) * 97 + 8, (kv_mib << 20) // (layers * width * dtype.itemsize))
+    if not graph_sizes or any(b < 1 for b in graph_sizes) or len(set(graph_sizes)) != len(graph_sizes):
+        raise ValueError(f"graph sizes must be distinct positive batch sizes, got {list(graph_sizes)}")
+    slots = max(max(graph_sizes) * 97 + 8, (kv_mib << 20) // (layers * width * dtype.itemsize))
     # The engine's build: weights, then MLA's post-load step, then the KV cache, all in regions.
     roll = in_region(weights_region, lambda: {n: torch.zeros(s, dtype=dtype, device=device)
                                               for n, s in P.rollout_storage[0].items()})
@@ -194,9 +193,9 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
         "kv_cache": kv_cache_group(engine, [kv], region=kv_region, zero_on_allocate=True,
                                    watch=(lambda: {"kv": kv}) if kv_region else None),
     }
-    # One graph per bucket, all over the same weights and KV cache (the same regions).
+    # One graph per graph size, all over the same weights and KV cache (the same regions).
     checks = {b: GraphCheck(TinyDecoder(cfg, roll, impls, kv, b), lambda: {**weights_watch(), "kv": kv})
-              for b in buckets}
+              for b in graph_sizes}
     sched = ours(groups)
     rng, keep = random.Random(seed), []
     state: dict[str, Any] = {"step": 0, "last": None}
@@ -222,7 +221,7 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
         res = {"equal": all(r["equal"] for r in per.values()),
                "moved": sorted({f"{n}@{b}" for b, r in per.items() for n in r["moved"]}),
                "elements_wrong": sum(max(r["elements_wrong"], 0) for r in per.values()),
-               "unequal_buckets": [b for b, r in per.items() if not r["equal"]],
+               "unequal_graph_sizes": [b for b, r in per.items() if not r["equal"]],
                "captured": any(r["captured"] for r in per.values())}
         wrong = sum(int((roll[n] != w).sum()) for n, w in
                     expected_rollout_by_param(P, 0, seed=seed, step=s, dtype=dtype, device=device))
@@ -267,7 +266,7 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
     region_bytes = (backend.region_bytes(weights_region.tag) + backend.region_bytes(kv_region.tag)) if backend else None
     return {
         "mode": mode, "backend": backend.name if backend else None, "cycles": len(records), "seconds": seconds,
-        "buckets": list(buckets), "graphs": sum(c.graph is not None for c in checks.values()),
+        "graph_sizes": list(graph_sizes), "graphs": sum(c.graph is not None for c in checks.values()),
         "replays": sum(c.checks for c in checks.values()),
         "ok_cycles": sum(r["ok"] for r in records), "failed_cycles": [r for r in records if not r["ok"]][:5],
         "failed_count": sum(not r["ok"] for r in records), "moved_cycles": sum(bool(r["moved_count"]) for r in records),
@@ -285,18 +284,18 @@ def run(mode: str, cycles: int, seed: int = 0, kv_mib: int = 64, buckets: tuple[
 
 
 def main(argv: list[str]) -> None:
-    from verl_patches.base.schema import Integer, Text
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("stable", "resize"), required=True)
     ap.add_argument("--cycles", type=Integer(low=1), default=100)
     ap.add_argument("--kv-mib", type=Integer(low=1), default=64)
-    ap.add_argument("--buckets", type=Text(), default=str(BATCH),
+    ap.add_argument("--graph-sizes", type=Text(), default=str(BATCH),
                     help="captured decode batch sizes, comma-separated: one graph each (default: %(default)s)")
+    refuse_renamed(ap, {"--buckets": "--graph-sizes"})  # issue 38: graph sizes, not buckets
     ap.add_argument("--json", type=Text(), required=True)
     a = ap.parse_args(argv)
     try:
-        buckets = tuple(int(x) for x in a.buckets.split(","))
-        out = run(a.mode, a.cycles, kv_mib=a.kv_mib, buckets=buckets)
+        graph_sizes = tuple(int(x) for x in a.graph_sizes.split(","))
+        out = run(a.mode, a.cycles, kv_mib=a.kv_mib, graph_sizes=graph_sizes)
     except BaseException as e:  # noqa: BLE001 - the parent reads the reason from the file
         out = {"mode": a.mode, "error": f"{type(e).__name__}: {e}", "crashed": True}
     with open(a.json, "w") as f:

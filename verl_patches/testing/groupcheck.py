@@ -9,10 +9,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from verl_patches.testing.upstream_env import prepare_cpu_upstream
+
 
 def megatron_groups(rank: int, world: int, cases: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
     """initialize_model_parallel as the recipe configures it (moe_tp_extend_ep: expert group of
     t*e ranks without expert TP) and the groups and ranks it reports for this rank."""
+    # Lazy: megatron-core and vLLM load inside the rank that builds their groups.
     from megatron.core import parallel_state as ps
 
     out = []
@@ -36,9 +39,9 @@ def vllm_groups(rank: int, world: int, cases: list[tuple[int, int, int]]) -> lis
     """vLLM 0.9.1's own groups for K instances of DP x TP with expert parallel, plus the EP rank
     and expert range its FusedMoE computes (FusedMoEParallelConfig.make, determine_expert_map)."""
     os.environ.setdefault("VLLM_PLUGINS", "verl_patches")
-    from verl_patches.testing.upstream_env import prepare_cpu_upstream
 
     prepare_cpu_upstream()
+    # Lazy: megatron-core and vLLM load inside the rank that builds their groups.
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as vps
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEParallelConfig, determine_expert_map

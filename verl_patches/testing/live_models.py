@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from verl_patches.reshard import deepseek_v3_names as names
+from verl_patches.testing.upstream_env import prepare_cpu_upstream
+import torch.distributed as dist
 
 
 def write_model_dir(d: Path, config: dict[str, Any]) -> Path:
@@ -33,9 +35,8 @@ def write_model_dir(d: Path, config: dict[str, Any]) -> Path:
 
 
 def vllm_cpu_stand_ins() -> None:
-    from verl_patches.testing.upstream_env import prepare_cpu_upstream
-
     prepare_cpu_upstream()
+    # Lazy: vLLM and megatron-core load inside the rank that builds the model, after the patches are applied.
     import vllm.model_executor.models.registry as registry
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
@@ -57,7 +58,7 @@ def vllm_cpu_stand_ins() -> None:
 def build_vllm_deepseek(model_dir: Path, dtype: torch.dtype, tp: int = 1) -> tuple[Any, Any]:
     """vLLM 0.9.1's DeepseekV3ForCausalLM with expert parallel over the TP group, on the default
     process group (gloo); returns (model, vllm_config)."""
-    import torch.distributed as dist
+    # Lazy: vLLM and megatron-core load inside the rank that builds the model, after the patches are applied.
     from vllm.config import (DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig,
                              set_current_vllm_config)
     from vllm.distributed import parallel_state as ps
@@ -69,6 +70,7 @@ def build_vllm_deepseek(model_dir: Path, dtype: torch.dtype, tp: int = 1) -> tup
     cfg = VllmConfig(model_config=mc, device_config=DeviceConfig("cpu"),
                      parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=True),
                      load_config=LoadConfig(load_format="dummy"))
+    # Lazy: vLLM and megatron-core load inside the rank that builds the model, after the patches are applied.
     from vllm.model_executor.models.deepseek_v2 import DeepseekV3ForCausalLM
 
     with set_current_vllm_config(cfg):
@@ -86,6 +88,7 @@ def build_vllm_deepseek(model_dir: Path, dtype: torch.dtype, tp: int = 1) -> tup
 
 def vllm_post_load(model: Any, cfg: Any) -> None:
     """What vLLM's loader runs once after loading weights."""
+    # Lazy: vLLM and megatron-core load inside the rank that builds the model, after the patches are applied.
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
@@ -94,6 +97,7 @@ def vllm_post_load(model: Any, cfg: Any) -> None:
 def megatron_cpu_stand_ins() -> None:
     torch.cuda.current_device = lambda: "cpu"  # stand-in
     torch.cuda.synchronize = lambda *a, **k: None  # stand-in
+    # Lazy: vLLM and megatron-core load inside the rank that builds the model, after the patches are applied.
     from megatron.core.transformer.moe import grouped_gemm_util
 
     grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None  # stand-in: no GEMM runs here
@@ -108,6 +112,7 @@ def build_megatron_deepseek(cfg: dict[str, Any], dtype: torch.dtype, grouped: bo
     stages only (what megatron-core 0.12.1 supports natively). ``core_attention``: the attention
     kernel module (default a parameter-free stand-in without a forward, for weight work only);
     ``config_overrides``: more MLATransformerConfig fields (dropout off for a training comparison)."""
+    # Lazy: vLLM and megatron-core load inside the rank that builds the model, after the patches are applied.
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -204,6 +209,7 @@ def megatron_to_hf(model: torch.nn.Module, cfg: dict[str, Any]) -> dict[str, tor
 
 def mla_derived(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What vLLM's MLA implementations derive from kv_b_proj after loading (W_UK_T, W_UV)."""
+    # Lazy: vLLM and megatron-core load inside the rank that builds the model, after the patches are applied.
     from vllm.attention import Attention
 
     out = {}

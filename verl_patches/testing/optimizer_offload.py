@@ -21,6 +21,7 @@ shows how much the run repeats). A real fault shows at the first step already (a
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -30,6 +31,16 @@ from typing import Any
 import torch
 
 from verl_patches.base import accelerator
+from verl_patches.config.optim_offload import apply_offload, offload_settings
+from verl_patches.core.apply import apply_all
+from verl_patches.launch.local_ranks import free_port
+from verl_patches.offload import HostBufferPool, OffloadEngine
+from verl_patches.offload.live import LiveSwitch
+from verl_patches.offload.megatron_memory import inner_optimizers, ActorMemory, host_optimizer_bytes, hybrid_optimizers
+from verl_patches.patches import get_patch
+from verl_patches.testing.live_models import build_megatron_deepseek
+from verl_patches.testing.upstream_env import prepare_cpu_upstream
+import torch.distributed as dist
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "model" / "tiny_deepseek_v3.json"
 
@@ -50,11 +61,8 @@ class TorchCoreAttention(torch.nn.Module):
 
 
 def ensure_process_group(device: str) -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         return
-    from verl_patches.launch.local_ranks import free_port
 
     port = free_port()
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
@@ -64,10 +72,6 @@ def ensure_process_group(device: str) -> None:
 def _cpu_stand_ins() -> None:
     """What megatron-core needs to build and step on the host (CPU platform only): its optimizers through
     the overlay's patch cpu.megatron.optimizer_on_host, and torch.cuda.current_device answering the host."""
-    from verl_patches.core.apply import apply_all
-    from verl_patches.patches import get_patch
-    from verl_patches.testing.upstream_env import prepare_cpu_upstream
-
     prepare_cpu_upstream()
     torch.cuda.current_device = lambda: "cpu"  # stand-in: megatron-core's DDP asks it for the buffer device
     apply_all([get_patch("cpu.megatron.optimizer_on_host")])
@@ -92,13 +96,11 @@ def build(cfg: dict, *, seed: int, lr: float, fraction: float | None, overlap: b
     """A bf16 DDP chunk (as verl's get_model wraps it) and its megatron-core optimizer; ``fraction``:
     None = the optimizer on the device (what verl builds), else optimizer_cpu_offload with that
     offload fraction, through the recipe patch's own config function."""
+    # Lazy: megatron-core loads inside the rank, after the patches are applied.
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
-
-    from verl_patches.config.optim_offload import apply_offload, offload_settings
-    from verl_patches.testing.live_models import build_megatron_deepseek
 
     torch.manual_seed(seed)  # megatron-core's CPU initialisation draws from it: every variant starts equal
     model = build_megatron_deepseek(cfg, torch.bfloat16, grouped=False, core_attention=TorchCoreAttention,
@@ -121,8 +123,6 @@ def build(cfg: dict, *, seed: int, lr: float, fraction: float | None, overlap: b
 def masters(opt) -> list[torch.Tensor]:
     """The fp32 master shards in the optimizer's order, on the host: the inner AdamW's params on the
     device; a HybridDeviceOptimizer's fp32 copies (host or device) of its bf16 shards."""
-    from verl_patches.offload.megatron_memory import inner_optimizers
-
     out = []
     for o in inner_optimizers(opt):
         fp32 = getattr(o, "param_to_fp32_param", None)
@@ -139,15 +139,8 @@ def run_variant(cfg: dict, *, steps: int, fraction: float | None, lr: float, ove
     """``steps`` updates of one variant through a fresh switch loop; its masters (after every step with
     ``snapshots``, else the last), params, times and memory (device figures relative to what was allocated
     before the variant was built)."""
-    import gc
-
+    # Lazy: megatron-core loads inside the rank, after the patches are applied.
     import megatron.core.optimizer.distrib_optimizer as dopt
-
-    from verl_patches.offload import HostBufferPool, OffloadEngine
-    from verl_patches.offload.live import LiveSwitch
-    from verl_patches.offload.megatron_memory import (ActorMemory, host_optimizer_bytes, hybrid_optimizers,
-                                                      inner_optimizers)
-    from verl_patches.patches import get_patch
 
     # megatron-core 0.12.1's DistributedOptimizer calls Transformer Engine's FP8 cast on every step and
     # raises without TE (neither the GPU image nor the host has it); with no FP8 params there is nothing to
@@ -279,11 +272,13 @@ def setup(device: str) -> None:
     if device == "cpu":
         _cpu_stand_ins()
     ensure_process_group(device)
+    # Lazy: megatron-core loads inside the rank, after the patches are applied.
     from megatron.core import parallel_state as mpu
 
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(1, 1)
     if device == "cuda":
+        # Lazy: megatron-core loads inside the rank, after the patches are applied.
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(1234)

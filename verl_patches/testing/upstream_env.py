@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from verl_patches.cpu.vllm_platform import torch251_custom_op_compat
+
 
 def prepare_cpu_upstream() -> None:
     """Idempotent. Call before importing vLLM model code in a CPU process.
@@ -17,6 +19,5 @@ def prepare_cpu_upstream() -> None:
        vLLM's platform-plugin entry point applies it).
     """
     os.environ.setdefault("VLLM_PLUGINS", "verl_patches")
-    from verl_patches.cpu.vllm_platform import torch251_custom_op_compat
 
     torch251_custom_op_compat()

@@ -24,14 +24,24 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
 import random
+import shutil
 import string
 import sys
 from pathlib import Path
 
 from verl_patches.core.lock import REPO_ROOT
+from verl_patches.base import atomic
+from verl_patches.base.schema import PathArg
+from verl_patches.data.prepare import SAMPLES, load_examples, to_record
+from verl_patches.npu_rehearsal.platform import selected as rehearsal_selected
+from verl_patches.tools import hf_to_mcore
+from verl_patches.tools.manifest import file_record
+import torch
 
 MODEL_CONFIG = REPO_ROOT / "configs" / "model" / "tiny_deepseek_v3.json"
 TOY_SOURCE = "tiny_digits"
@@ -60,6 +70,7 @@ def vocabulary(size: int) -> list[str]:
 
 
 def write_model(out: Path) -> Path:
+    # Lazy: tokenizers, transformers and OmegaConf only when the tiny assets are written.
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,7 +93,7 @@ def write_model(out: Path) -> Path:
 
 def write_weights(model_dir: Path, seed: int = WEIGHT_SEED) -> Path:
     """Seeded random BF16 weights in HF's DeepseekV3 layout (what a released checkpoint holds)."""
-    import torch
+    # Lazy: tokenizers, transformers and OmegaConf only when the tiny assets are written.
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -98,6 +109,7 @@ def write_weights(model_dir: Path, seed: int = WEIGHT_SEED) -> Path:
 def training_layout() -> dict:
     """The tiny run's training layout, from its YAML (the converter chunks the checkpoint by it;
     megatron's loader reshards to any layout)."""
+    # Lazy: tokenizers, transformers and OmegaConf only when the tiny assets are written.
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(TINY_CONFIG)
@@ -113,20 +125,14 @@ SPECS = ("te", "mindspeed_llm")  # the layer specs the tiny run's models are bui
 def default_spec() -> str:
     """The layer spec of this platform's training model: MindSpeed-LLM's DeepSeek spec on the NPU rehearsal
     platform (verl_patches/npu_rehearsal/platform.py), the Transformer-Engine names elsewhere."""
-    from verl_patches.npu_rehearsal.platform import selected
-
-    return "mindspeed_llm" if selected() else "te"
+    return "mindspeed_llm" if rehearsal_selected() else "te"
 
 
 def write_checkpoint(model_dir: Path, out: Path, spec: str = "te") -> Path:
-    from verl_patches.tools import hf_to_mcore
-
     lay = training_layout()
     argv = ["--hf", str(model_dir), "--out", str(out), "--tp", str(lay["tp"]), "--pp", str(lay["pp"]),
             "--ep", str(lay["ep"]), "--num-layer-list", ",".join(map(str, lay["layers"])), "--spec", spec,
             "--no-progress"]
-    import contextlib
-    import io
 
     log = io.StringIO()
     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -161,8 +167,6 @@ def write_parquet(records: list[dict], path: Path) -> None:
 
 
 def write_data(out: Path) -> tuple[Path, Path]:
-    from verl_patches.data.prepare import SAMPLES, load_examples, to_record
-
     out.mkdir(parents=True, exist_ok=True)
     train, val = out / "train.parquet", out / "val.parquet"
     write_parquet(toy_records(), train)
@@ -172,8 +176,6 @@ def write_data(out: Path) -> tuple[Path, Path]:
 
 
 def _index(out_dir: Path, parts: tuple[str, ...]) -> dict[str, dict]:
-    from verl_patches.tools.manifest import file_record
-
     return {str(f.relative_to(out_dir)): file_record(f) for p in parts for f in sorted((out_dir / p).rglob("*"))
             if f.is_file()}
 
@@ -202,8 +204,6 @@ def build(out_dir: Path, spec: str | None = None) -> dict[str, Path]:
     build is reused by later runs and tests, and an interrupted one never passes for finished. Two builds
     into one directory at once are serialised: the second waits for the first's lock, then reuses its build.
     ``spec``: the checkpoint's layer spec (default: default_spec()); a finished build for another is refused."""
-    from verl_patches.base import atomic
-
     spec = default_spec() if spec is None else spec
     if spec not in SPECS:
         raise AssetsError(f"layer spec {spec!r}: expected one of {', '.join(SPECS)}")
@@ -222,8 +222,6 @@ def _built_spec(done: Path) -> str | None:
 
 
 def _build(out_dir: Path, spec: str = "te") -> dict[str, Path]:
-    import shutil
-
     done = out_dir / ".complete"
     parts = ("model", "dist_ckpt", "data")
     if not done.is_file():
@@ -240,7 +238,6 @@ def _build(out_dir: Path, spec: str = "te") -> dict[str, Path]:
         for p in parts:
             (partial / p).rename(out_dir / p)
         shutil.rmtree(partial)  # and the converter's lock file beside dist_ckpt
-        from verl_patches.base import atomic
 
         # The index, written last: what the build wrote, by content; a later run reuses the build only
         # when every file still has it.
@@ -263,7 +260,6 @@ def _build(out_dir: Path, spec: str = "te") -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.assets", description=__doc__.split("\n")[0])
     p.add_argument("out_dir", type=PathArg("output directory"))
     p.add_argument("--spec", choices=SPECS, default=None,

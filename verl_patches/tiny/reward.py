@@ -26,6 +26,7 @@ def correct_answer(data_source: str, ground_truth: Any) -> str | None:
 def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> float:
     if data_source == TOY_SOURCE:
         return digit_share(solution_str)
+    # Lazy: verl's scorer when a score is asked; verl imports this module by path while it loads.
     from verl.utils.reward_score import default_compute_score
 
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)

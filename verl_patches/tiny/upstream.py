@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from verl_patches.core import hook
+from verl_patches.base.schema import PathArg
 
 STAMP = ".verl_patches_copy"
 
@@ -62,7 +63,6 @@ def prepare(root: Path, source: Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tiny.upstream", description=__doc__.split("\n")[0])
     p.add_argument("root", type=PathArg("directory"))
     args = p.parse_args(argv)

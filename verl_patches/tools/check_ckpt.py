@@ -13,6 +13,7 @@ from pathlib import Path
 
 from verl_patches.tools import manifest
 from verl_patches.reporting.findings import finish
+from verl_patches.base.schema import PathArg
 
 # What megatron-core's dist_checkpointing.load reads besides the data files.
 REQUIRED = (".metadata", "metadata.json", "common.pt")
@@ -61,7 +62,6 @@ def problems(ckpt: Path) -> tuple[list[str], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.check_ckpt", description=__doc__)
     p.add_argument("ckpt", type=PathArg("checkpoint directory"), help="checkpoint directory (DIST_CKPT_PATH)")
     args = p.parse_args(argv)

@@ -20,6 +20,8 @@ import torch
 
 from verl_patches.base import atomic
 from verl_patches.tools import manifest
+from verl_patches.base.schema import PathArg
+from verl_patches.tools.mcore_layout import SafetensorsReader
 
 SCALE_SUFFIX = "_scale_inv"
 INDEX_NAME = "model.safetensors.index.json"
@@ -64,6 +66,7 @@ def _load_index(src: Path) -> dict[str, str]:
         files = sorted(src.glob("*.safetensors"))
         if len(files) != 1:
             raise ConversionError(f"{src}: no {INDEX_NAME} and {len(files)} safetensors files (need the index or exactly one)")
+        # Lazy: safetensors and tqdm when a checkpoint is converted (--help and argument errors run without them).
         from safetensors import SafetensorError, safe_open
 
         try:
@@ -80,6 +83,7 @@ def _load_index(src: Path) -> dict[str, str]:
 def convert(src: Path, dst: Path, drop_mtp: bool = False, progress: bool = True, overwrite: bool = False) -> dict:
     """Write the BF16 checkpoint to ``dst``; finished shards of a previous run on the same input are
     kept (resumable), a directory holding anything else is refused unless ``overwrite``."""
+    # Lazy: safetensors and tqdm when a checkpoint is converted (--help and argument errors run without them).
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -182,8 +186,6 @@ _COPY_OK = {"BF16", "F8_E4M3"}
 def not_bf16_weights(src: Path, weight_map: dict[str, str], keep) -> list[str]:
     """Weights (2-D or more, kept, not FP8) that are not bfloat16, read from the shards' headers:
     the output's config says bfloat16 and must not be wrong about them."""
-    from verl_patches.tools.mcore_layout import SafetensorsReader
-
     by_shard: dict[str, list[str]] = {}
     for k, v in weight_map.items():
         if not k.endswith(SCALE_SUFFIX) and keep(k):
@@ -212,6 +214,7 @@ def _bf16_owned(entry: Path) -> bool:
 
 
 def _scale_for(src: Path, weight_map: dict[str, str], name: str) -> torch.Tensor:
+    # Lazy: safetensors and tqdm when a checkpoint is converted (--help and argument errors run without them).
     from safetensors import safe_open
 
     key = name + SCALE_SUFFIX
@@ -223,7 +226,6 @@ def _scale_for(src: Path, weight_map: dict[str, str], name: str) -> torch.Tensor
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.fp8_to_bf16", description=__doc__)
     p.add_argument("--input", type=PathArg("input directory"), required=True, help="HF checkpoint with FP8 weights")
     p.add_argument("--output", type=PathArg("output directory"), required=True)

@@ -31,6 +31,7 @@ from verl_patches.reshard.deepseek_v3_names import SPECS
 from verl_patches.tools import manifest
 from verl_patches.tools.mcore_layout import (DistCheckpointReader, LayoutError, SafetensorsReader, CheckpointLayout, UnitWriter,
                                              chunk_ranges, edge_plan, extra_state_keys, layer_plan, write_metadata)
+from verl_patches.base.schema import IntList, Integer, PathArg
 
 STATE_DIR = ".convert_state"
 
@@ -241,6 +242,7 @@ def convert(hf: Path, out: Path, layout: CheckpointLayout, spec: str = "te", ext
             progress: bool = True, verify: bool = True, overwrite: bool = False) -> dict:
     """Convert ``hf`` into ``out``; resumes a partial output of the same input and options, refuses
     (unless ``overwrite``) a directory holding anything else."""
+    # Lazy: tqdm (optional) for the progress bar only.
     from tqdm import tqdm
 
     hf, out = Path(hf), Path(out)
@@ -335,6 +337,7 @@ def convert(hf: Path, out: Path, layout: CheckpointLayout, spec: str = "te", ext
 
 def verify_checkpoint(hf: Path, out: Path, spec: str, progress: bool = True) -> int:
     """Re-read every tensor from the written checkpoint and compare it bit for bit with the HF source, layer by layer."""
+    # Lazy: tqdm (optional) for the progress bar only.
     from tqdm import tqdm
 
     cfg, weight_map = load_hf_index(hf)
@@ -355,7 +358,6 @@ def verify_checkpoint(hf: Path, out: Path, spec: str, progress: bool = True) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from verl_patches.base.schema import IntList, Integer, PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.hf_to_mcore", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf", type=PathArg("input directory"), required=True, help="BF16 HF checkpoint directory")

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 from verl_patches.reshard import deepseek_v3_names as names
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+    TensorProperties, TensorStorageMetadata)
 
 # Megatron's dist-checkpoint directory markers (what dist_checkpointing.save writes).
 MCORE_METADATA_JSON = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -211,10 +214,6 @@ def chunk_ranges(name: str, shape: tuple[int, ...], layout: CheckpointLayout, cf
 # ---------- torch_dist (PyTorch DCP) file format ----------
 
 def dcp_classes():
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorProperties, TensorStorageMetadata)
-
     return dict(StorageInfo=_StorageInfo, Bytes=BytesStorageMetadata, Chunk=ChunkStorageMetadata, Metadata=Metadata,
                 Index=MetadataIndex, Props=TensorProperties, TensorMeta=TensorStorageMetadata)
 

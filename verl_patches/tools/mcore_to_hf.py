@@ -23,6 +23,7 @@ from verl_patches.tools import manifest
 from verl_patches.tools.hf_to_mcore import (ConversionError, check_model_config, read_json, shape_mismatches, unit_plan,
                                             units)
 from verl_patches.tools.mcore_layout import DistCheckpointReader, row_sizes
+from verl_patches.base.schema import PathArg
 
 
 def split(how: str, t: torch.Tensor, sources: tuple[str, ...], cfg: dict | None = None) -> dict[str, torch.Tensor]:
@@ -123,6 +124,7 @@ def _hf_owned(entry: Path) -> bool:
 def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrite: bool = False) -> dict:
     """Write HF shards for ``ckpt`` into ``out``; resumes only its own partial output of the same
     checkpoint and config, refuses (unless ``overwrite``) a directory holding anything else."""
+    # Lazy: safetensors and tqdm when a checkpoint is written.
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -183,7 +185,6 @@ def convert(ckpt: Path, config: Path, out: Path, progress: bool = True, overwrit
 
 
 def main(argv: list[str] | None = None) -> int:
-    from verl_patches.base.schema import PathArg
     p = argparse.ArgumentParser(prog="python -m verl_patches.tools.mcore_to_hf", description=__doc__)
     p.add_argument("--ckpt", type=PathArg("checkpoint directory"), required=True, help="torch_dist checkpoint directory")
     p.add_argument("--config", type=PathArg("model config.json"), required=True, help="the HF config.json of the model")

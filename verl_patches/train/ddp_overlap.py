@@ -5,19 +5,19 @@ Two recipe keys (``recipe.overlap_grad_reduce``, ``recipe.overlap_param_gather``
 verl_patches/config/settings.py) become megatron-core 0.12.1's DistributedDataParallelConfig fields of the
 same names, plus what megatron's own training loop sets with them and verl 0.4.1 never does:
 
-- ``overlap_grad_reduce``: DDP's backward hooks launch each bucket's reduce-scatter (distributed
-  optimizer) or all-reduce asynchronously as soon as every gradient of the bucket is ready;
+- ``overlap_grad_reduce``: DDP's backward hooks launch each DDP bucket's reduce-scatter (distributed
+  optimizer) or all-reduce asynchronously as soon as every gradient of the DDP bucket is ready;
   ``finalize_model_grads`` (which verl's actor installs) only waits for them. The schedules must
   then run all micro-batches but the last under ``config.no_sync_func`` (DDP.no_sync), else the
-  second micro-batch's hooks find their bucket already launched; megatron's training loop also
+  second micro-batch's hooks find their DDP bucket already launched; megatron's training loop also
   sets ``config.grad_sync_func`` (DDP.start_grad_sync), with which the pipelined schedule
   launches the later stages' reductions right after their last backward.
 - ``overlap_param_gather`` (needs the distributed optimizer: without it every rank holds whole
   parameters and nothing is gathered): the optimizer step no longer all-gathers the updated
-  shards; forward pre-hooks on every module wait for their bucket's gather and dispatch the next
+  shards; forward pre-hooks on every module wait for their DDP bucket's gather and dispatch the next
   one. ``align_param_gather`` (all stages dispatch together through ``config.param_sync_func``) is
   set exactly when there are virtual pipeline chunks: only the interleaved schedule calls
-  param_sync_func, and with it set but never called each bucket would be gathered synchronously
+  param_sync_func, and with it set but never called each DDP bucket would be gathered synchronously
   at its first use.
 
 Until the next forward every rank's parameters outside its own shard are those of before the
@@ -26,7 +26,7 @@ right after the update, the switch offloads them, a checkpoint saves them. ``com
 therefore finishes every gather still due at the end of an update (patch
 verl.ddp_overlap.update_policy); the overlap with compute remains between the optimizer steps of
 one update (several mini-batches or epochs). ``pending_communication`` names an in-flight
-collective or a stale parameter bucket, which the offload of the params or grads refuses.
+collective or a stale DDP bucket, which the offload of the params or grads refuses.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def wire_sync_funcs(config: Any, chunks: list[Any]) -> list[str]:
 
 
 def bucket_groups(chunk: Any) -> list[Any]:
-    """A DDP chunk's bucket groups, dense and expert-parallel."""
+    """A DDP chunk's (megatron-core's DDP) bucket groups, dense and expert-parallel."""
     return list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", []))
 
 
@@ -178,7 +178,7 @@ def mark_gathered(chunks: Iterable[Any]) -> None:
 
 def complete_param_gather(chunks: Iterable[Any]) -> int:
     """Finish every parameter all-gather still due (dispatched and in flight, or not dispatched since
-    the last step), synchronously; returns how many bucket groups it finished. Every data-parallel
+    the last step), synchronously; returns how many DDP bucket groups it finished. Every data-parallel
     rank runs the same schedule, so each issues the same gathers."""
     n = 0
     for chunk in chunks:
@@ -201,7 +201,7 @@ def pending_communication(chunks: Iterable[Any]) -> list[str]:
     out = []
     for i, chunk in enumerate(chunks):
         for j, group in enumerate(bucket_groups(chunk)):
-            where = f"chunk {i} bucket group {j}"
+            where = f"chunk {i} DDP bucket group {j}"
             if getattr(group, "grad_reduce_handle", None) is not None:
                 out.append(f"{where}: a gradient reduce is in flight (finish_grad_sync not reached)")
             if getattr(group, "param_gather_handle", None) is not None:

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from verl_patches.config import settings, env
+
 ENV = "VERL_PATCHES_FIXED_ROUTING"
 FLAG = "actor_rollout_ref.rollout.recipe.fixed_routing"
 
@@ -29,8 +31,6 @@ def configure(on: bool) -> None:
 
 def configure_from_worker_config(worker_config) -> bool:
     """Set the switch from a worker's config (actor_rollout_ref: the key sits at rollout.recipe.fixed_routing)."""
-    from verl_patches.config import settings
-
     try:
         configure(settings.from_worker(worker_config).fixed_routing)
     except settings.SettingsError as e:
@@ -39,8 +39,6 @@ def configure_from_worker_config(worker_config) -> bool:
 
 
 def enabled() -> bool:
-    from verl_patches.config import env
-
     return bool(env.get(ENV))
 
 

@@ -10,6 +10,8 @@ import importlib
 import importlib.util
 import sys
 
+from verl_patches.config.megatron_args import RecipeMegatronError
+
 # megatron-core 0.12.1's modules that decorate functions with jit_fuser when imported, on the DeepSeek path
 # (megatron/core/transformer/utils.py and torch_norm.py do too, but verl's worker module imports them before any
 # overlay code runs; their functions -- gelu, L2Norm -- are not on it).
@@ -43,16 +45,12 @@ def import_mindspeed_llm_at_rank_start() -> bool:
         return False
     device = importlib.import_module("verl.utils.device")
     if device.is_cuda_available or not device.is_npu_available:
-        from verl_patches.config.megatron_args import RecipeMegatronError
-
         raise RecipeMegatronError(
             f"verl decided its device as {device.get_device_name()!r} before MindSpeed-LLM's adaptor, on an Ascend "
             "rank: torch.cuda.is_available() was already true when verl was imported (torch_npu.contrib."
             "transfer_to_npu imported before verl?); import verl before MindSpeed/transfer_to_npu in the worker")
     compiled = sorted(m for m in JIT_FUSER_USERS if m in sys.modules)
     if compiled:
-        from verl_patches.config.megatron_args import RecipeMegatronError
-
         raise RecipeMegatronError(
             f"{compiled} were imported before MindSpeed-LLM's adaptor on an Ascend rank: their functions are "
             "decorated with megatron's jit_fuser = the real torch.compile (dynamo on the NPU). Apply the overlay's "
@@ -74,6 +72,8 @@ def reapply_mindspeed_llm_features() -> None:
     patches and the patches again) with MindSpeed-LLM's arguments, which is what MindSpeed-LLM's adaptor applied
     at import (mindspeed_llm/tasks/megatron_adaptor_v2.py: FeatureAdaptor.execute). ``mindspeed.megatron_adaptor``
     itself is not imported: its import applies MindSpeed's own features from MindSpeed's parser a second time."""
+    # Lazy: MindSpeed and MindSpeed-LLM exist on Ascend only, and their adaptor must load at the rank's start, not at
+    # import.
     from mindspeed.features_manager.features_manager import MindSpeedFeaturesManager
     from mindspeed_llm.tasks.megatron_adaptor_v2 import FeatureAdaptor
 

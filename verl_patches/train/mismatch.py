@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 
+import torch.distributed as dist
+
 PROBS_DIFF = "training/rollout_probs_diff_"
 LOGPROB_DIFF = "training/rollout_logprob_abs_diff_"
 KL_K3 = "training/rollout_kl_k3"
@@ -200,8 +202,6 @@ class UpdateProbe:
     def reduce(self, group: Any = None, device: Any = None) -> dict[str, float]:
         """Global metrics: one all_gather of this rank's statistics over ``group`` (the data-parallel
         group; None without torch.distributed: this rank alone). Every rank gets the same figures."""
-        import torch.distributed as dist
-
         stats = self.local_stats(device)
         local = torch.cat([stats, self.local_split(stats.device)])
         if dist.is_available() and dist.is_initialized():

@@ -18,13 +18,13 @@ import torch
 
 from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.rollout.long_tail import rebalance as rb
-from verl_patches.rollout.long_tail.migrate import MigrateError, eager_buckets
+from verl_patches.rollout.long_tail.migrate import MigrateError, eager_graph_sizes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the body by name
 from migrate_ranks import rebalance_rank, thread_check_rank, tiny_model, workload  # noqa: E402
 
 WORLD = 4
-BUCKETS = (1, 2, 4, 8, 16)
+GRAPH_SIZES = (1, 2, 4, 8, 16)
 
 
 # ---------- single process: what exactness rests on ----------
@@ -114,12 +114,12 @@ def test_seeds_follow_vllm_per_request_seed_or_the_ranks_stream_in_order():
     assert torch.randint(0, 2**62, (1,)).item() != 0  # the stream moved on by the draws
 
 
-def test_bad_buckets_and_capacities_are_named():
+def test_bad_graph_sizes_and_capacities_are_named():
     from verl_patches.rollout.long_tail.migrate import Lockstep
 
-    assert eager_buckets(4) == (1, 2, 3, 4)
+    assert eager_graph_sizes(4) == (1, 2, 3, 4)
     with pytest.raises(MigrateError, match="max_num_seqs must be a positive integer"):
-        eager_buckets(0)
+        eager_graph_sizes(0)
     with pytest.raises(MigrateError, match="exceeds the largest graph batch size"):
         Lockstep(None, rb.RebalancePolicy(enabled=True), (1, 2, 4), 8)
 
@@ -144,7 +144,7 @@ def _replayed_moves(lengths: list[list[int]], max_tokens: list[list[int]]) -> in
         if not any(layout.values()):
             break
         weights = {q: info[q][0] + step for ids in layout.values() for q in ids}
-        d = rb.decide(layout, BUCKETS, policy, 16, weights)
+        d = rb.decide(layout, GRAPH_SIZES, policy, 16, weights)
         moves += len(d.moves)
         layout = rb.apply_moves(layout, d.moves)
     return moves

@@ -32,33 +32,33 @@ def run_cli(capsys, *argv):
 
 def test_the_reference_long_tail_is_reproduced_in_direction_and_size():
     """The reference (DeepSeek-V3, TP2 DP128, 512 prompts x 16, responses up to 32K, on 128 A3 cards)
-    reports one rollout of about 6,200 s by default and about 2,300 s with multi-bucket graphs and
+    reports one rollout of about 6,200 s by default and about 2,300 s with graphs of several sizes and
     request rebalance (2.7x), TPOT climbing 125 -> 200 ms in the default's tail and staying near 60 ms
-    with both. Assumed inputs (docs/ROLLOUT.md): the preset TPOT table (bucket 64 climbs 125 -> 200 ms
-    with the context, the small buckets 51-69 ms), lognormal lengths with median 3,000 and sigma 0.9
+    with both. Assumed inputs (docs/ROLLOUT.md): the preset TPOT table (graph size 64 climbs 125 -> 200 ms
+    with the context, the small graph sizes 51-69 ms), lognormal lengths with median 3,000 and sigma 0.9
     capped at 32,768 (0.4% reach the cap), prompts of 512 tokens."""
     table = P.reference_a3_table()
     lengths = P.parse_lengths_spec("lognormal:median=3000,sigma=0.9").sample(np.random.default_rng(0), 8192, 32768)
     base = P.Scenario(128, 64, (64,), rb.RebalancePolicy(), 512, table)
     default = P.simulate(base, lengths)
-    buckets_only = P.simulate(P.replace(base, buckets=LADDER), lengths)
-    both = P.simulate(P.replace(base, buckets=LADDER, policy=rb.RebalancePolicy(True)), lengths)
+    graph_sizes_only = P.simulate(P.replace(base, graph_sizes=LADDER), lengths)
+    both = P.simulate(P.replace(base, graph_sizes=LADDER, policy=rb.RebalancePolicy(True)), lengths)
     # Every response runs to its end: the longest decides the steps in all three.
     assert default.steps == both.steps == int(lengths.max()) == 32768
-    # The default: one bucket all along, TPOT 125 -> 200 ms, most of the time in the tail.
-    assert default.bucket_s.keys() == {64}
+    # The default: one graph size all along, TPOT 125 -> 200 ms, most of the time in the tail.
+    assert default.graph_size_s.keys() == {64}
     assert default.segments[0][4] == pytest.approx(125 * 1.016, rel=0.01)  # context = the 512-token prompt
     assert default.segments[-1][4] == pytest.approx(200, rel=0.01)
     assert 4500 < default.total_s < 7000  # the reference: about 6,200 s
     assert default.tail_share > 0.6
-    # Buckets and rebalance: the tail's TPOT stays near 60 ms, the rollout about 2.3 to 2.7x shorter.
+    # Graph sizes and rebalance: the tail's TPOT stays near 60 ms, the rollout about 2.3 to 2.7x shorter.
     tail = [ms for t0, _, _, _, ms in both.segments if t0 >= both.total_s - both.tail_s]
     assert max(tail) < 75 and min(tail) > 50
     assert 1800 < both.total_s < 2800  # the reference: about 2,300 s
     ratio = default.total_s / both.total_s
     assert 2.0 < ratio < 3.2  # the reference: 6,200 / 2,300 = 2.7
-    # Each part helps: more buckets alone, and rebalance on top of them.
-    assert both.total_s < buckets_only.total_s < default.total_s
+    # Each part helps: more graph sizes alone, and rebalance on top of them.
+    assert both.total_s < graph_sizes_only.total_s < default.total_s
     assert both.moves > 0 and both.migrate_s < 0.01 * both.total_s
 
 
@@ -124,14 +124,14 @@ def test_a_recorded_sample_is_resampled(tmp_path, capsys):
 
 @st.composite
 def small_runs(draw):
-    buckets = tuple(sorted(draw(st.sets(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=4))))
+    graph_sizes = tuple(sorted(draw(st.sets(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=1, max_size=4))))
     dp = draw(st.integers(1, 4))
-    mns = draw(st.integers(1, buckets[-1]))
+    mns = draw(st.integers(1, graph_sizes[-1]))
     lengths = np.array(draw(st.lists(st.integers(1, 40), min_size=1, max_size=3 * dp * mns)))
     slope = draw(st.sampled_from([0.0, 0.5]))
     table = P.TpotTable({b: ((0, 10.0 + b), (40, 10.0 + b + slope * b * 40)) for b in (1, 2, 3, 4, 6, 8)},
                         prefill_ms_per_token=draw(st.sampled_from([0.0, 0.1])), source="test")
-    return P.Scenario(dp, mns, buckets, rb.RebalancePolicy(), draw(st.integers(0, 5)), table), lengths
+    return P.Scenario(dp, mns, graph_sizes, rb.RebalancePolicy(), draw(st.integers(0, 5)), table), lengths
 
 
 @hsettings(max_examples=150, derandomize=True, database=None, deadline=None)
@@ -140,15 +140,15 @@ def test_model_invariants(run):
     sc, lengths = run
     off = P.simulate(sc, lengths)
     on = P.simulate(P.replace(sc, policy=rb.RebalancePolicy(True)), lengths)
-    one = P.simulate(P.replace(sc, buckets=(sc.buckets[-1],)), lengths)
+    one = P.simulate(P.replace(sc, graph_sizes=(sc.graph_sizes[-1],)), lengths)
     for r in (off, on, one):
         assert r.total_s == pytest.approx(r.decode_s + r.prefill_s + r.migrate_s)
-        assert sum(r.bucket_s.values()) == pytest.approx(r.decode_s)
+        assert sum(r.graph_size_s.values()) == pytest.approx(r.decode_s)
         assert 0 <= r.tail_s <= r.total_s
     if len(lengths) <= sc.dp * sc.max_num_seqs:  # one wave: the longest response sets the steps
         assert off.steps == on.steps == int(lengths.max())
-    # Finer buckets never slow the decode; rebalancing to the smallest reachable bucket at every end
-    # of a response never does either (the same steps, each in a bucket no larger).
+    # Finer graph sizes never slow the decode; rebalancing to the smallest reachable graph size at every end
+    # of a response never does either (the same steps, each in a graph size no larger).
     assert off.decode_s <= one.decode_s + 1e-9
     if len(lengths) <= sc.dp * sc.max_num_seqs:
         assert on.decode_s <= off.decode_s + 1e-9
@@ -164,7 +164,7 @@ def test_the_cli_prints_a_plan_and_draws_the_figure(tmp_path, capsys):
                            "--tpot", "1=51,2=52,4=55,8=60,16=70", "--png", str(png))
     assert rc == 0, err
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for text in ("given:", "tail (after 90% of the responses ended)", "time per group bucket",
+    for text in ("given:", "tail (after 90% of the responses ended)", "time per group graph size",
                  "recommendation (", "graph_batch_sizes [", "max_num_seqs 16", "figure:"):
         assert text in out
     with pytest.raises(SystemExit) as e:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 VOCAB, LAYERS, WIDTH, BLOCK, BLOCKS, MAX_SEQS, MAX_LEN, EOS = 48, 2, 8, 16, 40, 16, 64, 1  # block 16: the CPU platform's only size
-BUCKETS = (1, 2, 4, 8, 16)
+GRAPH_SIZES = (1, 2, 4, 8, 16)
 
 
 def model_dir(root: Path) -> Path:
@@ -323,7 +323,7 @@ def _runs(d, rank, group, kind, take_out, put_in) -> dict:
 
     vllm_move.take_out, vllm_move.put_in = checked_take_out, checked_put_in
     try:
-        lockstep = Lockstep(group, rb.RebalancePolicy(enabled=True), BUCKETS, MAX_SEQS)
+        lockstep = Lockstep(group, rb.RebalancePolicy(enabled=True), GRAPH_SIZES, MAX_SEQS)
         out["on"] = summary(vllm_move.run_engine(on.step, on.parts, lockstep))
     finally:
         vllm_move.take_out, vllm_move.put_in = take_out, put_in

@@ -25,6 +25,8 @@ from verl_patches.core.record import Patch
 def jit_fuser(*args: Any, **kwargs: Any) -> Any:
     """torch.compile as it is when a fusion is decorated (after MindSpeed's adaptor: its call-through), not as it
     was when megatron.core.jit was imported."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
 
     return torch.compile(*args, **kwargs)

@@ -22,6 +22,8 @@ from verl_patches.core.record import Patch
 def wrap_routing(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def routing(self, logits):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.train import fixed_routing
 
         if not fixed_routing.enabled():

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.train.layer_list import FLAG, layer_list
+from verl_patches.config.megatron_args import stage_span
 
 
 def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -23,9 +24,9 @@ def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[
         lst = layer_list(config)
         if lst is None:
             return original(config, *args, **kwargs)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from megatron.core import parallel_state
-
-        from verl_patches.config.megatron_args import stage_span
 
         return stage_span(lst, parallel_state.get_pipeline_model_parallel_rank())[0]
 

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.config.megatron_args import pending_mindspeed_args
 
 # configs/upstream.lock.toml [components.mindspeed]; tests/test_lock.py checks they agree.
 RELEASE_TAG = "v2.2.0_core_r0.12.1"
@@ -36,7 +37,6 @@ def wrap_register_features_args(original: Callable[..., Any]) -> Callable[..., A
     @functools.wraps(original)
     def register_features_args(cls, parser):
         result = original(cls, parser)
-        from verl_patches.config.megatron_args import pending_mindspeed_args
 
         pending = pending_mindspeed_args()
         if pending:

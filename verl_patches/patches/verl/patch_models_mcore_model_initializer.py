@@ -17,6 +17,8 @@ its own host spec (cpu.verl.deepseek_v3_host_layer_spec) and CUDA keeps upstream
 
 from __future__ import annotations
 
+import importlib
+
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
@@ -24,8 +26,8 @@ SPEC_MODULE = "mindspeed_llm.tasks.models.spec.deepseek_spec"
 
 
 def get_transformer_layer_spec(self):
-    import importlib
-
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from megatron.training import global_vars
 
     if getattr(global_vars, "_GLOBAL_ARGS", None) is None:

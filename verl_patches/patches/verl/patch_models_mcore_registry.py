@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.config.megatron_args import deepseek_v3_overrides, merge_overrides
+from verl_patches.train.old_log_prob import active_probe
 
 ARCH = "DeepseekV3ForCausalLM"
 # Our output of the actor's logits_processor (verl's own "entropy", computed when entropy_coeff != 0,
@@ -37,8 +39,9 @@ ENTROPY_KEY = "verl_patches_entropy"
 
 def _with_entropy(logits_processor: Callable[..., Any]) -> Callable[..., Any]:
     def logits_processor_with_entropy(logits, *args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl.utils.megatron.tensor_parallel import vocab_parallel_entropy
-
         from verl_patches.train.mismatch import chunked_entropy
 
         # Before the processor: megatron-core's vocab_parallel_cross_entropy turns fp32 logits into
@@ -68,7 +71,6 @@ def wrap_get_mcore_forward_fn(original: Callable[..., Any]) -> Callable[..., Any
     @functools.wraps(original)
     def get_mcore_forward_fn(hf_config):
         forward_fn = original(hf_config)
-        from verl_patches.train.old_log_prob import active_probe
 
         probe = active_probe()
         return forward_fn if probe is None else _forward_with_entropy(forward_fn, probe)
@@ -81,7 +83,6 @@ def wrap_hf_to_mcore_config(original: Callable[..., Any]) -> Callable[..., Any]:
     def hf_to_mcore_config(hf_config, dtype, **override_transformer_config_kwargs):
         if list(getattr(hf_config, "architectures", None) or []) != [ARCH]:
             return original(hf_config, dtype, **override_transformer_config_kwargs)
-        from verl_patches.config.megatron_args import deepseek_v3_overrides, merge_overrides
 
         ours = deepseek_v3_overrides(hf_config.to_dict())
         return original(hf_config, dtype, **merge_overrides(override_transformer_config_kwargs, ours))

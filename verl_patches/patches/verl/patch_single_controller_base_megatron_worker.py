@@ -23,12 +23,18 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.config import megatron_args as ma
+from verl_patches.config.megatron_args import set_pending_mindspeed_args, SECTION, RecipeMegatronError, is_uneven
+from verl_patches.train.layer_list import LAYER_LIST_ATTR
+from verl_patches.train.mindspeed_adaptor import reapply_mindspeed_llm_features
 
 logger = logging.getLogger(__name__)
 SECTION_IN_WORKER = "rollout.recipe.megatron"  # the worker's config is actor_rollout_ref
@@ -41,6 +47,8 @@ _IMPORTED_BY_US: dict[str, Any] | None = None
 
 
 def recipe_section(worker_config: Any) -> Any:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from omegaconf import DictConfig, OmegaConf
 
     if not isinstance(worker_config, DictConfig):
@@ -53,8 +61,6 @@ def recipe_section(worker_config: Any) -> Any:
 
 def hand_to_mindspeed(values: dict[str, Any]) -> None:
     """Ascend: MindSpeed's arguments before its adaptor registers its features (or onto them, if it already did)."""
-    from verl_patches.config.megatron_args import set_pending_mindspeed_args
-
     global _IMPORTED_BY_US
     set_pending_mindspeed_args(values)
     adaptor = sys.modules.get("mindspeed.megatron_adaptor")
@@ -98,12 +104,9 @@ def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: A
     applies MindSpeed's and MindSpeed-LLM's features) and what megatron.training's parse_args, as MindSpeed-LLM
     patches it, parses; validate_args and set_global_variables follow, as in MindSpeed-LLM's own training entry.
     The worker's own sys.argv (Ray's) is put back afterwards. Returns the global arguments."""
-    import json
-    from pathlib import Path
-
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
-
-    from verl_patches.config import megatron_args as ma
 
     global _GLOBAL_ARGV
     hf = json.loads((Path(model_path) / "config.json").read_text())
@@ -117,6 +120,8 @@ def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: A
         if argv != _GLOBAL_ARGV:
             raise ma.RecipeMegatronError("Megatron's global arguments were built for another model or layout in this "
                                          f"process: {_GLOBAL_ARGV} then {argv}; one worker builds one model shape")
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from megatron.training import global_vars
 
         return global_vars.get_args()
@@ -129,11 +134,11 @@ def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: A
         # the rank's start by the prelude (verl_patches/train/mindspeed_adaptor.py: before verl seeds megatron-core),
         # its features are re-selected here from the model's command line.
         if "mindspeed_llm" in sys.modules:
-            from verl_patches.train.mindspeed_adaptor import reapply_mindspeed_llm_features
-
             reapply_mindspeed_llm_features()
         else:
             importlib.import_module("mindspeed_llm")
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from megatron.training import global_vars
         from megatron.training.arguments import parse_args, validate_args
 
@@ -150,8 +155,6 @@ def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: A
 def check_weight_loading(worker_config: Any, recipe: Any) -> None:
     """verl's HF-weight loader and HF saver (models/mcore/loader.py, saver.py) assume equal stages; the
     distributed checkpoint, keyed by megatron's own global layer numbers, does not."""
-    from verl_patches.config.megatron_args import SECTION, RecipeMegatronError, is_uneven
-
     if not is_uneven(recipe):
         return
     for role in ("actor", "ref"):
@@ -178,12 +181,11 @@ def wrap_init_hf_config_and_tf_config(original: Callable[..., Any]) -> Callable[
         if section is None:
             return original(self, model_path, tokenizer_or_path, dtype, override_model_config,
                             override_transformer_config, trust_remote_code)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from megatron.core import parallel_state as mpu
-
         from verl_patches.base import accelerator
         from verl_patches.train import fixed_routing
-        from verl_patches.config import megatron_args as ma
-        from verl_patches.train.layer_list import LAYER_LIST_ATTR
 
         recipe = ma.parse(section)
         # Before any model is built: the router patches (training and rollout) read it on every call.

@@ -30,6 +30,7 @@ from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.tensor_cache.protocol import (HOST_KEYS_FROM_GENERATION, META_KEY, ROW_KEY, STAGE_INPUTS,
                                                 WORKER_NON_TENSOR_KEYS)
+from verl_patches.config import settings
 
 TENSOR_CACHE_KEY = "actor_rollout_ref.rollout.recipe.tensor_cache"
 RECOMPUTE_KEY = "actor_rollout_ref.actor.recompute_old_log_prob"
@@ -42,6 +43,8 @@ _FIT_FP = Fingerprint(signature="def fit(self)", source_sha="06a2a1e2c639c034")
 
 
 def _select(config: Any, key: str, default: Any) -> Any:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from omegaconf import OmegaConf
 
     value = OmegaConf.select(config, key, default=default)
@@ -94,8 +97,9 @@ def skipped_compute_log_prob(data: Any) -> Any:
     here), as a zero would read as a real figure: the update measures both from its own forward
     and its metrics, merged after these, replace them (a NaN that reached the report would stop
     the run). No old_log_probs otherwise: the update makes its own."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
-
     from verl.protocol import DataProto
 
     rows, width = len(data), data.batch["responses"].shape[-1]
@@ -126,8 +130,6 @@ def wrap_fit_old_log_prob(original: Callable[..., Any]) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------------
 
 def tensor_cache_on(config: Any) -> bool:
-    from verl_patches.config import settings
-
     return settings.from_trainer(config).tensor_cache
 
 
@@ -179,6 +181,8 @@ class DriverCacheState:
 
 def _wrap_generate(state: DriverCacheState, original: Callable[..., Any]) -> Callable[..., Any]:
     def generate_sequences(gen_batch, *args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         import torch
 
         # Validation batches (meta_info validate, padded to the world size) are not part of a step.
@@ -208,8 +212,9 @@ def _wrap_stage(state: DriverCacheState, op: str, original: Callable[..., Any]) 
         keep, returned = [], []
 
     def stage(data, *args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         import torch
-
         from verl.protocol import DataProto
 
         if state.step is None or args or kwargs:
@@ -234,6 +239,8 @@ def _wrap_stage(state: DriverCacheState, op: str, original: Callable[..., Any]) 
         state.last_rows = rows.clone()
         state.take_reply(out, op)
         if out.batch is None and op != "update_actor":
+            # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+            # when the patch runs.
             from tensordict import TensorDict
 
             # The trainer unions the result into its batch: give it the batch's row count, no keys.

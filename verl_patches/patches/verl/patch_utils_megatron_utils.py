@@ -22,6 +22,7 @@ from typing import Any, Callable
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.train.layer_list import FLAG, layer_list
+from verl_patches.config.megatron_args import stage_span
 
 
 def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -30,7 +31,6 @@ def wrap_get_transformer_layer_offset(original: Callable[..., Any]) -> Callable[
         lst = layer_list(config)
         if lst is None:
             return original(pipeline_rank, vp_rank, config)
-        from verl_patches.config.megatron_args import stage_span
 
         return stage_span(lst, pipeline_rank)[0]
 

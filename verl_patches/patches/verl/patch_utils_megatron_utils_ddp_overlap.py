@@ -23,14 +23,14 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-from verl_patches.train.ddp_overlap import FLAG, OVERLAP, REMOVE_WHEN
+from verl_patches.train.ddp_overlap import FLAG, OVERLAP, REMOVE_WHEN, ddp_config_values, mark_gathered, wire_sync_funcs
 
 
 def wrap_chunks_with_ddp(chunks: list[Any], overlap: Any, use_distributed_optimizer: Any) -> list[Any]:
     """Our DDP wrapping of upstream's unwrapped chunks (see the module docstring)."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl.utils import megatron_utils as mu
-
-    from verl_patches.train.ddp_overlap import ddp_config_values, mark_gathered, wire_sync_funcs
 
     values = ddp_config_values(overlap, use_distributed_optimizer=use_distributed_optimizer, num_chunks=len(chunks))
     config = chunks[0].config  # one TransformerConfig for every chunk, as upstream passes it

@@ -15,6 +15,7 @@ from typing import Any, Callable
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.reward import DEEPSCALER_SOURCES
+from verl_patches.reward.deepscaler import compute_score
 
 
 def wrap_default_compute_score(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -24,8 +25,6 @@ def wrap_default_compute_score(original: Callable[..., Any]) -> Callable[..., An
     @functools.wraps(original)
     def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, *args, **kwargs):
         if data_source in DEEPSCALER_SOURCES:
-            from verl_patches.reward.deepscaler import compute_score
-
             # The sandbox arguments are for code data sets; a boxed math answer needs none of them.
             return compute_score(data_source, solution_str, ground_truth, extra_info)
         return original(data_source, solution_str, ground_truth, extra_info, *args, **kwargs)

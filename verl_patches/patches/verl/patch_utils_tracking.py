@@ -26,26 +26,25 @@ from typing import Any, Callable
 from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.config import settings
+from verl_patches.reporting.report import Cards, RunReport
 
 REPORT_ATTR = stash.attr("report")
 
 
 def _get(cfg: Any, *path: str) -> Any:
-    from verl_patches.config import settings
-
     return settings.lookup(cfg, ".".join(path))
 
 
 def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self, project_name, experiment_name, default_backend="console", config=None):
-        from verl_patches.config import settings
-
         recipe = settings.trainer_section(config)
         if recipe is None:
             return original(self, project_name, experiment_name, default_backend, config)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.base import accelerator
-        from verl_patches.reporting.report import Cards, RunReport
 
         # Upstream's __del__ reads self.logger: a setting refused below must not add an AttributeError to it.
         self.logger = {}

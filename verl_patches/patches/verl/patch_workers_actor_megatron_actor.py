@@ -33,6 +33,7 @@ from typing import Any, Callable
 from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.train.old_log_prob import active_probe, reusing_old_log_prob
 
 RECOMPUTE_KEY = "recompute_old_log_prob"  # in actor_rollout_ref.actor; verl's default True
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # verl's vLLM rollout, with rollout.calculate_log_probs=True
@@ -62,8 +63,9 @@ def wrap_make_minibatch_iterator(original: Callable[..., Any]) -> Callable[..., 
     @functools.wraps(original)
     def make_minibatch_iterator(self, data):
         if reusing(self.config):
+            # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+            # when the patch runs.
             import torch
-
             from verl_patches.train.mismatch import UpdateProbe
 
             check_one_step(len(data), self.config)
@@ -88,8 +90,6 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
 
     @functools.wraps(original)
     def forward_backward_batch(self, *args, **kwargs):
-        from verl_patches.train.old_log_prob import active_probe
-
         probe = active_probe()
         if probe is None:
             return original(self, *args, **kwargs)
@@ -97,6 +97,8 @@ def wrap_forward_backward_batch(original: Callable[..., Any]) -> Callable[..., A
         bound.apply_defaults()
         if bound.arguments["forward_only"]:
             return original(self, *args, **kwargs)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.train.mismatch import MismatchError
 
         before = probe.calls
@@ -130,8 +132,9 @@ def _note_split(probe: Any, arguments: dict, out: dict) -> None:
     """Tell the probe how forward_backward_batch split this rank's batch: verl's own partition with
     use_dynamic_bsz (out["indices"], rows of the batch per micro-batch), else its split into
     micro_batch_size chunks. The largest micro-batch's tokens stay a device scalar."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
-
     from verl_patches.train.mismatch import MismatchError
 
     data = arguments["data"]
@@ -155,10 +158,14 @@ def _note_split(probe: Any, arguments: dict, out: dict) -> None:
 
 
 def _data_parallel_group():
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from megatron.core import parallel_state as mpu
 
     return mpu.get_data_parallel_group()
@@ -169,9 +176,10 @@ def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_policy(self, dataloader):
         if not reusing(self.config):
             return original(self, dataloader)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.base import accelerator
         from verl_patches.train.mismatch import MismatchError
-        from verl_patches.train.old_log_prob import reusing_old_log_prob
 
         probe = stash.get(self, "update_probe")
         if probe is None:

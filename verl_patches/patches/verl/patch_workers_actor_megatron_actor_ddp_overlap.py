@@ -3,7 +3,7 @@
 Upstream: verl/workers/actor/megatron_actor.py:MegatronPPOActor.update_policy runs the optimizer
 steps. With ``overlap_param_gather`` (patch verl.ddp_overlap.get_model) megatron-core 0.12.1's
 distributed optimizer no longer all-gathers the updated shards in its step: the next forward's
-pre-hooks do, bucket by bucket, overlapped with compute. Until then each rank's parameters outside
+pre-hooks do, one DDP bucket at a time, overlapped with compute. Until then each rank's parameters outside
 its own shard are those of before the step, and in verl the next reader is not a forward but the
 reshard to the rollout (then the switch's offload, a checkpoint). We wrap it: after upstream
 returns, every gather still due is finished (verl_patches/train/ddp_overlap.py:complete_param_gather) and
@@ -18,14 +18,13 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-from verl_patches.train.ddp_overlap import FLAG, REMOVE_WHEN
+from verl_patches.train.ddp_overlap import FLAG, REMOVE_WHEN, check_settled, complete_param_gather
 
 
 def wrap_update_policy(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def update_policy(self, dataloader):
         out = original(self, dataloader)
-        from verl_patches.train.ddp_overlap import check_settled, complete_param_gather
 
         complete_param_gather(self.actor_module)
         check_settled(self.actor_module, "the actor after its update")

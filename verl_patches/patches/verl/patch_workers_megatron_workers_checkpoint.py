@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.base.atomic import atomic_path
 
 _W = "verl.workers.megatron_workers:ActorRolloutRefWorker."
 _COMMON_OWN = dict(kind="wrap", phases=("worker",), upstream="verl", versions="==0.4.1")
@@ -22,8 +24,8 @@ ROLLOUT_RNG_DIR = "rollout_rng"
 
 
 def _rollout_rng_file(checkpoint_path: str):
-    from pathlib import Path
-
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch.distributed as dist
 
     return Path(checkpoint_path) / ROLLOUT_RNG_DIR / f"rank_{dist.get_rank()}.pt"
@@ -35,9 +37,9 @@ def wrap_save_checkpoint_rollout_rng(original: Callable[..., Any]) -> Callable[.
         out = original(self, checkpoint_path, hdfs_path, global_step, max_ckpt_to_keep)
         state = getattr(getattr(self, "sharding_manager", None), "gen_random_states", None)
         if state is not None and checkpoint_path:
+            # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+            # when the patch runs.
             import torch
-
-            from verl_patches.base.atomic import atomic_path
 
             path = _rollout_rng_file(checkpoint_path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +56,8 @@ def wrap_load_checkpoint_rollout_rng(original: Callable[..., Any]) -> Callable[.
         manager = getattr(self, "sharding_manager", None)
         saved = None
         if manager is not None and checkpoint_path:
+            # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+            # when the patch runs.
             import torch
 
             path = _rollout_rng_file(checkpoint_path)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
-from verl_patches.train.ddp_overlap import FLAG, OVERLAP, REMOVE_WHEN
+from verl_patches.train.ddp_overlap import FLAG, OVERLAP, REMOVE_WHEN, DdpOverlap
 
 _W = "verl.workers.megatron_workers:ActorRolloutRefWorker."
 
@@ -24,8 +24,6 @@ _W = "verl.workers.megatron_workers:ActorRolloutRefWorker."
 def wrap_build_model_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _build_model_optimizer(self, *args, **kwargs):
-        from verl_patches.train.ddp_overlap import DdpOverlap
-
         overlap = DdpOverlap.from_worker(self.config) if self._is_actor else None
         token = OVERLAP.set(overlap if overlap is not None and overlap.on else None)
         try:

@@ -50,6 +50,8 @@ def layout_mismatches(configured: Any, actual: dict) -> list[str]:
 
 
 def _process_layout() -> dict:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from megatron.core import parallel_state as mpu
 
     return {k: getattr(mpu, getter)() for k, getter in LAYOUT_KEYS.items()}

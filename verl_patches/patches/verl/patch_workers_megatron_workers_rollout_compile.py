@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.config import settings
 
 _W = "verl.workers.megatron_workers:ActorRolloutRefWorker."
 _COMMON_OWN = dict(kind="wrap", phases=("worker",), upstream="verl", versions="==0.4.1")
@@ -24,8 +25,6 @@ COMPILE_FLAG = "actor_rollout_ref.rollout.recipe.rollout_torch_compile"
 
 
 def rollout_compile_on(config: Any) -> bool:
-    from verl_patches.config import settings
-
     return settings.from_worker(config).rollout_torch_compile
 
 
@@ -34,6 +33,8 @@ def rollout_compile_on(config: Any) -> bool:
 def _wrap_compiled(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compiled(self, *args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.rollout.compile_context import real_torch_compile
 
         with real_torch_compile(enabled=rollout_compile_on(self.config)):

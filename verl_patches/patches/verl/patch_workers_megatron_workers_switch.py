@@ -25,11 +25,14 @@ live.py's ``CALLS`` (the call -> step table, rendered in docs/DESIGN.md section 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.config import settings
+from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
 
 _W = "verl.workers.megatron_workers:ActorRolloutRefWorker."
 _COMMON_OWN = dict(kind="wrap", phases=("worker",), upstream="verl", versions="==0.4.1")
@@ -43,8 +46,6 @@ VERL_OFFLOAD_ATTRS = ("_is_offload_param", "_is_offload_grad", "_is_offload_opti
 
 
 def offload_on(config: Any) -> bool:
-    from verl_patches.config import settings
-
     return settings.from_worker(config).offload
 
 
@@ -53,10 +54,6 @@ def swap_optimizer_active(config: Any) -> bool:
     where MindSpeed is loaded (by the end of init_model its adaptor has patched the model build);
     elsewhere the flag does nothing (patch_single_controller_base_megatron_worker.py reports it
     unused) and the optimizer state is ours to offload."""
-    import sys
-
-    from verl_patches.config import settings
-
     return settings.from_worker(config).megatron.swap_optimizer and "mindspeed" in sys.modules
 
 
@@ -66,12 +63,16 @@ def swap_optimizer_active(config: Any) -> bool:
 # itself is offload/schedule.py:our_steps.
 
 def _switch():
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.offload.live import live_switch
 
     return live_switch()
 
 
 def _row(method: str) -> str:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.offload.live import WORKER
 
     return f"{WORKER}.{method}"
@@ -82,9 +83,6 @@ def check_optimizer_offload(config: Any) -> None:
     and MindSpeed's swap optimizer (recipe.megatron.swap_optimizer) would both keep Adam's state on the
     host and move it each step, each behind the other's back: asking for both is refused by name, whether
     or not MindSpeed is loaded in this process."""
-    from verl_patches.config import settings
-    from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
-
     optim = config.get("actor", {}).get("optim", None) if hasattr(config, "get") else None
     if optim is None or offload_settings(optim) is None:
         return
@@ -106,6 +104,8 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
         for attr in VERL_OFFLOAD_ATTRS:
             setattr(self, attr, False)
         out = original(self)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.offload.megatron_memory import ActorMemory, ReferenceMemory
 
         # Attached where the loop starts (an update's end): grads released, optimizer state on host,
@@ -130,6 +130,8 @@ def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _empty_cache() -> None:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.base import accelerator
 
     accelerator.empty_cache()

@@ -30,6 +30,8 @@ FLAG = "actor_rollout_ref.rollout.recipe.tensor_cache (read by the driver, which
 
 
 def _device():
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.base import accelerator
 
     return accelerator.current_device()
@@ -41,11 +43,11 @@ def wrap_generate_sequences(original: Callable[..., Any]) -> Callable[..., Any]:
         request = prompts.meta_info.pop(META_KEY, None)
         if request is None:
             return original(self, prompts)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         import torch
         import torch.distributed as dist
-
         from verl.protocol import DataProto
-
         from verl_patches.tensor_cache import process_cache
 
         out = original(self, prompts)
@@ -71,8 +73,9 @@ def _wrap_stage(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             request = data.meta_info.pop(META_KEY, None)
             if request is None:
                 return original(self, data)
+            # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+            # when the patch runs.
             from verl.protocol import DataProto
-
             from verl_patches.tensor_cache import process_cache
 
             cache = process_cache()

@@ -30,6 +30,9 @@ from typing import Any
 from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.rollout.dp_domain import setup_dp_domain
+from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
+from verl_patches.rollout.settings import RECIPE_KEY, RolloutSettings, STASH_KEY
 
 def _max_model_len(config: Any, model_hf_config: Any) -> int:
     """The engine's context: rollout.max_model_len, else prompt + response, checked against the model."""
@@ -52,6 +55,8 @@ def _max_model_len(config: Any, model_hf_config: Any) -> int:
 
 def _engine_kwargs(config: Any) -> dict:
     """rollout.engine_kwargs.vllm as plain values; None means 'leave vLLM's default'."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from omegaconf import OmegaConf
 
     section = config.get("engine_kwargs", None)
@@ -71,9 +76,9 @@ def _check_rebalance(recipe: Any) -> None:
     (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside vLLM's engine
     (verl_patches/rollout/long_tail/vllm_move.run_engine, ready to replace LLM._run_engine's loop) has not
     run, so rebalance: True is refused there rather than silently ignored."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.base import accelerator
-    from verl_patches.rollout.long_tail.rebalance import RebalancePolicy
-    from verl_patches.rollout.settings import RECIPE_KEY
 
     policy = RebalancePolicy.from_settings(recipe)
     stagger = recipe.rebalance_cpu_stagger
@@ -91,16 +96,14 @@ def _check_rebalance(recipe: Any) -> None:
 
 
 def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config, **kwargs) -> None:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch.distributed as dist
     from vllm import SamplingParams
     from vllm.utils import get_ip
-
     from verl.workers.rollout.base import BaseRollout
     from verl.workers.rollout.vllm_rollout import vllm_rollout_spmd as upstream
-
-    from verl_patches.rollout.dp_domain import setup_dp_domain
     from verl_patches.rollout.dp_sync import FLAG_ENV
-    from verl_patches.rollout.settings import RolloutSettings
 
     BaseRollout.__init__(self)
     self.config = config
@@ -159,10 +162,10 @@ def vllm_rollout_init(self, model_path: str, config, tokenizer, model_hf_config,
 
     # For the sharding manager, which receives the engine only (patch verl.sharding_manager.reshard),
     # and the generation (the rebalance settings).
-    from verl_patches.rollout.settings import STASH_KEY
-
     stash.put(self.inference_engine, STASH_KEY, settings)
     if settings.recipe.offload:
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.rollout.engine_memory import VllmEngineMemory, attach_engine_memory
 
         memory = VllmEngineMemory(self.inference_engine)

@@ -2,10 +2,14 @@
 vLLM's parameters.
 
 Upstream: verl/workers/sharding_manager/megatron_vllm.py:MegatronVLLMShardingManager.__enter__
-(verl 0.4.1) reloads offloaded actor params, wakes the engine's weights, runs
-per_tensor_generator (PP broadcast, TP all-gather, EP all-gather to full tensors, HF names) into
-vLLM's load_weights, offloads the actor params, wakes the KV cache and swaps the RNG state. It
-never redoes vLLM's post-load processing, so MLA's W_UK_T / W_UV (derived from kv_b_proj once
+(verl 0.4.1) does, in order:
+1. reload the offloaded actor params;
+2. wake the engine's weights;
+3. run per_tensor_generator (PP broadcast, TP all-gather, EP all-gather to full tensors, HF names)
+   into vLLM's load_weights;
+4. offload the actor params;
+5. wake the KV cache and swap the RNG state.
+It never redoes vLLM's post-load processing. So MLA's W_UK_T / W_UV (derived from kv_b_proj once
 at engine build) stay those of the initial weights.
 
 What __enter__ and __exit__ do, in order, for a rollout built by patch verl.vllm_rollout.recipe_engine
@@ -25,12 +29,13 @@ __enter__, recipe.reshard_method direct (default) or recipe:
    vllm.llm.wake_up_to_onload); the reshard fills every byte.
 4. `the sharding manager's weight sync`, steps `reshard` (call(reshard)), `offload_train_params`
    (offload(train_params), empty_cache): the reshard runs the run's plan from the actor's live
-   parameters straight into vLLM's (direct: every byte once, one all-to-all per bucket; recipe: the
-   reference's expert AlltoAllV, dense TP all-gather and PP all-to-all), MLA's post-load processing
-   is redone (W_UK_T / W_UV from the new kv_b_proj), and every recipe.fingerprint_every-th switch
-   the self-check fingerprints every rollout parameter against what the trainer sent and re-derives
-   one layer's MLA tensors (a difference stops the run); then the training params leave the device
-   (without the switch loop: verl's offload_megatron_model_to_cpu when param_offload is on).
+   parameters straight into vLLM's. Direct moves every byte once, one all-to-all per transfer
+   bucket; recipe runs the reference's expert AlltoAllV, dense TP all-gather and PP all-to-all.
+   MLA's post-load processing is redone (W_UK_T / W_UV from the new kv_b_proj). Every
+   recipe.fingerprint_every-th switch, the self-check fingerprints every rollout parameter against
+   what the trainer sent and re-derives one layer's MLA tensors; a difference stops the run. Then
+   the training params leave the device (without the switch loop: verl's
+   offload_megatron_model_to_cpu when param_offload is on).
 5. `LLM.wake_up(tags=['kv_cache'])`, step `init_kv_cache` (allocate(kv_cache)): the KV cache is
    allocated in the memory the training params freed.
 6. Report: the switch's figures go into the manager's timing dict
@@ -67,20 +72,23 @@ __exit__ (verl's, not wrapped):
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import textwrap
 from typing import Any, Callable, Optional
 
 from verl_patches.core import stash
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.reporting.report import SWITCH_PREFIX
+from verl_patches.reshard.layouts import RolloutLayout
+from verl_patches.rollout.settings import STASH_KEY
 
 logger = logging.getLogger(__name__)
 SESSION_ATTR = stash.attr("reshard")
 
 
 def _settings(manager: Any) -> Any:
-    from verl_patches.rollout.settings import STASH_KEY
-
     return stash.get(manager.inference_engine, STASH_KEY)
 
 
@@ -90,11 +98,11 @@ def _model(manager: Any) -> Any:
 
 def _build_session(manager: Any, settings: Any, train: dict, roll: dict, method: str | None = None) -> Any:
     """The run's plan, built on the first switch (every rank together: it agrees the layout)."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-
     from verl_patches.reshard.binding import LiveReshard, check_expert_placement
-    from verl_patches.reshard.layouts import RolloutLayout
 
     hf = manager.model_config.to_dict() if hasattr(manager.model_config, "to_dict") else dict(manager.model_config)
     dp = settings.dp
@@ -121,8 +129,6 @@ def _swap_rng_for_generation(manager: Any) -> None:
 
 
 def _wake(manager: Any, tag: str) -> None:
-    import inspect
-
     if "tags" in inspect.signature(manager.inference_engine.wake_up).parameters:
         manager.inference_engine.wake_up(tags=[tag])
     elif tag == "weights":
@@ -137,6 +143,8 @@ def self_check(manager: Any, session: Any, settings: Any, train: dict, model: An
     switch) re-derived from the new kv_b_proj. A difference stops the run with WeightMismatchError /
     MLADerivedError naming the step, rank and tensor. ``VERL_PATCHES_INJECT_FAULT`` (tests only,
     verl_patches/reshard/faults.py) corrupts one parameter first."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.reshard import faults
     from verl_patches.reshard.binding import vllm_params
     from verl_patches.rollout.mla import check_mla_derived
@@ -161,6 +169,8 @@ def upstream_self_check(manager: Any, settings: Any, model: Any) -> dict[str, fl
     params still resident (under the switch loop the KV cache's step first runs offload_train_params;
     without the loop, only when verl's param offload is off). MLA's post-load processing is redone in
     every case; the self-check's figures are {} when the training params are not resident."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.reshard.binding import megatron_params, vllm_params
     from verl_patches.rollout.mla import redo_mla_post_load
 
@@ -178,7 +188,8 @@ def upstream_self_check(manager: Any, settings: Any, model: Any) -> dict[str, fl
 def upstream_enter(manager: Any, settings: Any, original: Callable[..., Any]) -> Any:
     """verl's __enter__ as shipped, plus MLA's redo and the self-check right before it wakes the KV
     cache (an instance attribute over LLM.wake_up for the duration of the call)."""
-    from verl_patches.reporting.report import SWITCH_PREFIX
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.rollout.mla import redo_mla_post_load
     from verl_patches.reporting.switch_report import addresses_checked
 
@@ -210,11 +221,14 @@ def weight_sync(manager: Any, switch: Any, reshard: Callable[[], Any]) -> Any:
     Under the switch loop, its row of the call -> step table; without it (no actor attached), verl's
     own offload when param_offload is on."""
     if switch is not None:
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.offload.live import WEIGHT_SYNC
 
         return switch.run_call(WEIGHT_SYNC, reshard)
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl.utils.megatron_utils import offload_megatron_model_to_cpu
-
     from verl_patches.base import accelerator
 
     stats = reshard()
@@ -228,6 +242,8 @@ def enter_calls(manager: Any, weight_sync: Callable[[], Any], steps: Any = None)
     """The calls of the switch loop's call -> step table made inside __enter__ (live.py's
     ``calls_inside``), in the order of the loop's ``steps`` (default: our_steps()): the engine's
     wake_up per tag, and ``weight_sync``. Returns what ``weight_sync`` returns."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.offload.live import SHARDING_ENTER, WAKE_TAGS, WEIGHT_SYNC, calls_inside, wake_call
     from verl_patches.offload.schedule import ScheduleError
 
@@ -245,9 +261,10 @@ def enter_calls(manager: Any, weight_sync: Callable[[], Any], steps: Any = None)
 
 
 def recipe_enter(manager: Any, settings: Any) -> None:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl.utils.debug.performance import simple_timer
     from verl.utils.megatron_utils import load_megatron_model_to_gpu
-
     from verl_patches.base import accelerator
     from verl_patches.reshard.binding import megatron_params, vllm_params
     from verl_patches.rollout.mla import redo_mla_post_load
@@ -257,6 +274,8 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     # Under the switch loop when the worker attached its actor (verl_patches/offload/live.py).
     switch = None
     if stash.get(manager, "actor_memory") is not None:
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.offload.live import live_switch
 
         switch = live_switch()
@@ -310,20 +329,18 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
 _ENTER_DOES = {
     "weights": "the engine's weights region comes back allocated, no copy (under the switch loop, through patch "
                "vllm.llm.wake_up_to_onload); the reshard fills every byte.",
-    "sync": "the reshard runs the run's plan from the actor's live parameters straight into vLLM's (direct: "
-            "every byte once, one all-to-all per bucket; recipe: the reference's expert AlltoAllV, dense TP "
-            "all-gather and PP all-to-all), MLA's post-load processing is redone (W_UK_T / W_UV from the new "
-            "kv_b_proj), and every recipe.fingerprint_every-th switch the self-check fingerprints every rollout "
-            "parameter against what the trainer sent and re-derives one layer's MLA tensors (a difference stops "
-            "the run); then the training params leave the device (without the switch loop: verl's "
+    "sync": "the reshard runs the run's plan from the actor's live parameters straight into vLLM's. Direct moves "
+            "every byte once, one all-to-all per transfer bucket; recipe runs the reference's expert AlltoAllV, "
+            "dense TP all-gather and PP all-to-all. MLA's post-load processing is redone (W_UK_T / W_UV from the "
+            "new kv_b_proj). Every recipe.fingerprint_every-th switch, the self-check fingerprints every rollout "
+            "parameter against what the trainer sent and re-derives one layer's MLA tensors; a difference stops "
+            "the run. Then the training params leave the device (without the switch loop: verl's "
             "offload_megatron_model_to_cpu when param_offload is on).",
     "kv_cache": "the KV cache is allocated in the memory the training params freed.",
 }
 
 
 def _numbered(title: str, items: list[str]) -> str:
-    import textwrap
-
     lines = [title]
     for i, item in enumerate(items, 1):
         lines += textwrap.wrap(f"{i}. {item}", width=100, subsequent_indent="   ", break_on_hyphens=False)
@@ -335,6 +352,8 @@ def sequence(steps: Any = None) -> str:
     test_switch_calls.py checks that the docstring holds this text): the switch loop's calls among them
     rendered from its call -> step table (verl_patches/offload/live.py:CALLS, ``calls_inside``) in the
     order of the loop's ``steps`` (default our_steps()), each with the steps it runs and their actions."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.offload.live import SHARDING_ENTER, WEIGHT_SYNC, calls_inside, switch_call, wake_call
     from verl_patches.offload.schedule import our_steps
 

@@ -20,6 +20,8 @@ from verl_patches.core.record import Patch
 def wrap_has_unfinished_dp(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def has_unfinished_dp(dp_group: Any, has_unfinished: bool) -> bool:
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.rollout.dp_sync import any_unfinished, vllm_device_dp_group
 
         size = dp_group.size() if hasattr(dp_group, "size") else None

@@ -18,23 +18,22 @@ from typing import Any, Callable, Optional
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.rollout.dp_domain import DPSpec, check_vllm_config, check_vllm_groups, derive_dp_domain
 
 
 def wrap_initialize_model_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
                                   backend: Optional[str] = None) -> None:
-        from verl_patches.rollout.dp_domain import DPSpec
-
         spec = DPSpec.from_env()
         if spec is None:  # no recipe DP domain in this process: upstream behaviour
             return original(tensor_model_parallel_size, pipeline_model_parallel_size, backend)
 
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         import torch.distributed as dist
         from vllm.config import get_current_vllm_config
         from vllm.distributed import parallel_state as ps
-
-        from verl_patches.rollout.dp_domain import check_vllm_config, check_vllm_groups, derive_dp_domain
 
         domain = derive_dp_domain(dist.get_rank(), dist.get_world_size(), spec)
         pc = get_current_vllm_config().parallel_config

@@ -27,6 +27,8 @@ def _switch(llm: Any) -> Any:
     memory = getattr(llm, MEMORY_ATTR, None)
     if memory is None:
         return None
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.offload.live import live_switch
     from verl_patches.offload.schedule import ScheduleError
 
@@ -55,6 +57,8 @@ def wrap_wake_up(original: Callable[..., Any]) -> Callable[..., Any]:
         switch = _switch(self)
         if switch is None:
             return original(self, tags)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.offload.live import WAKE_TAGS, switch_call, wake_call
 
         unknown = set(tags or ()) - set(WAKE_TAGS)

@@ -20,6 +20,8 @@ from verl_patches.core.record import Patch
 def wrap_num_tokens_across_dp(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def num_tokens_across_dp(num_tokens: int, dp_size: int, dp_rank: int):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.rollout.dp_sync import tokens_across_dp, vllm_device_dp_group
 
         target = vllm_device_dp_group(dp_size)

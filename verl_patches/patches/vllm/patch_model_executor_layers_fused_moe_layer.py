@@ -20,6 +20,8 @@ from verl_patches.core.record import Patch
 def wrap_select_experts(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def select_experts(hidden_states, router_logits, *args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.train import fixed_routing
 
         topk_weights, topk_ids = original(hidden_states, router_logits, *args, **kwargs)

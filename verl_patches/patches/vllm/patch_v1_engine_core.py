@@ -21,6 +21,8 @@ from verl_patches.core.record import Patch
 def wrap_initialize_kv_caches(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _initialize_kv_caches(self, vllm_config):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.rollout.kv_cache import KEPT_ATTR
 
         executor = self.model_executor

@@ -28,6 +28,8 @@ def wrap_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.train import fixed_routing
 
         if fixed_routing.enabled():

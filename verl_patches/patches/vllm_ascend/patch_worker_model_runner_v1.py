@@ -24,6 +24,8 @@ def wrap_get_forward_metadata_across_dp(original: Callable[..., Any]) -> Callabl
     @functools.wraps(original)
     def _get_forward_metadata_across_dp(self, maybe_padded_num_tokens: int, num_tokens: int, with_prefill: bool,
                                         enable_dbo: bool):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.rollout.dp_sync import agree_forward, vllm_device_dp_group
 
         target = None
@@ -31,6 +33,8 @@ def wrap_get_forward_metadata_across_dp(original: Callable[..., Any]) -> Callabl
             target = vllm_device_dp_group(self.dp_size)
         if target is None:
             return original(self, maybe_padded_num_tokens, num_tokens, with_prefill, enable_dbo)
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         import torch
 
         agreed = agree_forward(maybe_padded_num_tokens, num_tokens, with_prefill, enable_dbo, self.dp_size,

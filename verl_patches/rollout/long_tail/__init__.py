@@ -1,5 +1,5 @@
 """The rollout's long tail: rebalancing unfinished requests between the DP ranks of one rollout so the
-DP group drops to a smaller captured graph bucket (docs/ROLLOUT.md).
+DP group drops to a smaller captured graph size (docs/ROLLOUT.md).
 
 ``rebalance`` is the policy (pure functions); ``simulator`` the offline rollout simulator behind
 ``python -m verl_patches rollout-plan``; ``migrate`` the mechanism (the lockstep move, run by the CPU

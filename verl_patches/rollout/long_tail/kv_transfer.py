@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_patches.base import accelerator
+
 KV_KEY = "kv"
 _DEVICE_OF_BACKEND = {"nccl": "cuda", "hccl": "npu"}
 _prepared: dict[int, Any] = {}  # id(group) -> group (kept alive with its id)
@@ -62,7 +64,6 @@ def group_device(group: Any) -> torch.device:
     kind = _DEVICE_OF_BACKEND.get(backend)
     if kind is None:
         raise TransferError(f"process group backend {backend!r}: KV tensors go over gloo, nccl or hccl")
-    from verl_patches.base import accelerator
 
     dev = accelerator.current_device()
     if dev.type != kind:

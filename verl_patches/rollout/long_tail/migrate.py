@@ -81,22 +81,22 @@ class LockstepStats:
 @dataclass
 class Lockstep:
     """One rollout's lockstep over the DP ``group`` (every rank of the group calls every method, in
-    the same order). ``buckets``: the captured graph batch sizes; ``capacity``: max_num_seqs per rank;
+    the same order). ``graph_sizes``: the captured graph batch sizes; ``capacity``: max_num_seqs per rank;
     ``kv_group``: the process group the moved KV rows go over, device to device (NCCL / HCCL: the same
     ranks as ``group``; None: ``group`` itself, gloo, with the rows on the host)."""
 
     group: Any
     policy: rb.RebalancePolicy
-    buckets: tuple[int, ...]
+    graph_sizes: tuple[int, ...]
     capacity: int
     kv_group: Any = None
     stats: LockstepStats = field(default_factory=LockstepStats)
     original: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.buckets = rb.check_buckets(list(self.buckets))
-        if self.capacity > self.buckets[-1]:
-            raise MigrateError(f"max_num_seqs {self.capacity} exceeds the largest graph batch size {self.buckets[-1]}")
+        self.graph_sizes = rb.check_graph_sizes(list(self.graph_sizes))
+        if self.capacity > self.graph_sizes[-1]:
+            raise MigrateError(f"max_num_seqs {self.capacity} exceeds the largest graph batch size {self.graph_sizes[-1]}")
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         if self.kv_group is not None:
@@ -123,13 +123,13 @@ class Lockstep:
         if sum(int(t.sum()) for t in every) == 0:
             return False, ()
         counts = {r: int(t[0]) for r, t in enumerate(every)}
-        if not rb.judge(counts, self.buckets, self.policy, self.capacity).rebalance:
+        if not rb.judge(counts, self.graph_sizes, self.policy, self.capacity).rebalance:
             return True, ()
         lists: list[Any] = [None] * self.size
         dist.all_gather_object(lists, sorted(running.items()), group=self.group)
         layout = {r: [rid for rid, _ in items] for r, items in enumerate(lists)}
         weights = {rid: w for items in lists for rid, w in items}
-        decision = rb.decide(layout, self.buckets, self.policy, self.capacity, weights)
+        decision = rb.decide(layout, self.graph_sizes, self.policy, self.capacity, weights)
         if not decision.rebalance:  # judge and decide read the same counts
             raise MigrateError(f"the DP ranks' plans disagree: {decision.reason}")
         self.stats.rebalances += 1
@@ -158,8 +158,8 @@ class Lockstep:
         return rb.restore({self.rank: self.original[self.rank]}, {self.rank: here})[self.rank]
 
 
-def eager_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Every batch size from 1 to ``max_num_seqs``: the buckets of an eager engine (no captured graph),
+def eager_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Every batch size from 1 to ``max_num_seqs``: the graph sizes of an eager engine (no captured graph),
     whose DP group steps at its fullest rank's batch; the policy then evens the ranks out."""
     if not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1:
         raise MigrateError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")

@@ -1,5 +1,5 @@
-"""The rollout's long-tail rebalance POLICY: which captured graph bucket each DP rank needs, and which
-unfinished requests to move between DP ranks so that the whole DP group can drop to a smaller bucket.
+"""The rollout's long-tail rebalance POLICY: which captured graph size each DP rank needs, and which
+unfinished requests to move between DP ranks so that the whole DP group can drop to a smaller graph size.
 
 Pure functions, no vLLM: the mechanism that moves requests (verl_patches/rollout/long_tail/migrate.py, run by the
 CPU generation stand-in; not inside vLLM's engine on a device yet) and ``python -m verl_patches
@@ -8,14 +8,14 @@ tail, the policy and the mechanism.
 
 Why the group, not a rank: the DP ranks of one vLLM instance step in lockstep (MoE all-to-all), and
 every rank pads its decode batch to the captured graph of the group's largest batch. The group's
-step therefore costs the bucket of its fullest rank.
+step therefore costs the graph size of its fullest rank.
 
-The plan, for the unfinished request ids per rank ``counts[r]``, buckets ``b_1 < ... < b_k`` and a
+The plan, for the unfinished request ids per rank ``counts[r]``, graph sizes ``b_1 < ... < b_k`` and a
 per-rank capacity ``cap[r]`` (max_num_seqs, or less where a rank's KV cache is short):
 
-- target bucket: the smallest ``b`` with ``sum_r min(b, cap[r]) >= total`` (no plan of any kind can
+- target graph size: the smallest ``b`` with ``sum_r min(b, cap[r]) >= total`` (no plan of any kind can
   put ``total`` requests on the ranks with fewer than ``min(b, cap[r])`` each otherwise, so no smaller
-  bucket is reachable);
+  graph size is reachable);
 - moves: each rank above ``room[r] = min(b, cap[r])`` sends exactly ``counts[r] - room[r]`` requests,
   to ranks below their room. That is the fewest moves: a move lowers one rank's count by one, so a rank
   with ``counts[r] > room[r]`` must send at least the excess, and the sum of excesses is a lower bound;
@@ -53,17 +53,17 @@ class Move:
 @dataclass(frozen=True)
 class RebalancePolicy:
     """When to rebalance (recipe.rebalance*, verl_patches/config/settings.py). A plan is taken only when it
-    lowers the group's bucket at all, and then when it lowers it by at least ``min_bucket_drop``
-    buckets of the captured list, or when the fullest rank holds more than ``max_imbalance`` times
+    lowers the group's graph size at all, and then when it lowers it by at least ``min_graph_size_drop``
+    graph sizes of the captured list, or when the fullest rank holds more than ``max_imbalance`` times
     the mean (None: only the drop counts)."""
 
     enabled: bool = settings.KEYS["rebalance"].default
-    min_bucket_drop: int = settings.KEYS["rebalance_min_bucket_drop"].default
+    min_graph_size_drop: int = settings.KEYS["rebalance_min_graph_size_drop"].default
     max_imbalance: float | None = settings.KEYS["rebalance_max_imbalance"].default
 
     def __post_init__(self) -> None:
         # The keys' own rules (verl_patches/config/settings.py), for a policy built from anything else (the planner).
-        for key, value in (("rebalance", self.enabled), ("rebalance_min_bucket_drop", self.min_bucket_drop),
+        for key, value in (("rebalance", self.enabled), ("rebalance_min_graph_size_drop", self.min_graph_size_drop),
                            ("rebalance_max_imbalance", self.max_imbalance)):
             problem = settings.problem(key, value, key)
             if problem:
@@ -72,7 +72,7 @@ class RebalancePolicy:
     @classmethod
     def from_settings(cls, recipe: Any) -> "RebalancePolicy":
         """From the run's RecipeSettings (verl_patches/config/settings.py)."""
-        return cls(enabled=recipe.rebalance, min_bucket_drop=recipe.rebalance_min_bucket_drop,
+        return cls(enabled=recipe.rebalance, min_graph_size_drop=recipe.rebalance_min_graph_size_drop,
                    max_imbalance=recipe.rebalance_max_imbalance)
 
     @classmethod
@@ -86,31 +86,31 @@ class RebalancePolicy:
 
 @dataclass(frozen=True)
 class Decision:
-    needed: dict[int, int]  # rank -> the bucket its unfinished requests need now
-    current_bucket: int  # the group's bucket now (the largest needed)
-    target_bucket: int  # the smallest reachable bucket
+    needed: dict[int, int]  # rank -> the graph size its unfinished requests need now
+    current_graph_size: int  # the group's graph size now (the largest needed)
+    target_graph_size: int  # the smallest reachable graph size
     moves: tuple[Move, ...]  # the plan to reach it (empty when it is the current one)
     imbalance: float  # fullest rank / mean (1.0: even; 0 requests: 1.0)
     rebalance: bool  # the policy takes the plan
     reason: str
 
     @property
-    def bucket_after(self) -> int:
-        return self.target_bucket if self.rebalance else self.current_bucket
+    def graph_size_after(self) -> int:
+        return self.target_graph_size if self.rebalance else self.current_graph_size
 
 
 # ---------- input checks ----------
 
-def check_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+def check_graph_sizes(graph_sizes: Sequence[int]) -> tuple[int, ...]:
     """The captured graph batch sizes, strictly increasing positive integers."""
-    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence) or not buckets:
-        raise RebalanceError(f"graph batch sizes must be a non-empty sorted list of positive integers, got {buckets!r}")
-    for b in buckets:
+    if isinstance(graph_sizes, (str, bytes)) or not isinstance(graph_sizes, Sequence) or not graph_sizes:
+        raise RebalanceError(f"graph batch sizes must be a non-empty sorted list of positive integers, got {graph_sizes!r}")
+    for b in graph_sizes:
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-            raise RebalanceError(f"graph batch size {b!r} is not a positive integer (in {list(buckets)})")
-    if any(a >= b for a, b in zip(buckets, buckets[1:])):
-        raise RebalanceError(f"graph batch sizes must be strictly increasing, got {list(buckets)}")
-    return tuple(buckets)
+            raise RebalanceError(f"graph batch size {b!r} is not a positive integer (in {list(graph_sizes)})")
+    if any(a >= b for a, b in zip(graph_sizes, graph_sizes[1:])):
+        raise RebalanceError(f"graph batch sizes must be strictly increasing, got {list(graph_sizes)}")
+    return tuple(graph_sizes)
 
 
 def _check_layout(layout: Mapping[int, Sequence[Hashable]]) -> dict[int, list]:
@@ -147,58 +147,58 @@ def _capacities(ranks: Iterable[int], capacity: int | Mapping[int, int] | None, 
     return caps
 
 
-# ---------- (a) the bucket each rank needs ----------
+# ---------- (a) the graph size each rank needs ----------
 
-def bucket_for(count: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= count (a rank with no request runs the smallest: the group still steps)."""
+def graph_size_for(count: int, graph_sizes: Sequence[int]) -> int:
+    """The smallest graph size >= count (a rank with no request runs the smallest: the group still steps)."""
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise RebalanceError(f"a request count must be a non-negative integer, got {count!r}")
-    for b in buckets:
+    for b in graph_sizes:
         if b >= count:
             return b
-    raise RebalanceError(f"{count} unfinished requests exceed the largest graph batch size {buckets[-1]} "
-                         f"(graph_batch_sizes {list(buckets)}; max_num_seqs must not exceed it)")
+    raise RebalanceError(f"{count} unfinished requests exceed the largest graph batch size {graph_sizes[-1]} "
+                         f"(graph_batch_sizes {list(graph_sizes)}; max_num_seqs must not exceed it)")
 
 
-def needed_buckets(layout: Mapping[int, Sequence[Hashable]], buckets: Sequence[int]) -> dict[int, int]:
-    """rank -> the bucket its unfinished requests need."""
-    buckets = check_buckets(buckets)
-    return {r: bucket_for(len(ids), buckets) for r, ids in _check_layout(layout).items()}
+def needed_graph_sizes(layout: Mapping[int, Sequence[Hashable]], graph_sizes: Sequence[int]) -> dict[int, int]:
+    """rank -> the graph size its unfinished requests need."""
+    graph_sizes = check_graph_sizes(graph_sizes)
+    return {r: graph_size_for(len(ids), graph_sizes) for r, ids in _check_layout(layout).items()}
 
 
 # ---------- (b) the move plan ----------
 
-def target_bucket(counts: Mapping[int, int], buckets: Sequence[int],
+def target_graph_size(counts: Mapping[int, int], graph_sizes: Sequence[int],
                   capacity: int | Mapping[int, int] | None = None) -> int:
-    """The smallest bucket b with sum_r min(b, cap[r]) >= total: the smallest any plan can reach."""
-    buckets = check_buckets(buckets)
+    """The smallest graph size b with sum_r min(b, cap[r]) >= total: the smallest any plan can reach."""
+    graph_sizes = check_graph_sizes(graph_sizes)
     total = sum(counts.values())
     if capacity is None or not isinstance(capacity, Mapping):  # one capacity for all: no per-rank sum
-        cap = _capacities((0,), capacity, buckets[-1])[0]
-        fits = [b for b in buckets if len(counts) * min(b, cap) >= total]
+        cap = _capacities((0,), capacity, graph_sizes[-1])[0]
+        fits = [b for b in graph_sizes if len(counts) * min(b, cap) >= total]
     else:
-        caps = _capacities(counts, capacity, buckets[-1])
-        fits = [b for b in buckets if sum(min(b, c) for c in caps.values()) >= total]
+        caps = _capacities(counts, capacity, graph_sizes[-1])
+        fits = [b for b in graph_sizes if sum(min(b, c) for c in caps.values()) >= total]
     if not fits:
         raise RebalanceError(f"{total} unfinished requests do not fit {len(counts)} DP ranks at the largest graph "
-                             f"batch size {buckets[-1]} within the ranks' capacities")
+                             f"batch size {graph_sizes[-1]} within the ranks' capacities")
     return fits[0]
 
 
-def plan_moves(layout: Mapping[int, Sequence[Hashable]], buckets: Sequence[int],
+def plan_moves(layout: Mapping[int, Sequence[Hashable]], graph_sizes: Sequence[int],
                capacity: int | Mapping[int, int] | None = None,
                weights: Mapping[Hashable, float] | None = None) -> tuple[int, tuple[Move, ...]]:
-    """(the smallest reachable bucket, the fewest moves that reach it); see the module docstring."""
-    buckets = check_buckets(buckets)
+    """(the smallest reachable graph size, the fewest moves that reach it); see the module docstring."""
+    graph_sizes = check_graph_sizes(graph_sizes)
     layout = _check_layout(layout)
-    caps = _capacities(layout, capacity, buckets[-1])
+    caps = _capacities(layout, capacity, graph_sizes[-1])
     for r, ids in layout.items():
-        bucket_for(len(ids), buckets)  # a count beyond the largest bucket is malformed
+        graph_size_for(len(ids), graph_sizes)  # a count beyond the largest graph size is malformed
         if len(ids) > caps[r]:
             raise RebalanceError(f"rank {r} holds {len(ids)} requests, more than its capacity {caps[r]}")
     weights = weights or {}
     counts = {r: len(ids) for r, ids in layout.items()}
-    b = target_bucket(counts, buckets, caps)
+    b = target_graph_size(counts, graph_sizes, caps)
     room = {r: min(b, caps[r]) for r in layout}
     # Receivers: most free room first, then the lowest rank (a heap of (-free, rank)).
     free = [(-(room[r] - counts[r]), r) for r in layout if room[r] > counts[r]]
@@ -231,52 +231,52 @@ def imbalance(counts: Mapping[int, int]) -> float:
 
 @dataclass(frozen=True)
 class Verdict:
-    current_bucket: int
-    target_bucket: int
+    current_graph_size: int
+    target_graph_size: int
     imbalance: float
     rebalance: bool
     reason: str
 
 
-def judge(counts: Mapping[int, int], buckets: Sequence[int], policy: RebalancePolicy,
+def judge(counts: Mapping[int, int], graph_sizes: Sequence[int], policy: RebalancePolicy,
           capacity: int | Mapping[int, int] | None = None) -> Verdict:
     """Whether ``policy`` rebalances the unfinished request counts per rank (counts only: cheap enough
     for every step of a scheduler; ``decide`` adds the plan)."""
-    buckets = check_buckets(buckets)
+    graph_sizes = check_graph_sizes(graph_sizes)
     if not isinstance(counts, Mapping) or not counts:
         raise RebalanceError(f"the request counts must be a non-empty mapping rank -> count, got {counts!r}")
     for r, c in counts.items():
         if type(c) is not int or c < 0:  # noqa: E721 - exactly int (not bool), and fast on every step
             raise RebalanceError(f"rank {r!r}: a request count must be a non-negative integer, got {c!r}")
-    current = bucket_for(max(counts.values()), buckets)
-    target = target_bucket(counts, buckets, capacity)
+    current = graph_size_for(max(counts.values()), graph_sizes)
+    target = target_graph_size(counts, graph_sizes, capacity)
     imb = imbalance(counts)
-    drop = buckets.index(current) - buckets.index(target)
+    drop = graph_sizes.index(current) - graph_sizes.index(target)
     if not policy.enabled:
         take, why = False, "rebalance is off"
     elif drop <= 0:
-        take, why = False, f"bucket {current} is already the smallest reachable"
-    elif drop >= policy.min_bucket_drop:
-        take, why = True, f"bucket {current} -> {target} ({drop} step(s) >= {policy.min_bucket_drop})"
+        take, why = False, f"graph size {current} is already the smallest reachable"
+    elif drop >= policy.min_graph_size_drop:
+        take, why = True, f"graph size {current} -> {target} ({drop} step(s) >= {policy.min_graph_size_drop})"
     elif policy.max_imbalance is not None and imb > policy.max_imbalance:
-        take, why = True, f"bucket {current} -> {target}: imbalance {imb:.2f} > {policy.max_imbalance}"
+        take, why = True, f"graph size {current} -> {target}: imbalance {imb:.2f} > {policy.max_imbalance}"
     else:
-        take, why = False, (f"bucket {current} -> {target} is {drop} step(s) < {policy.min_bucket_drop}"
+        take, why = False, (f"graph size {current} -> {target} is {drop} step(s) < {policy.min_graph_size_drop}"
                             + (f" and imbalance {imb:.2f} <= {policy.max_imbalance}"
                                if policy.max_imbalance is not None else ""))
     return Verdict(current, target, imb, take, why)
 
 
-def decide(layout: Mapping[int, Sequence[Hashable]], buckets: Sequence[int], policy: RebalancePolicy,
+def decide(layout: Mapping[int, Sequence[Hashable]], graph_sizes: Sequence[int], policy: RebalancePolicy,
            capacity: int | Mapping[int, int] | None = None,
            weights: Mapping[Hashable, float] | None = None) -> Decision:
-    """The buckets needed now, the best reachable plan, and whether ``policy`` takes it."""
-    buckets = check_buckets(buckets)
-    needed = needed_buckets(layout, buckets)
-    target, moves = plan_moves(layout, buckets, capacity, weights)
-    v = judge({r: len(ids) for r, ids in _check_layout(layout).items()}, buckets, policy, capacity)
-    assert v.target_bucket == target and v.current_bucket == max(needed.values())
-    return Decision(needed, v.current_bucket, target, moves if v.rebalance else (), v.imbalance, v.rebalance, v.reason)
+    """The graph sizes needed now, the best reachable plan, and whether ``policy`` takes it."""
+    graph_sizes = check_graph_sizes(graph_sizes)
+    needed = needed_graph_sizes(layout, graph_sizes)
+    target, moves = plan_moves(layout, graph_sizes, capacity, weights)
+    v = judge({r: len(ids) for r, ids in _check_layout(layout).items()}, graph_sizes, policy, capacity)
+    assert v.target_graph_size == target and v.current_graph_size == max(needed.values())
+    return Decision(needed, v.current_graph_size, target, moves if v.rebalance else (), v.imbalance, v.rebalance, v.reason)
 
 
 # ---------- applying a plan and restoring the outputs ----------

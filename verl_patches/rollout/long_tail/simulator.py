@@ -4,7 +4,7 @@ threshold before spending cluster hours (docs/ROLLOUT.md).
 
 The model. ``sequences`` responses are split over ``dp`` ranks in contiguous chunks (as verl splits a
 batch); each rank runs at most ``max_num_seqs`` at once and admits its waiting ones as others finish.
-All ranks step together: one decode step of the group costs ``tpot(bucket, context)`` where bucket is
+All ranks step together: one decode step of the group costs ``tpot(graph_size, context)`` where graph size is
 the captured graph batch size of the fullest rank (every rank pads to it: MoE all-to-all) and context
 is the longest running sequence's tokens (prompt + generated; TorchAir's fixed shapes pay for it), plus
 a per-step synchronisation overhead. A response of length L admitted at step a ends at step a + L
@@ -16,9 +16,9 @@ share. At every event the rebalance policy of verl_patches/rollout/long_tail/reb
 code) is asked whether to move requests, and its plan is applied.
 
 Inputs: a response-length distribution (parametric, a recorded sample, or a run's metrics.jsonl whose
-per-step response-length statistics are fitted) and a TPOT table per bucket (a YAML/JSON file, a
+per-step response-length statistics are fitted) and a TPOT table per graph size (a YAML/JSON file, a
 preset, or ``B=MS,...`` on the command line). Output: the predicted rollout time, the tail's share,
-the time per bucket, a recommendation, and a PNG of running requests and TPOT over time.
+the time per graph size, a recommendation, and a PNG of running requests and TPOT over time.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from verl_patches.rollout.long_tail import rebalance as rb
+from verl_patches.base.schema import Integer, Number, Text, refuse_renamed
 
 MAX_SEQUENCES = 1_000_000
 MAX_LEN = 1_048_576
 MAX_DP = 65_536
-MAX_BUCKET = 65_536
+MAX_GRAPH_SIZE = 65_536
 
 
 class PlanError(ValueError):
@@ -52,7 +53,7 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class TpotTable:
-    """Milliseconds of one decode step of the DP group, per captured bucket, as points (context tokens,
+    """Milliseconds of one decode step of the DP group, per captured graph size, as points (context tokens,
     ms) interpolated linearly (held flat outside the measured range)."""
 
     points: dict[int, tuple[tuple[int, float], ...]]
@@ -60,19 +61,19 @@ class TpotTable:
     step_overhead_ms: float = 0.0
     source: str = ""
 
-    def check(self, buckets: Sequence[int]) -> None:
-        missing = [b for b in buckets if b not in self.points]
+    def check(self, graph_sizes: Sequence[int]) -> None:
+        missing = [b for b in graph_sizes if b not in self.points]
         if missing:
             raise PlanError(f"the TPOT table ({self.source}) has no entry for graph batch size(s) {missing} "
                             f"(it has {sorted(self.points)})")
 
-    def ms(self, bucket: int, ctx: float) -> float:
-        xs, ys = zip(*self.points[bucket])
+    def ms(self, graph_size: int, ctx: float) -> float:
+        xs, ys = zip(*self.points[graph_size])
         return float(np.interp(ctx, xs, ys))
 
-    def sum_ms(self, bucket: int, ctx0: int, n: int) -> float:
+    def sum_ms(self, graph_size: int, ctx0: int, n: int) -> float:
         """Sum of the TPOT of ``n`` steps at contexts ctx0, ctx0+1, ... plus the steps' overhead."""
-        pts = self.points[bucket]
+        pts = self.points[graph_size]
         if len(pts) == 1:
             return n * (pts[0][1] + self.step_overhead_ms)
         xs, ys = zip(*pts)
@@ -99,32 +100,32 @@ def _int(value: Any, what: str, low: int = 0, high: int | None = None) -> int:
 
 
 def table_from_mapping(data: Any, source: str) -> TpotTable:
-    """{"tpot_ms": {bucket: ms | {context: ms, ...}}, "prefill_ms_per_token": x, "step_overhead_ms": y}."""
+    """{"tpot_ms": {graph size: ms | {context: ms, ...}}, "prefill_ms_per_token": x, "step_overhead_ms": y}."""
     if not isinstance(data, dict) or "tpot_ms" not in data:
-        raise PlanError(f"{source}: a TPOT table is a mapping with a 'tpot_ms' mapping (bucket -> ms, or "
-                        f"bucket -> {{context tokens: ms}})")
+        raise PlanError(f"{source}: a TPOT table is a mapping with a 'tpot_ms' mapping (graph size -> ms, or "
+                        f"graph size -> {{context tokens: ms}})")
     unknown = set(data) - {"tpot_ms", "prefill_ms_per_token", "step_overhead_ms", "note"}
     if unknown:
         raise PlanError(f"{source}: unknown key(s) {sorted(map(str, unknown))} (known: tpot_ms, "
                         f"prefill_ms_per_token, step_overhead_ms, note)")
     raw = data["tpot_ms"]
     if not isinstance(raw, dict) or not raw:
-        raise PlanError(f"{source}: tpot_ms must be a non-empty mapping bucket -> ms, got {raw!r}")
+        raise PlanError(f"{source}: tpot_ms must be a non-empty mapping graph size -> ms, got {raw!r}")
     points: dict[int, tuple[tuple[int, float], ...]] = {}
     for b, v in raw.items():
-        bucket = _int(b, f"{source}: tpot_ms bucket {b!r}", 1, MAX_BUCKET)
-        if bucket in points:
-            raise PlanError(f"{source}: tpot_ms lists bucket {bucket} twice")
+        graph_size = _int(b, f"{source}: tpot_ms graph size {b!r}", 1, MAX_GRAPH_SIZE)
+        if graph_size in points:
+            raise PlanError(f"{source}: tpot_ms lists graph size {graph_size} twice")
         if isinstance(v, dict):
             if not v:
-                raise PlanError(f"{source}: tpot_ms[{bucket}] has no points")
-            pts = sorted((_int(c, f"{source}: tpot_ms[{bucket}] context {c!r}", 0, MAX_LEN * 2),
-                          _num(ms, f"{source}: tpot_ms[{bucket}][{c}]", 0.0, strict=True)) for c, ms in v.items())
+                raise PlanError(f"{source}: tpot_ms[{graph_size}] has no points")
+            pts = sorted((_int(c, f"{source}: tpot_ms[{graph_size}] context {c!r}", 0, MAX_LEN * 2),
+                          _num(ms, f"{source}: tpot_ms[{graph_size}][{c}]", 0.0, strict=True)) for c, ms in v.items())
             if len({c for c, _ in pts}) != len(pts):
-                raise PlanError(f"{source}: tpot_ms[{bucket}] lists a context twice")
+                raise PlanError(f"{source}: tpot_ms[{graph_size}] lists a context twice")
         else:
-            pts = [(0, _num(v, f"{source}: tpot_ms[{bucket}]", 0.0, strict=True))]
-        points[bucket] = tuple(pts)
+            pts = [(0, _num(v, f"{source}: tpot_ms[{graph_size}]", 0.0, strict=True))]
+        points[graph_size] = tuple(pts)
     return TpotTable(points, _num(data.get("prefill_ms_per_token", 0.05), f"{source}: prefill_ms_per_token"),
                      _num(data.get("step_overhead_ms", 0.0), f"{source}: step_overhead_ms"), source)
 
@@ -132,9 +133,9 @@ def table_from_mapping(data: Any, source: str) -> TpotTable:
 def reference_a3_table() -> TpotTable:
     """The assumed TPOT of the reference's DeepSeek-V3 TP2 DP128 rollout on A3 (docs/ROLLOUT.md): a
     50 ms floor (weights, MoE all-to-all, synchronisation) plus a batch share that grows with the
-    padded context, 75 ms x (b / 64) x (1 + context / 32768). The one captured bucket (64) then climbs
+    padded context, 75 ms x (b / 64) x (1 + context / 32768). The one captured graph size (64) then climbs
     from 125 ms to 200 ms as the longest response grows to 32K, the reference's default figures, and
-    the small buckets of the tail take 51 to 69 ms, its "near 60 ms" with rebalance. Assumed, not
+    the small graph sizes of the tail take 51 to 69 ms, its "near 60 ms" with rebalance. Assumed, not
     measured: the reference publishes only those figures."""
     pts = {b: ((0, 50 + 75 * b / 64), (32768, 50 + 75 * b / 64 * 2)) for b in (1, 2, 4, 8, 16, 32, 64)}
     return TpotTable(pts, prefill_ms_per_token=0.05, step_overhead_ms=0.0, source="preset reference-a3")
@@ -144,7 +145,7 @@ PRESETS = {"reference-a3": reference_a3_table}
 
 
 def load_table(spec: str) -> TpotTable:
-    """A preset name, a YAML/JSON file, or ``B=MS[,B=MS...]`` (constant per bucket)."""
+    """A preset name, a YAML/JSON file, or ``B=MS[,B=MS...]`` (constant per graph size)."""
     if spec in PRESETS:
         return PRESETS[spec]()
     path = Path(spec)
@@ -158,6 +159,7 @@ def load_table(spec: str) -> TpotTable:
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise PlanError(f"--tpot {spec}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
         try:
+            # Lazy: PyYAML for a TPOT file and matplotlib (slow, optional) for the figure only.
             import yaml
 
             data = yaml.safe_load(text)
@@ -368,16 +370,16 @@ def _fitted_sample(fit: dict, rng: np.random.Generator, n: int) -> np.ndarray:
 class Scenario:
     dp: int
     max_num_seqs: int
-    buckets: tuple[int, ...]
+    graph_sizes: tuple[int, ...]
     policy: rb.RebalancePolicy
     prompt_len: int
     table: TpotTable
 
     def label(self) -> str:
-        reb = (f"rebalance (drop >= {self.policy.min_bucket_drop}"
+        reb = (f"rebalance (drop >= {self.policy.min_graph_size_drop}"
                + (f" or imbalance > {self.policy.max_imbalance}" if self.policy.max_imbalance else "") + ")"
                if self.policy.enabled else "no rebalance")
-        return f"graph_batch_sizes {list(self.buckets)}, {reb}"
+        return f"graph_batch_sizes {list(self.graph_sizes)}, {reb}"
 
 
 @dataclass
@@ -392,9 +394,9 @@ class Result:
     rebalances: int
     tail_s: float  # after the tail fraction of responses ended
     tail_fraction: float
-    bucket_s: dict[int, float]  # seconds per group bucket
-    bucket_fill: dict[int, float]  # time-weighted real share of the padded slots
-    # (t0, t1, running, bucket, mean tpot ms) per segment between events
+    graph_size_s: dict[int, float]  # seconds per group graph size
+    graph_size_fill: dict[int, float]  # time-weighted real share of the padded slots
+    # (t0, t1, running, graph size, mean tpot ms) per segment between events
     segments: list[tuple[float, float, int, int, float]]
 
     @property
@@ -402,24 +404,24 @@ class Result:
         return self.tail_s / self.total_s if self.total_s > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {"config": self.scenario.label(), "graph_batch_sizes": list(self.scenario.buckets),
+        return {"config": self.scenario.label(), "graph_batch_sizes": list(self.scenario.graph_sizes),
                 "rebalance": self.scenario.policy.enabled,
-                "rebalance_min_bucket_drop": self.scenario.policy.min_bucket_drop,
+                "rebalance_min_graph_size_drop": self.scenario.policy.min_graph_size_drop,
                 "rebalance_max_imbalance": self.scenario.policy.max_imbalance,
                 "total_s": self.total_s, "decode_s": self.decode_s, "prefill_s": self.prefill_s,
                 "migrate_s": self.migrate_s, "steps": self.steps, "moves": self.moves,
                 "rebalances": self.rebalances, "tail_s": self.tail_s, "tail_share": self.tail_share,
                 "tail_fraction": self.tail_fraction,
-                "bucket_s": {str(b): s for b, s in self.bucket_s.items()},
-                "bucket_fill": {str(b): f for b, f in self.bucket_fill.items()}}
+                "graph_size_s": {str(b): s for b, s in self.graph_size_s.items()},
+                "graph_size_fill": {str(b): f for b, f in self.graph_size_fill.items()}}
 
 
 def simulate(sc: Scenario, lengths: np.ndarray, tail_fraction: float = 0.9) -> Result:
     """Run the model once over ``lengths`` (one response each)."""
-    buckets = rb.check_buckets(list(sc.buckets))
-    sc.table.check(buckets)
-    if sc.max_num_seqs > buckets[-1]:
-        raise PlanError(f"max_num_seqs {sc.max_num_seqs} exceeds the largest graph batch size {buckets[-1]}")
+    graph_sizes = rb.check_graph_sizes(list(sc.graph_sizes))
+    sc.table.check(graph_sizes)
+    if sc.max_num_seqs > graph_sizes[-1]:
+        raise PlanError(f"max_num_seqs {sc.max_num_seqs} exceeds the largest graph batch size {graph_sizes[-1]}")
     D, S, P = sc.dp, len(lengths), sc.prompt_len
     lengths = [int(x) for x in lengths]
     pf = sc.table.prefill_ms_per_token / 1000.0
@@ -452,7 +454,7 @@ def simulate(sc: Scenario, lengths: np.ndarray, tail_fraction: float = 0.9) -> R
     step = moves = rebalances = finished = 0
     need = math.ceil(tail_fraction * S)
     tail_at = t if need == 0 else None
-    bucket_s: dict[int, float] = {}
+    graph_size_s: dict[int, float] = {}
     fill: dict[int, float] = {}
     segments: list[tuple[float, float, int, int, float]] = []
     while ends:
@@ -461,14 +463,14 @@ def simulate(sc: Scenario, lengths: np.ndarray, tail_fraction: float = 0.9) -> R
             heapq.heappop(starts)
         counts = [len(x) for x in running]
         total = sum(counts)
-        bucket = rb.bucket_for(max(counts), buckets)
+        graph_size = rb.graph_size_for(max(counts), graph_sizes)
         n = nxt - step
         if n > 0:
             ctx0 = P + step - starts[0][0]
-            dt = sc.table.sum_ms(bucket, ctx0, n) / 1000.0
-            segments.append((t, t + dt, total, bucket, dt * 1000.0 / n))
-            bucket_s[bucket] = bucket_s.get(bucket, 0.0) + dt
-            fill[bucket] = fill.get(bucket, 0.0) + dt * total / (D * bucket)
+            dt = sc.table.sum_ms(graph_size, ctx0, n) / 1000.0
+            segments.append((t, t + dt, total, graph_size, dt * 1000.0 / n))
+            graph_size_s[graph_size] = graph_size_s.get(graph_size, 0.0) + dt
+            fill[graph_size] = fill.get(graph_size, 0.0) + dt * total / (D * graph_size)
             t += dt
             decode += dt
         step = nxt
@@ -486,11 +488,11 @@ def simulate(sc: Scenario, lengths: np.ndarray, tail_fraction: float = 0.9) -> R
         t += cost
         if sc.policy.enabled and ends:
             counts_map = {r: len(running[r]) for r in range(D)}
-            verdict = rb.judge(counts_map, buckets, sc.policy, capacity=sc.max_num_seqs)
+            verdict = rb.judge(counts_map, graph_sizes, sc.policy, capacity=sc.max_num_seqs)
             if verdict.rebalance:
                 layout = {r: sorted(running[r]) for r in range(D)}
                 weights = {i: P + step - admitted[i] for ids in layout.values() for i in ids}
-                decision = rb.decide(layout, buckets, sc.policy, capacity=sc.max_num_seqs, weights=weights)
+                decision = rb.decide(layout, graph_sizes, sc.policy, capacity=sc.max_num_seqs, weights=weights)
                 per_dst: dict[int, int] = {}
                 for m in decision.moves:
                     running[m.src].discard(m.request)
@@ -504,8 +506,8 @@ def simulate(sc: Scenario, lengths: np.ndarray, tail_fraction: float = 0.9) -> R
                 rebalances += 1
     tail_s = t - (tail_at if tail_at is not None else t)
     return Result(sc, t, decode, prefill, migrate, step, moves, rebalances, tail_s, tail_fraction,
-                  dict(sorted(bucket_s.items())),
-                  {b: fill[b] / bucket_s[b] for b in sorted(bucket_s) if bucket_s[b] > 0}, segments)
+                  dict(sorted(graph_size_s.items())),
+                  {b: fill[b] / graph_size_s[b] for b in sorted(graph_size_s) if graph_size_s[b] > 0}, segments)
 
 
 # ---------- the recommendation ----------
@@ -513,31 +515,31 @@ def simulate(sc: Scenario, lengths: np.ndarray, tail_fraction: float = 0.9) -> R
 @dataclass
 class Recommendation:
     max_num_seqs: int
-    baseline: Result  # one bucket (max_num_seqs), no rebalance: the configs today
-    buckets_only: Result  # the recommended buckets without rebalance
-    best: Result  # the recommended buckets and threshold
+    baseline: Result  # one graph size (max_num_seqs), no rebalance: the configs today
+    graph_sizes_only: Result  # the recommended graph sizes without rebalance
+    best: Result  # the recommended graph sizes and threshold
     tried: int
     note: str
 
 
 def recommend(base: Scenario, lengths: np.ndarray, min_gain: float = 0.02, tail_fraction: float = 0.9) -> Recommendation:
-    """Greedy: from the one bucket max_num_seqs, add the table's bucket that shortens the rollout most
+    """Greedy: from the one graph size max_num_seqs, add the table's graph size that shortens the rollout most
     (rebalance on, drop >= 1) while it gains at least ``min_gain`` of the time (each graph costs
     capture time and memory); then the threshold (drop 1, 2, 3) that is fastest (ties: the larger drop,
     which moves fewer requests)."""
     mns = base.max_num_seqs
     fits = [b for b in sorted(base.table.points) if b >= mns]
     if not fits:
-        raise PlanError(f"the TPOT table ({base.table.source}) has no bucket >= max_num_seqs {mns} to recommend from")
+        raise PlanError(f"the TPOT table ({base.table.source}) has no graph size >= max_num_seqs {mns} to recommend from")
     top = fits[0]
     off = rb.RebalancePolicy(enabled=False)
-    on = rb.RebalancePolicy(enabled=True, min_bucket_drop=1)
+    on = rb.RebalancePolicy(enabled=True, min_graph_size_drop=1)
     tried = 0
 
-    def run(buckets: tuple[int, ...], policy: rb.RebalancePolicy) -> Result:
+    def run(graph_sizes: tuple[int, ...], policy: rb.RebalancePolicy) -> Result:
         nonlocal tried
         tried += 1
-        return simulate(replace(base, buckets=buckets, policy=policy), lengths, tail_fraction)
+        return simulate(replace(base, graph_sizes=graph_sizes, policy=policy), lengths, tail_fraction)
 
     baseline = run((top,), off)
     chosen = (top,)
@@ -553,22 +555,24 @@ def recommend(base: Scenario, lengths: np.ndarray, min_gain: float = 0.02, tail_
     best = current
     if len(chosen) > 1:
         for drop in range(2, min(3, len(chosen) - 1) + 1):
-            res = run(chosen, rb.RebalancePolicy(enabled=True, min_bucket_drop=drop))
+            res = run(chosen, rb.RebalancePolicy(enabled=True, min_graph_size_drop=drop))
             if res.total_s <= best.total_s * (1 + 1e-9):
                 best = res
-    buckets_only = run(chosen, off) if len(chosen) > 1 else baseline
-    note = "" if len(chosen) > 1 else "no smaller bucket gains enough: keep one graph and no rebalance"
-    return Recommendation(mns, baseline, buckets_only, best, tried, note)
+    graph_sizes_only = run(chosen, off) if len(chosen) > 1 else baseline
+    note = "" if len(chosen) > 1 else "no smaller graph size gains enough: keep one graph and no rebalance"
+    return Recommendation(mns, baseline, graph_sizes_only, best, tried, note)
 
 
 # ---------- the CLI ----------
 
 def _png(path: Path, results: list[Result]) -> None:
     try:
+        # Lazy: PyYAML for a TPOT file and matplotlib (slow, optional) for the figure only.
         import matplotlib
     except ImportError:
         raise PlanError("the PNG needs matplotlib (requirements.txt)") from None
     matplotlib.use("Agg")
+    # Lazy: PyYAML for a TPOT file and matplotlib (slow, optional) for the figure only.
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
@@ -598,19 +602,18 @@ def _png(path: Path, results: list[Result]) -> None:
 
 
 def _report(res: Result) -> list[str]:
-    occ = ", ".join(f"{b}: {s:,.0f} s ({s / res.total_s:.0%}, {res.bucket_fill[b]:.0%} full)"
-                    for b, s in res.bucket_s.items()) if res.total_s > 0 else "-"
+    occ = ", ".join(f"{b}: {s:,.0f} s ({s / res.total_s:.0%}, {res.graph_size_fill[b]:.0%} full)"
+                    for b, s in res.graph_size_s.items()) if res.total_s > 0 else "-"
     return [f"  {res.scenario.label()}",
             f"    rollout {res.total_s:,.1f} s (decode {res.decode_s:,.1f}, prefill {res.prefill_s:,.1f}, "
             f"moves {res.migrate_s:,.1f}); {res.steps} decode steps",
             f"    tail (after {res.tail_fraction:.0%} of the responses ended): {res.tail_s:,.1f} s "
             f"= {res.tail_share:.0%} of the rollout",
-            f"    time per group bucket: {occ}",
+            f"    time per group graph size: {occ}",
             f"    {res.moves} request(s) moved in {res.rebalances} rebalance(s)"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from verl_patches.base.schema import Integer, Number, Text
     p = argparse.ArgumentParser(prog="python -m verl_patches rollout-plan",
                                 description=__doc__.split("\n\n")[0].replace("``", "`"))
     p.add_argument("--dp", type=Integer(low=1, high=MAX_DP), default="128", help="DP ranks of one vLLM instance, stepping together (default 128)")
@@ -625,16 +628,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "response_length per line, or a run's metrics.jsonl (fitted)")
     p.add_argument("--metrics-step", type=Integer(low=0), default=None, help="the metrics.jsonl step to fit (default: the last)")
     p.add_argument("--tpot", type=Text(), default="reference-a3",
-                   help=f"TPOT per bucket: a preset ({', '.join(PRESETS)}), a YAML/JSON file, or B=MS[,B=MS...]")
-    p.add_argument("--graph-batch-sizes", type=Text(), default=None, help="buckets to model, e.g. 8,16,32,64 (default: max_num_seqs)")
-    p.add_argument("--max-num-seqs", type=Integer(low=1, high=MAX_BUCKET), default=None, help="per-rank running sequences (default: responses / dp)")
+                   help=f"TPOT per graph size: a preset ({', '.join(PRESETS)}), a YAML/JSON file, or B=MS[,B=MS...]")
+    p.add_argument("--graph-batch-sizes", type=Text(), default=None, help="graph sizes to model, e.g. 8,16,32,64 (default: max_num_seqs)")
+    p.add_argument("--max-num-seqs", type=Integer(low=1, high=MAX_GRAPH_SIZE), default=None, help="per-rank running sequences (default: responses / dp)")
     p.add_argument("--rebalance", action="store_true", help="model the rebalance policy with the settings below")
-    p.add_argument("--min-bucket-drop", type=Integer(low=1, high=64), default="1", help="recipe.rebalance_min_bucket_drop (default 1)")
+    p.add_argument("--min-graph-size-drop", type=Integer(low=1, high=64), default="1", help="recipe.rebalance_min_graph_size_drop (default 1)")
+    refuse_renamed(p, {"--min-bucket-drop": "--min-graph-size-drop"})  # issue 38: graph sizes, not buckets
     p.add_argument("--max-imbalance", type=Number(low=1, high=1e9), default=None, help="recipe.rebalance_max_imbalance (default: null)")
     p.add_argument("--tail-fraction", type=Number(low=0, high=1), default="0.9", help="the tail starts when this share of responses ended")
     p.add_argument("--seed", type=Integer(low=0, high=2 ** 32 - 1), default="0", help="seed of the length sample")
     p.add_argument("--no-recommend", action="store_true", help="model the given configuration only")
-    p.add_argument("--min-gain", type=Number(low=0, high=1), default="0.02", help="an extra graph bucket must save this share (default 0.02)")
+    p.add_argument("--min-gain", type=Number(low=0, high=1), default="0.02", help="an extra graph size must save this share (default 0.02)")
     p.add_argument("--png", type=Text(), default="rollout_plan.png", help="the figure (default rollout_plan.png)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -685,32 +689,32 @@ def plan(args: argparse.Namespace) -> dict:
     table = load_table(args.tpot)
     per_rank = math.ceil(sequences / dp)
     if args.max_num_seqs is not None:
-        mns = _int(args.max_num_seqs, "--max-num-seqs", 1, MAX_BUCKET)
+        mns = _int(args.max_num_seqs, "--max-num-seqs", 1, MAX_GRAPH_SIZE)
     else:
         fits = [b for b in sorted(table.points) if b >= per_rank]
         mns = fits[0] if fits else max(table.points)
     if args.graph_batch_sizes is not None:
         try:
-            buckets = tuple(sorted(int(x) for x in args.graph_batch_sizes.split(",")))
+            graph_sizes = tuple(sorted(int(x) for x in args.graph_batch_sizes.split(",")))
         except ValueError:
             raise PlanError(f"--graph-batch-sizes must be integers separated by commas, got "
                             f"{args.graph_batch_sizes!r}") from None
         try:
-            rb.check_buckets(list(buckets))
+            rb.check_graph_sizes(list(graph_sizes))
         except rb.RebalanceError as e:
             raise PlanError(f"--graph-batch-sizes: {e}") from None
     else:
-        buckets = (mns,)
-    if mns > buckets[-1]:
-        raise PlanError(f"--max-num-seqs {mns} exceeds the largest graph batch size {buckets[-1]} "
+        graph_sizes = (mns,)
+    if mns > graph_sizes[-1]:
+        raise PlanError(f"--max-num-seqs {mns} exceeds the largest graph batch size {graph_sizes[-1]} "
                         f"(every running batch must have a captured graph)")
-    table.check(buckets)
+    table.check(graph_sizes)
     imb = None if args.max_imbalance is None else _float(args.max_imbalance, "--max-imbalance", 1.0, 1e9)
     policy = rb.RebalancePolicy(enabled=bool(args.rebalance),
-                                min_bucket_drop=_int(args.min_bucket_drop, "--min-bucket-drop", 1, 64),
+                                min_graph_size_drop=_int(args.min_graph_size_drop, "--min-graph-size-drop", 1, 64),
                                 max_imbalance=imb)
     lengths = src.sample(np.random.default_rng(seed), sequences, max_len)
-    sc = Scenario(dp, mns, buckets, policy, prompt_len, table)
+    sc = Scenario(dp, mns, graph_sizes, policy, prompt_len, table)
     given = simulate(sc, lengths, tail)
     rec = None if args.no_recommend else recommend(sc, lengths, min_gain, tail)
     return {"inputs": {"dp": dp, "responses": sequences, "max_len": max_len, "prompt_len": prompt_len,
@@ -726,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         out = plan(args)
         given, rec = out["given"], out["recommendation"]
         shown = [given] + ([rec.baseline, rec.best] if rec else [])
-        unique = list({(r.scenario.buckets, r.scenario.policy): r for r in shown}.values())  # one line each
+        unique = list({(r.scenario.graph_sizes, r.scenario.policy): r for r in shown}.values())  # one line each
         if not args.no_png:
             _png(Path(args.png), unique)
     except (PlanError, rb.RebalanceError) as e:
@@ -736,10 +740,10 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"inputs": out["inputs"], "fit": out["fit"], "given": given.as_dict()}
         if rec:
             doc["recommendation"] = {
-                "graph_batch_sizes": list(rec.best.scenario.buckets), "max_num_seqs": rec.max_num_seqs,
+                "graph_batch_sizes": list(rec.best.scenario.graph_sizes), "max_num_seqs": rec.max_num_seqs,
                 "rebalance": rec.best.scenario.policy.enabled,
-                "rebalance_min_bucket_drop": rec.best.scenario.policy.min_bucket_drop,
-                "baseline": rec.baseline.as_dict(), "buckets_only": rec.buckets_only.as_dict(),
+                "rebalance_min_graph_size_drop": rec.best.scenario.policy.min_graph_size_drop,
+                "baseline": rec.baseline.as_dict(), "graph_sizes_only": rec.graph_sizes_only.as_dict(),
                 "best": rec.best.as_dict(), "speedup": rec.baseline.total_s / rec.best.total_s
                 if rec.best.total_s > 0 else 1.0, "simulations": rec.tried, "note": rec.note}
         print(json.dumps(doc, indent=2))
@@ -755,15 +759,15 @@ def main(argv: list[str] | None = None) -> int:
         b = rec.best.scenario
         print("default (one graph of max_num_seqs, no rebalance):")
         print("\n".join(_report(rec.baseline)))
-        if rec.buckets_only is not rec.baseline:
-            print("recommended buckets without rebalance:")
-            print("\n".join(_report(rec.buckets_only)))
+        if rec.graph_sizes_only is not rec.baseline:
+            print("recommended graph sizes without rebalance:")
+            print("\n".join(_report(rec.graph_sizes_only)))
         print("recommended:")
         print("\n".join(_report(rec.best)))
         speed = rec.baseline.total_s / rec.best.total_s if rec.best.total_s > 0 else 1.0
-        print(f"recommendation ({rec.tried} simulations): graph_batch_sizes {list(b.buckets)}, max_num_seqs "
+        print(f"recommendation ({rec.tried} simulations): graph_batch_sizes {list(b.graph_sizes)}, max_num_seqs "
               f"{rec.max_num_seqs}, recipe.rebalance {str(b.policy.enabled).lower()}"
-              + (f", recipe.rebalance_min_bucket_drop {b.policy.min_bucket_drop}" if b.policy.enabled else "")
+              + (f", recipe.rebalance_min_graph_size_drop {b.policy.min_graph_size_drop}" if b.policy.enabled else "")
               + f": {rec.baseline.total_s:,.0f} s -> {rec.best.total_s:,.0f} s ({speed:.2f}x)"
               + (f"; {rec.note}" if rec.note else ""))
     if not args.no_png:

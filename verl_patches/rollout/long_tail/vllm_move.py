@@ -101,6 +101,7 @@ def _refuse(rid: str, why: str) -> MoveError:
 
 
 def _check_movable(parts: EngineParts, rid: str) -> tuple[Any, Any, Any]:
+    # Lazy: vLLM V1's engine modules inside vLLM's processes; the move's bookkeeping imports without vLLM.
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
     from vllm.v1.request import RequestStatus
 
@@ -187,6 +188,7 @@ def put_in(parts: EngineParts, payload: Mapping[str, Any], rid: str) -> Any:
     ``CachedRequestState`` with its generator, the output processor's ``RequestState``. The next
     ``schedule()`` schedules exactly its next token. A full running list or pool is an error and
     leaves this rank unchanged. Returns the ``Request``."""
+    # Lazy: vLLM V1's engine modules inside vLLM's processes; the move's bookkeeping imports without vLLM.
     from vllm.v1.engine.detokenizer import IncrementalDetokenizer
     from vllm.v1.engine.logprobs import LogprobsProcessor
     from vllm.v1.engine.output_processor import RequestState
@@ -245,6 +247,7 @@ def restore_output(output_processor: Any, home: Mapping[str, Any], output: Any) 
     the rank it finished on) as the home engine would have produced it: renamed to its home id, or
     handed to its parent (n > 1) there. Returns the output to report, or None while the parent still
     waits for other samples."""
+    # Lazy: vLLM V1's engine modules inside vLLM's processes; the move's bookkeeping imports without vLLM.
     from vllm.outputs import RequestOutput
 
     if not output.finished or len(output.outputs) != 1:

@@ -21,6 +21,7 @@ and each parameter gets its own ``step`` afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -34,8 +35,9 @@ HOST_METHODS = ("step", "zero_grad", "state_dict", "load_state_dict", "reload_mo
 def init_adam_state(optimizer) -> int:
     """Give every parameter of torch AdamW optimizers inside ``optimizer`` that has no state yet the
     state AdamW's first step would create; returns how many were initialised."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
-
     from verl_patches.offload.megatron_memory import inner_optimizers
 
     n = 0
@@ -58,6 +60,8 @@ def init_adam_state(optimizer) -> int:
 
 def unshare_steps(optimizer) -> None:
     """One ``step`` tensor per parameter: AdamW advances each in place."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.offload.megatron_memory import inner_optimizers
 
     for opt in inner_optimizers(optimizer):
@@ -73,8 +77,6 @@ def unshare_steps(optimizer) -> None:
 def _step_from_own_state(optimizer):
     """During a load: megatron-core's _set_main_param_and_optimizer_states copies every state key of
     a parameter from the checkpoint's tensors, which have no ``step``; it is given the state's own."""
-    import contextlib
-
     @contextlib.contextmanager
     def scope():
         targets = [o for o in _chained(optimizer) if hasattr(o, "_set_main_param_and_optimizer_states")]
@@ -108,6 +110,8 @@ def _chained(optimizer) -> list:
 def wrap_get_megatron_optimizer(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_megatron_optimizer(*args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.cpu.cuda_runtime import on_host
 
         optimizer = on_host(original)(*args, **kwargs)

@@ -19,6 +19,8 @@ from verl_patches.core.record import Patch
 def wrap_get_forward_backward_func(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_forward_backward_func():
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.cpu.cuda_runtime import on_host
 
         return on_host(original())

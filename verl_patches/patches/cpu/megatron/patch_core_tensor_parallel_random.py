@@ -24,6 +24,8 @@ from verl_patches.core.record import Patch
 
 
 def set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
 
     torch.set_rng_state(new_state)
@@ -33,6 +35,8 @@ def set_cuda_rng_state(new_state, device=-1, graph_safe=False):
 def fork(self, name=None):
     """The tracker's stream ``name`` (megatron-core's model-parallel one by default) for the body, on the
     host generator; the stream's advance is kept for the next fork and the previous state comes back."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
     from megatron.core.tensor_parallel.random import _MODEL_PARALLEL_RNG_TRACKER_NAME
 

@@ -14,6 +14,8 @@ from verl_patches.core.record import Patch
 
 
 def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
 
     if as_numpy and torch.is_tensor(tensor):

@@ -19,6 +19,8 @@ from verl_patches.core.record import Patch
 def wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
         from verl_patches.cpu.cuda_runtime import host_stream_class
 
         with host_stream_class():

@@ -10,6 +10,8 @@ NPU or CUDA; ``torch.cuda.is_available()`` keeps answering False.
 
 from __future__ import annotations
 
+import contextlib
+
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 
@@ -24,14 +26,14 @@ def synchronize(device=None):
 
 
 def current_stream(device=None):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.cpu.cuda_runtime import HOST_STREAM
 
     return HOST_STREAM
 
 
 def stream(stream):
-    import contextlib
-
     return contextlib.nullcontext()
 
 _WHY = ("The recipe's loop runs on a machine without an accelerator (the tiny run in CI); megatron-core asks "

@@ -15,18 +15,24 @@ from verl_patches.core.record import Patch
 
 
 def get_rng_state(device="cuda"):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
 
     return torch.get_rng_state()
 
 
 def set_rng_state(new_state, device="cuda"):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
 
     torch.set_rng_state(new_state)
 
 
 def manual_seed(seed):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
 
     torch.manual_seed(seed)

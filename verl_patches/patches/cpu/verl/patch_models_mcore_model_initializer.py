@@ -15,6 +15,8 @@ from verl_patches.core.record import Patch
 
 
 def get_transformer_layer_spec(self):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.cpu.megatron_layers import te_layer_spec
 
     return te_layer_spec(self.tfconfig)

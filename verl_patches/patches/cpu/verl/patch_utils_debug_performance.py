@@ -17,6 +17,8 @@ from verl_patches.core.record import Patch
 
 
 def reduce_timing(timing_raw):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     import torch
     import torch.distributed as dist
 

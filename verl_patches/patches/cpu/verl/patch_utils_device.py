@@ -15,12 +15,16 @@ from verl_patches.core.record import Patch
 
 
 def get_nccl_backend() -> str:
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.base import accelerator
 
     return accelerator.dist_backend()
 
 
 def get_torch_device():
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.base import accelerator
 
     return accelerator.device_module()

@@ -11,6 +11,8 @@ from verl_patches.core.record import Patch
 
 
 def cpu_llm_init(self, model, **kwargs):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.cpu.engine import llm_init
 
     llm_init(self, model, **kwargs)
@@ -18,6 +20,8 @@ def cpu_llm_init(self, model, **kwargs):
 
 def cpu_llm_generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm=True,
                      lora_request=None, prompt_adapter_request=None, guided_options_request=None, priority=None):
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from verl_patches.cpu.engine import llm_generate
 
     return llm_generate(self, prompts, sampling_params, prompt_token_ids, use_tqdm, lora_request,

@@ -22,6 +22,8 @@ from verl_patches.core.record import Patch
 
 def inspect_model_cls(self: Any) -> Any:
     """The model class's ``_ModelInfo``, read in this process (``self``: vLLM's _LazyRegisteredModel)."""
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
     from vllm.model_executor.models.registry import _ModelInfo
 
     return _ModelInfo.from_model_cls(self.load_model_cls())

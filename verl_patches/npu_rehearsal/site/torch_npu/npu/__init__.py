@@ -25,6 +25,7 @@ import torch
 from torch._streambase import _EventBase, _StreamBase
 
 from verl_patches import npu_rehearsal as _platform
+from verl_patches.base.accelerator import host_mem_info
 
 _state = {"device": 0, "compile_mode": None}
 TENSOR_DEVICE_TYPE = "cpu"  # a tensor made "on the NPU" is a host tensor (transfer_to_npu's stand-in)
@@ -63,8 +64,6 @@ def get_device_name(device: Any = None) -> str:
 
 
 def get_device_properties(device: Any = None) -> SimpleNamespace:
-    from verl_patches.base.accelerator import host_mem_info
-
     return SimpleNamespace(name=get_device_name(), total_memory=host_mem_info()[1], multi_processor_count=1)
 
 
@@ -123,8 +122,6 @@ def memory_stats(device: Any = None) -> dict[str, int]:
 
 
 def mem_get_info(device: Any = None) -> tuple[int, int]:
-    from verl_patches.base.accelerator import host_mem_info
-
     return host_mem_info()
 
 

@@ -8,11 +8,10 @@ and the rehearsal takes the paths of the CANN the recipe runs on. There is no CA
 from __future__ import annotations
 
 from verl_patches import npu_rehearsal as _platform
+from verl_patches.core.lock import load_lock
 
 
 def get_cann_version() -> str:
-    from verl_patches.core.lock import load_lock
-
     return str(load_lock()["cann"].ref)
 
 
