@@ -157,7 +157,16 @@ needs_npu_stack = pytest.mark.skipif(_npu_stack_missing() is not None,
 
 @needs_npu_stack
 def test_verls_initializer_builds_the_npu_model_with_no_dummy_module_and_it_trains():
-    out = result(run(str(REPO / "tests/npu_rehearsal/npu_path_build.py")))
+    proc = run(str(REPO / "tests/npu_rehearsal/npu_path_build.py"))
+    out = result(proc)
+    # The spec record walked the layer spec before the build, found no dummy, and printed each class's release.
+    table = proc.stdout.split("DeepSeek-V3's layer spec on Ascend resolves to", 1)[1]
+    assert ("layer.self_attention: mindspeed_llm.tasks.models.transformer.multi_latent_attention.CustomMLASelfAttention "
+            "[mindspeed_llm v2.2.0 (53f3639c3da9)]") in table
+    assert "core_attention: mindspeed_llm.tasks.models.transformer.mla_dot_product_attention.MlaDotProductAttention" in table
+    assert ("layer.mlp.experts: mindspeed.core.transformer.moe.moe_feature.adaptor.MindSpeedGmmExperts "
+            "[mindspeed v2.2.0_core_r0.12.1") in table
+    assert ": transformer_engine." not in table and ": verl_patches.cpu." not in table and "[?]" not in table
     assert out["dummies"] == []
     assert not any(c.startswith("megatron.core.extensions.transformer_engine") for c in out["classes"])
     assert {"mindspeed_llm.tasks.models.transformer.multi_latent_attention.CustomMLASelfAttention",

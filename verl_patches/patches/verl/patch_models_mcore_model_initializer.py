@@ -11,7 +11,9 @@ local norms), built under Megatron's global arguments that MindSpeed-LLM's parse
 before the model is built). We return that spec unchanged, so the model is the one the reference trains.
 
 The spec reads Megatron's global arguments when it is imported (``get_args()``), so it is imported here, at
-the call, never at the patch's import. Ascend only (the NPU and its rehearsal platform); the CPU platform has
+the call, never at the patch's import. Every class it resolves to is checked (verl_patches/train/layer_classes.py:
+no None, no bare torch.nn.Module dummy, nothing of Transformer Engine or the CPU platform) and printed once with
+its release, before the model is built. Ascend only (the NPU and its rehearsal platform); the CPU platform has
 its own host spec (cpu.verl.deepseek_v3_host_layer_spec) and CUDA keeps upstream's TE spec.
 """
 
@@ -21,8 +23,10 @@ import importlib
 
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
+from verl_patches.train import layer_classes
 
 SPEC_MODULE = "mindspeed_llm.tasks.models.spec.deepseek_spec"
+_REPORTED: list[bool] = []  # the resolved classes are printed once per process
 
 
 def get_transformer_layer_spec(self):
@@ -35,7 +39,13 @@ def get_transformer_layer_spec(self):
             f"{SPEC_MODULE} needs Megatron's global arguments (MindSpeed-LLM's parser) before DeepSeek-V3 is "
             "built: they are set by verl.recipe_megatron.binding from the worker's "
             "actor_rollout_ref.rollout.recipe.megatron section; give the worker config that section")
-    return importlib.import_module(SPEC_MODULE).layer_spec
+    spec = importlib.import_module(SPEC_MODULE).layer_spec
+    entries = layer_classes.check(spec, f"{SPEC_MODULE}.layer_spec")
+    if not _REPORTED:
+        _REPORTED.append(True)
+        print("verl_patches: DeepSeek-V3's layer spec on Ascend resolves to\n  " + "\n  ".join(layer_classes.report(entries)),
+              flush=True)
+    return spec
 
 
 PATCHES = [
