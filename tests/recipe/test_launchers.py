@@ -457,8 +457,12 @@ def test_a_ray_head_that_dies_while_the_trainer_runs_stops_the_launcher_at_once(
     port, *agent = _free_ports(6)
     temp = Path(f"/tmp/rd{os.getpid()}")
     script = HEAD_LAUNCH + "TRAINER_CMD=(sleep 120)\nlaunch_start head\n"
+    # STOP_GRACE_S 5: the teardown waits that long for a process group of Ray's that outlives its head before SIGKILL
+    # (15 s by default). Measured on the 2-core machine, 2026-11-28: 16.3 s with the default quiet, 31.4 s with it
+    # under load (a CI failure), 6.1 s with 5 quiet; the bound is the detection (a 1 s poll) plus that teardown.
     env = _env(DEVICE="cuda", NNODES="1", DEVICES_PER_NODE="1", RAY_NUM_CPUS="1", MASTER_ADDR="127.0.0.1",
                RAY_PORT=str(port), RAY_TEMP_DIR=str(temp), LOG_DIR=str(tmp_path / "logs"), WAIT_TIMEOUT_S="90",
+               STOP_GRACE_S="5",
                RAY_EXTRA_ARGS=(f"--ray-client-server-port={agent[0]} --dashboard-agent-listen-port={agent[1]} "
                                f"--dashboard-agent-grpc-port={agent[2]} --metrics-export-port={agent[3]} "
                                f"--runtime-env-agent-port={agent[4]}"))
