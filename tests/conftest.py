@@ -80,7 +80,7 @@ _FIRST = (
     "tests/recipe/test_multinode_rehearsal.py",  # 456
     "tests/recipe/test_train_tiny_dynamic_bsz.py",  # 344
     "tests/recipe/test_multinode_node_loss.py",  # 335
-    "tests/npu_rehearsal/test_tiny_run.py",  # about 300 (2026-11-28, alone)
+    "tests/npu_rehearsal/test_tiny_run.py",  # 95 alone with 2 steps (2026-11-28); 6 steps since
     "tests/recipe/test_launchers.py",  # 306
     "tests/test_scripts.py",  # 348, of which 215 the eight-worker measure_tensorcache_bytes.py, since two
     "tests/preflight/test_preflight.py",  # 175
