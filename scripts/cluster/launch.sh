@@ -33,7 +33,8 @@ Run the same command on every node. Environment (defaults in parentheses):
   ROLE (from NODE_RANK, else head if MASTER_ADDR is a local address), NODE_RANK,
   MASTER_ADDR (first local address), RAY_PORT (6379), NNODES (16), DEVICES_PER_NODE (16),
   DEVICE (npu | cuda | cpu | npu-rehearsal), UPSTREAM_ROOT (copied upstream packages, first on PYTHONPATH), SOCKET_IFNAME (the interface routing to MASTER_ADDR),
-  CANN_ENV_SCRIPT, NNAL_ENV_SCRIPT, MODEL_PATH, TRAIN_FILES, VAL_FILES, CKPT_SAVE_DIR,
+  CANN_ENV_SCRIPT, NNAL_ENV_SCRIPT, MODEL_PATH, TRAIN_FILES, VAL_FILES,
+  CKPT_SAVE_DIR (required on more than one node: a directory every node shares; one node: under out/),
   LOG_DIR, RAY_TEMP_DIR, RAY_NUM_CPUS, WAIT_TIMEOUT_S (900), PYTHON (python3), RAY_BIN (ray),
   LAUNCH_CONSOLE (full | steps: the console shows the report's lines, the rest goes to LOG_DIR)
   ${LAUNCH_EXTRA_USAGE:-}
@@ -44,6 +45,7 @@ launch_defaults() {
   MODEL_PATH="${MODEL_PATH:-${HOME}/models/DeepSeek-V3-bf16}"
   TRAIN_FILES="${TRAIN_FILES:-${HOME}/data/deepscaler/train.parquet}"
   VAL_FILES="${VAL_FILES:-${HOME}/data/deepscaler/test.parquet}"
+  LAUNCH_CKPT_SAVE_DIR_GIVEN="${CKPT_SAVE_DIR:+1}"
   CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-${RECIPE_ROOT}/out/checkpoints/${CONFIG_NAME}}"
 }
 
@@ -90,6 +92,12 @@ PY
     return 1
   fi
   echo "  torch, hydra-core, verl, ray importable"
+  # Every rank writes its shards of a checkpoint into CKPT_SAVE_DIR: on several nodes that must be one directory
+  # they all see. The default lies under this checkout, inside this node's container: refused, not guessed.
+  if ((NNODES > 1)) && [[ -z "${LAUNCH_CKPT_SAVE_DIR_GIVEN:-}" ]]; then
+    echo "error: CKPT_SAVE_DIR is not set on a ${NNODES}-node run: every node's ranks write their shards of a checkpoint into it, and the default (${CKPT_SAVE_DIR}) is inside this node's container; set CKPT_SAVE_DIR to a directory on storage every node mounts at the same path" >&2
+    rc=1
+  fi
   if [[ "$role" == head ]]; then
     launch_check_head head || rc=1
   else

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items()
            if k not in ("DIST_CKPT_PATH", "ROLE", "NODE_RANK", "NNODES", "DEVICE") and not k.endswith("_SOCKET_IFNAME")}
     env.update(PYTHON=sys.executable, RAY_BIN=str(VENV_BIN / "ray"), MASTER_ADDR="10.0.0.1", SOCKET_IFNAME="eth9")
+    # A multi-node run needs the checkpoint directory named (shared storage); the dry runs write nothing there.
+    env.setdefault("CKPT_SAVE_DIR", str(Path(tempfile.gettempdir()) / "verl_patches_launcher_test_ckpt"))
     env.update(extra)
     return env
 
@@ -153,6 +156,17 @@ def test_random_init_dry_run_env_overrides_and_layout_error(hooked, inputs):
 
 
 @pytest.mark.slow
+def test_a_multi_node_run_without_a_named_checkpoint_directory_is_refused(hooked, inputs):
+    """The default CKPT_SAVE_DIR lies under the checkout, in one node's container; on 16 nodes every rank writes its
+    checkpoint shards there, so the run (and its dry run) refuses it until the user names a shared directory."""
+    r = _run(RANDOM_INIT, "--dry-run", NODE_RANK="0", PYTHONPATH=hooked, CKPT_SAVE_DIR="", **inputs)
+    assert r.returncode == 1 and "dry run FAILED" in r.stderr, r.stdout + r.stderr
+    assert "error: CKPT_SAVE_DIR is not set on a 16-node run" in r.stderr
+    assert "out/checkpoints/deepseekv3_256die_random_init" in r.stderr  # the default it refused, named
+    one = _run(RANDOM_INIT, "--dry-run", NODE_RANK="0", NNODES="1", PYTHONPATH=hooked, CKPT_SAVE_DIR="", **inputs)
+    assert "CKPT_SAVE_DIR is not set" not in one.stderr  # one node: its own disk is every rank's
+
+
 def test_dry_run_fails_for_what_the_real_run_would_fail_on(tmp_path):
     """Finding 4: each of these passed as "dry run OK". Here all at once (one run is 15 s):
     the doctor failing for the target platform (NPU: no torch_npu or CANN here), no prelude line
