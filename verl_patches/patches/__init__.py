@@ -59,6 +59,7 @@ RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.megatron.patch_core_models_common_embeddings_rope_utils",
     "verl_patches.patches.mindspeed.patch_arguments",
     "verl_patches.patches.mindspeed.patch_features_manager_features_manager",
+    "verl_patches.patches.mindspeed.patch_core_megatron_basic_requirements_basic",
     "verl_patches.patches.mindspeed.patch_llm_core_transformer_custom_dot_product_attention",
 )
 
