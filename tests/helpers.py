@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -96,3 +99,21 @@ def rank_pids(parent: int) -> list[int]:
         if b"spawn_main" in cmd or b"multiprocessing.forkserver" in cmdline(ppid(pid)):
             out.append(pid)
     return out
+
+
+def npu_stack_missing() -> str | None:
+    """The first package of the NPU path that is not importable here (MindSpeed 2.2.0, MindSpeed-LLM 2.2.0,
+    Megatron-LM's training package), or None."""
+    for name in ("mindspeed_llm", "megatron.training", "mindspeed.te.pytorch.module"):
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except ModuleNotFoundError:
+            return name
+    return None
+
+
+needs_npu_stack = pytest.mark.skipif(npu_stack_missing() is not None,
+                                     reason=f"{npu_stack_missing()} is not importable (MindSpeed v2.2.0_core_r0.12.1, "
+                                            "MindSpeed-LLM v2.2.0 and Megatron-LM core_v0.12.1's training "
+                                            "packages are needed: scripts/setup_test_env.sh installs them)")

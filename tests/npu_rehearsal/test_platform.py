@@ -8,7 +8,6 @@ package and MindSpeed >= v2.2.0_core_r0.12.1 importable; it is skipped, saying w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import os
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import needs_npu_stack
 from verl_patches import npu_rehearsal
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,22 +137,6 @@ def test_the_stand_in_maps_the_device_api_onto_the_host_and_fails_loudly():
     if out.get("builder") != "mindspeed not installed":
         assert {"npu_gmm", "npu_gmm_backward"} <= set(out["builder_known"])
         assert out["builder"].startswith("MissingKernel: MindSpeed op builder 'grouped_matmul'")
-
-
-def _npu_stack_missing() -> str | None:
-    for name in ("mindspeed_llm", "megatron.training", "mindspeed.te.pytorch.module"):
-        try:
-            if importlib.util.find_spec(name) is None:
-                return name
-        except ModuleNotFoundError:
-            return name
-    return None
-
-
-needs_npu_stack = pytest.mark.skipif(_npu_stack_missing() is not None,
-                                     reason=f"{_npu_stack_missing()} is not importable (MindSpeed v2.2.0_core_r0.12.1, "
-                                            "MindSpeed-LLM v2.2.0 and Megatron-LM core_v0.12.1's training "
-                                            "packages are needed)")
 
 
 @needs_npu_stack

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, needs_npu_stack
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +41,7 @@ REWARD_RISE = 0.10
 LOGPROB_DIFF_MEAN_BOUND = 0.004
 
 
-def _stack_missing() -> str | None:
-    import importlib.util
-
-    for name in ("mindspeed", "mindspeed_llm", "megatron.training"):
-        try:
-            if importlib.util.find_spec(name) is None:
-                return name
-        except ModuleNotFoundError:
-            return name
-    return None
-
-
-@pytest.mark.skipif(_stack_missing() is not None, reason=f"{_stack_missing()} is not importable (the NPU stack: "
-                                                         "scripts/setup_test_env.sh installs it)")
+@needs_npu_stack
 def test_the_npu_path_trains_in_verls_loop(tmp_path):
     out = tmp_path / "npu"
     env = dict(os.environ, TINY_OUT=str(out), DEVICE="npu-rehearsal")
