@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,8 @@ def _env(**extra):
            if k not in ("DIST_CKPT_PATH", "ROLE", "NODE_RANK", "NNODES", "DEVICE", "MODEL_PATH", "TRAIN_FILES",
                         "VAL_FILES") and not k.endswith("_SOCKET_IFNAME") and not k.startswith("VERL_PATCHES_")}
     env.update(PYTHON=sys.executable, RAY_BIN="/bin/false", MASTER_ADDR="10.0.0.1", SOCKET_IFNAME="eth9")
+    # A multi-node run needs the checkpoint directory named (shared storage); nothing here writes there.
+    env.setdefault("CKPT_SAVE_DIR", str(Path(tempfile.gettempdir()) / "verl_patches_cluster_check_ckpt"))
     env.update(extra)
     return env
 
