@@ -68,16 +68,19 @@ export MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 export MODEL_PATH="$TINY_ASSETS/model" TRAIN_FILES="$TINY_ASSETS/data/train.parquet"
 export VAL_FILES="$TINY_ASSETS/data/val.parquet" CKPT_SAVE_DIR="${CKPT_SAVE_DIR:-$TINY_OUT/checkpoints}"
 export WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}" LAUNCH_CONSOLE="${LAUNCH_CONSOLE:-steps}"
-# A Ray of its own: a free port between Ray's own worker ports (10002-19999) and the kernel's
-# ephemeral range, a short private temp dir (Ray's socket paths are limited to 107 characters).
-RAY_PORT="${RAY_PORT:-$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(1, low=20000))')}"
+# A Ray of its own, a short private temp dir (Ray's socket paths are limited to 107 characters), and the ports this
+# run binds itself, taken as one block of free ports between Ray's own worker ports (10002-19999) and the kernel's
+# ephemeral range: Ray's port, the vLLM DP masters' 8, Ray's worker ports (64) and its agents' 4. Ray's fixed
+# default ports are shared by every Ray on a host: two tiny runs side by side (the tests run several) failed to bind
+# 10002 ("Failed to start the grpc server"). One block, not one pick per purpose: picked separately, two of them
+# overlapped once (the DP masters on the run's own agent ports, CI 2026-11-28). RAY_PORT and RAY_EXTRA_ARGS, when
+# the user sets them, replace their parts of the block.
+PORT_BLOCK="$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(77, low=20000))')"
+RAY_PORT="${RAY_PORT:-$PORT_BLOCK}"
 RAY_TEMP_DIR="${RAY_TEMP_DIR:-$(mktemp -d /tmp/ray_tiny.XXXXXX)}"
-VLLM_DP_PORT="$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(8, low=20000))')"
-# Ray's fixed default ports are shared by every Ray on a host (its workers from 10002 up, its agents'): two tiny
-# runs side by side (the tests run several) failed to bind 10002 ("Failed to start the grpc server"). Each run
-# takes free ones of its own: 64 worker ports, then the agents' 4 (the user's RAY_EXTRA_ARGS replaces them).
+VLLM_DP_PORT=$((PORT_BLOCK + 1))
 if [[ -z "${RAY_EXTRA_ARGS:-}" ]]; then
-  RAY_OWN_PORT="$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(68, low=20000))')"
+  RAY_OWN_PORT=$((PORT_BLOCK + 9))
   RAY_EXTRA_ARGS="--min-worker-port=$RAY_OWN_PORT --max-worker-port=$((RAY_OWN_PORT + 63))"
   RAY_EXTRA_ARGS+=" --dashboard-agent-listen-port=$((RAY_OWN_PORT + 64)) --dashboard-agent-grpc-port=$((RAY_OWN_PORT + 65))"
   RAY_EXTRA_ARGS+=" --metrics-export-port=$((RAY_OWN_PORT + 66)) --runtime-env-agent-port=$((RAY_OWN_PORT + 67))"
