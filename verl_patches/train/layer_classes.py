@@ -104,8 +104,12 @@ def releases() -> dict[str, str]:
     out = {}
     for package, key in PACKAGES.items():
         comp = lock.get(key) if key else None
-        out[package] = "this overlay" if key is None else (
-            f"{key} {comp.ref}" + (f" ({comp.commit[:12]})" if comp and comp.commit else "") if comp else f"{key} (not in the lock)")
+        if key is None:
+            out[package] = "this overlay"
+        elif comp is None:
+            out[package] = f"{key} (not in the lock)"
+        else:
+            out[package] = f"{key} {comp.ref}" + (f" ({comp.commit[:12]})" if comp.commit else "")
     return out
 
 
