@@ -278,7 +278,7 @@ def test_a_wing_is_a_folder_that_imports_nothing():
 
 # The commands: run by ``python -m`` (scripts/cluster/launch.sh, the docs) or behind a verb of verl_patches/cli.py
 # (a string there, not an import). They are the top floor: no module of the package imports one.
-COMMANDS = {f"{PACKAGE}.{m}" for m in ("config.recipe_config", "launch.cluster_checks", "reporting.console",
+COMMANDS = {f"{PACKAGE}.{m}" for m in ("config.recipe_config", "launch.cluster_checks", "launch.layer_spec", "reporting.console",
                                         "reporting.plot", "reshard.cli", "preflight.cli", "rollout.long_tail.simulator")}
 
 

@@ -1,4 +1,5 @@
-"""``python -m verl_patches``: doctor, patches, diff, docs, hook, fingerprint, plan, preflight, plot, rollout-plan."""
+"""``python -m verl_patches``: doctor, patches, diff, docs, hook, fingerprint, plan, preflight, plot, rollout-plan,
+layer-spec."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from verl_patches import npu_rehearsal
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.core import hook
 from verl_patches.core.docs import upstream_lines, PATCHES_MD, render_patches_md
-from verl_patches.core.doctor import as_json, run_doctor, is_failing, env_findings
+from verl_patches.core.doctor import as_json, run_doctor, is_failing, env_findings, layer_spec_finding
 from verl_patches.core.fingerprint import TargetNotFound, source_span, fingerprint_file
 from verl_patches.core.upstream import module_file
 from verl_patches.patches import load_catalogue, get_patch
@@ -24,6 +25,8 @@ DELEGATED = {
     "plan": ("verl_patches.reshard.cli:main", "reshard plan for a model and two layouts (ours vs baselines)"),
     "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
     "plot": ("verl_patches.reporting.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
+    "layer-spec": ("verl_patches.launch.layer_spec:main",
+                   "Ascend: the classes DeepSeek-V3's layer spec resolves to for a run's config, with their releases"),
     "rollout-plan": ("verl_patches.rollout.long_tail.simulator:main",
                      "model the rollout's long tail (lockstep DP decode, graph sizes, rebalance) and recommend"),
 }
@@ -54,12 +57,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 1
     platform = args.platform or _platform_default()
     findings, code = run_doctor(load_catalogue(), platform, args.upstream_root, strict=args.strict)
+    spec_lines: list[str] = []
+    if platform == "npu":
+        # The classes the run's ranks build DeepSeek-V3 from (a child process: core/doctor.py's docstring says why).
+        spec, spec_lines = layer_spec_finding(args.layer_spec, args.overrides, args.upstream_root,
+                                              npu_rehearsal.SITE if npu_rehearsal.selected() else None)
+        findings.append(spec)
+        code = code or int(is_failing(spec, args.strict))
     if args.json:
         print(json.dumps(as_json(findings + settings), indent=2))
         return code
     for f in findings + settings:
         print(f.line())
 
+    for i, line in enumerate(spec_lines):  # the header, then one line per class
+        print(("  " if i else "") + line)
     if platform == "npu" or npu_rehearsal.selected():
         # Which torch_npu is in use: the real one, or the NPU rehearsal platform's stand-in (never both).
         print(npu_rehearsal.describe())
@@ -200,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="a JSON list of findings")
     d.add_argument("--platform", choices=("npu", "cuda", "cpu"), default=None,
                    help="judge required components for this platform (default: the detected one)")
+    d.add_argument("--layer-spec", type=Text(), default="deepseekv3_256die_random_init",
+                   help="NPU platform: the recipe config (configs/NAME.yaml) whose layer spec is resolved and checked "
+                        "(python -m verl_patches layer-spec); elsewhere unused")
+    d.add_argument("overrides", nargs="*", type=Text(), help="Hydra overrides of --layer-spec's config (after --)")
     d.set_defaults(func=cmd_doctor)
 
     ls = sub.add_parser("patches", help="list the registry")

@@ -193,6 +193,9 @@ bringup_rehearsal_env() {
     *) export PYTHONPATH="${site}${PYTHONPATH:+:${PYTHONPATH}}" ;;
   esac
   export VERL_PATCHES_PLATFORM=npu-rehearsal
+  # Generation on the rehearsal is the overlay's CPU stand-in: vLLM's platform is the overlay's plugin, not
+  # vLLM-Ascend's (which the stand-in's torch_npu would otherwise activate beside it: vLLM refuses two).
+  export VLLM_PLUGINS="${VLLM_PLUGINS:-verl_patches}"
 }
 
 bringup_source_cann() {

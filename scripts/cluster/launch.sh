@@ -107,7 +107,9 @@ PY
   echo "== doctor"
   if "$PYTHON" -c 'import verl_patches.cli' 2>/dev/null; then
     # UPSTREAM_ROOT is first on PYTHONPATH, so the doctor finds the copied packages there.
-    "$PYTHON" -m verl_patches doctor --platform "$(bringup_platform)" || { echo "error: doctor failed (see above)" >&2; rc=1; }
+    # On Ascend it also resolves the layer spec this config's ranks build DeepSeek-V3 from, and lists its classes.
+    "$PYTHON" -m verl_patches doctor --platform "$(bringup_platform)" --layer-spec "$CONFIG_NAME" -- "${CONFIG_OVERRIDES[@]}" \
+      || { echo "error: doctor failed (see above)" >&2; rc=1; }
   else
     echo "error: doctor unavailable: 'import verl_patches.cli' fails with $PYTHON (is the overlay on PYTHONPATH?)" >&2
     rc=1

@@ -149,6 +149,11 @@ def test_npu_only_patch_is_skipped_off_ascend_but_still_fingerprinted():
     assert rows[pid]["status"] == "ok" and rows[pid]["required"] is False
     rows = {r["id"]: r for r in json.loads(cli("doctor", "--json", "--platform", "npu").stdout)}
     assert rows[pid]["required"] is True
+    # The NPU platform's layer-spec finding: not resolved without torch_npu, failing through the lock's line only.
+    spec = rows["layer-spec"]
+    assert spec["status"] == "missing" and spec["upstream_absent"] and not spec["failed"], spec
+    assert "torch_npu not importable here" in spec["detail"]
+    assert rows["lock:torch_npu"]["failed"]
 
 
 def test_the_doctor_in_a_python_without_the_stack_reports_it_missing(tmp_path):

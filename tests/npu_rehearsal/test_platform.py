@@ -230,6 +230,7 @@ def test_verl_deciding_its_device_after_transfer_to_npu_is_refused_naming_the_or
     assert "verl decided its device as 'cuda' before MindSpeed-LLM's adaptor" in proc.stderr
 
 
+@needs_npu_stack
 def test_the_doctor_judges_torch_npu_and_cann_stood_in_on_the_rehearsal_and_missing_off_it():
     doctor = "import sys, runpy; sys.argv = ['verl_patches', 'doctor', '--platform', 'npu']; " \
              "runpy.run_module('verl_patches', run_name='__main__')"
@@ -237,5 +238,39 @@ def test_the_doctor_judges_torch_npu_and_cann_stood_in_on_the_rehearsal_and_miss
     for key in ("torch_npu", "cann"):
         assert re.search(rf"^stood-in +lock:{key} .*the NPU rehearsal platform stands in for it", on.stdout, re.M), \
             on.stdout[-3000:]
+    # On the NPU platform the doctor resolves the recipe's 256-die layer spec (a child process, world 256), every
+    # class a real implementation with its release (issue 35, item 6).
+    assert re.search(r"^ok +layer-spec +configs/deepseekv3_256die_random_init\.yaml: \d+ classes, each a real "
+                     r"implementation, from .*mindspeed v2\.2\.0_core_r0\.12\.1.*mindspeed_llm v2\.2\.0", on.stdout, re.M), \
+        on.stdout[-3000:] + on.stderr[-3000:]
+    assert "layer spec of deepseekv3_256die_random_init (world 256," in on.stdout
+    assert re.search(r"^  layer\.mlp\.experts: mindspeed\..*MindSpeedGmmExperts \[mindspeed v2\.2\.0_core_r0\.12\.1",
+                     on.stdout, re.M), on.stdout[-3000:]
     off = run(doctor, VERL_PATCHES_PLATFORM="")
     assert not re.search(r"^stood-in", off.stdout, re.M) and re.search(r"^missing +lock:cann", off.stdout, re.M)
+    # The stand-in on the path but the rehearsal not selected: the spec is not resolved, naming the stand-in's refusal
+    # (tests/core/test_doctor_cli.py: without any torch_npu the finding defers to the lock's line).
+    assert re.search(r"^invalid +layer-spec .*not resolved: ImportError: this torch_npu is the NPU rehearsal platform's "
+                     r"STAND-IN", off.stdout, re.M), off.stdout[-3000:]
+
+
+@needs_npu_stack
+def test_the_layer_spec_report_refuses_a_dummy_naming_its_slot():
+    """The command's refusal, end to end: MindSpeed-LLM's spec module is replaced (a declared test stand-in,
+    tests/npu_rehearsal/layer_spec_with_dummy.py) by one whose experts slot is a bare torch.nn.Module, as MindSpeed
+    2.1.0 registered Transformer Engine's classes (issue 35's reproduction)."""
+    proc = run(str(REPO / "tests/npu_rehearsal/layer_spec_with_dummy.py"), "--config-name", "deepseekv3_256die_random_init")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "layer.mlp.experts: torch.nn.modules.module.Module" in proc.stdout
+    assert re.search(r"^error: 1 class\(es\) of the layer spec are not real implementations:\n  layer\.mlp\.experts: "
+                     r"resolves to torch\.nn\.Module itself \(a dummy", proc.stderr, re.M), proc.stderr[-3000:]
+
+
+def test_the_layer_spec_report_refuses_off_the_npu_naming_the_platforms(capsys, monkeypatch):
+    from verl_patches.launch import layer_spec
+
+    monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")
+    monkeypatch.delenv("VERL_PATCHES_PLATFORM", raising=False)
+    assert layer_spec.main([]) == 1
+    err = capsys.readouterr().err
+    assert "the layer spec is Ascend's and this process runs on cpu" in err and "VERL_PATCHES_PLATFORM=npu-rehearsal" in err

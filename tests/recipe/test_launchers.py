@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import declared_ckpt, head_inputs, model_shapes
+from tests.helpers import declared_ckpt, head_inputs, model_shapes, needs_npu_stack
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -153,6 +153,23 @@ def test_random_init_dry_run_env_overrides_and_layout_error(hooked, inputs):
     assert "world size 8 (trainer.nnodes 1 x trainer.n_gpus_per_node 8) is not divisible by TP4 x PP8" in r.stderr
     assert "world size is 8" in r.stderr and "dry run FAILED" in r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.slow
+@needs_npu_stack
+def test_the_256_die_dry_run_on_the_npu_rehearsal_lists_the_layer_classes_its_ranks_build(hooked, inputs):
+    """Issue 35, item 6: on Ascend the dry run's doctor resolves the layer spec as a rank of this config does
+    (MindSpeed-LLM's adaptor, Megatron's arguments for world 256, TP4 PP8 EP32) and lists every class with its
+    release; a dummy, None or a Transformer Engine class fails it (tests/npu_rehearsal/test_platform.py)."""
+    r = _run(RANDOM_INIT, "--dry-run", NODE_RANK="0", DEVICE="npu-rehearsal", PYTHONPATH=hooked, timeout=300, **inputs)
+    assert r.returncode == 0 and "dry run OK" in r.stdout, "\n".join(ln for ln in r.stdout.splitlines() if "layer" in ln) + r.stderr[-4000:]
+    out = r.stdout
+    assert re.search(r"^ok +layer-spec +configs/deepseekv3_256die_random_init\.yaml: \d+ classes, each a real", out, re.M)
+    assert "layer spec of deepseekv3_256die_random_init (world 256, layout {'tp': 4, 'pp': 8, 'ep': 32, 'etp': 1," in out
+    classes = dict(re.findall(r"^  (layer[\w.]*): (\S+ \[[^]]+\])$", out, re.M))
+    assert classes["layer.self_attention"].startswith("mindspeed_llm.") and "[mindspeed_llm v2.2.0" in classes["layer.self_attention"]
+    assert "MindSpeedGmmExperts [mindspeed v2.2.0_core_r0.12.1" in classes["layer.mlp.experts"]
+    assert not [c for c in classes.values() if "transformer_engine.pytorch" in c or c.startswith("torch.nn.modules")]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from verl_patches.config import settings
-from verl_patches.core.lock import REPO_ROOT
+from verl_patches.config.compose import CONFIG_DIR, compose, find_model_config, load_model_config
 from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.config.megatron_args import RecipeMegatronError, parse as parse_megatron
@@ -26,25 +26,10 @@ from verl_patches.config.recipe_memory import estimate
 from verl_patches.data.check import check_files, recipe_scorer
 from verl_patches.rollout.graph_safe import alloc_conf_conflict
 
-CONFIG_DIR = REPO_ROOT / "configs"
-DEFAULT_MODEL_CONFIG = CONFIG_DIR / "model" / "deepseek_v3.json"
 RUN_CONFIGS = ("deepseekv3_256die_random_init", "deepseekv3_256die_true_weight")
 # The one section that holds the recipe's own keys (configs/README.md).
 RECIPE_SECTION = settings.SECTION
 R = "actor_rollout_ref.rollout"  # verl's rollout section
-
-
-def compose(config_name: str, overrides: list[str] | tuple[str, ...] = (), config_dir: Path = CONFIG_DIR):
-    """The config verl's main_ppo would see for ``--config-path config_dir --config-name config_name``."""
-    # Lazy: verl, Hydra and OmegaConf load when configs are composed (several seconds; --help runs without them).
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    # A previous compose in this process (tests) leaves Hydra initialised.
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(config_dir).resolve()), version_base=None):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
 
 
 @dataclass
@@ -60,36 +45,6 @@ class Report:
         if not ok:
             self.errors.append(msg)
         return ok
-
-
-def load_model_config(path: Path) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model config not found: {path}")
-    try:
-        cfg = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: model config is not readable JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: model config must be a JSON object, got {type(cfg).__name__}")
-    need = ("num_hidden_layers", "first_k_dense_replace", "n_routed_experts")
-    missing = [k for k in need if k not in cfg]
-    if missing:
-        raise ValueError(f"{path}: model config lacks {missing}")
-    bad = [k for k in need if not isinstance(cfg[k], int) or isinstance(cfg[k], bool) or cfg[k] < (k != "first_k_dense_replace")]
-    if bad:
-        raise ValueError(f"{path}: model config values {[(k, cfg[k]) for k in bad]} must be positive integers")
-    return cfg
-
-
-def find_model_config(cfg, explicit: Path | None = None) -> Path:
-    """The model's config.json: explicit, else under actor_rollout_ref.model.path, else configs/model/."""
-    if explicit:
-        return Path(explicit)
-    model_dir = Path(os.path.expanduser(str(cfg.actor_rollout_ref.model.path)))
-    if (model_dir / "config.json").is_file():
-        return model_dir / "config.json"
-    return DEFAULT_MODEL_CONFIG
 
 
 def _positive_int(rep: Report, name: str, value: Any) -> int | None:

@@ -3,13 +3,23 @@
 Nothing upstream is imported: versions come from distribution metadata or the source
 tree, targets and fingerprints from parsing the source files. One finding per lock
 component and per patch; each is ok, missing, changed or version-mismatch.
+
+On the NPU platform one more finding, ``layer-spec``: the classes DeepSeek-V3's layer spec resolves to for a run's
+config, each a real implementation with its release. That needs MindSpeed-LLM's adaptor applied and Megatron's
+arguments built, which change the process for good, so it runs in a child process
+(``python -m verl_patches.launch.layer_spec``, its own module's docstring says how) and this one still imports
+nothing upstream.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -24,7 +34,7 @@ from verl_patches.config import env as overlay_env
 from verl_patches.core.sources import source_problem
 from packaging.specifiers import SpecifierSet
 
-STATUSES = ("ok", "missing", "changed", "version-mismatch", "invalid")  # invalid: an env:VERL_PATCHES_* setting
+STATUSES = ("ok", "missing", "changed", "version-mismatch", "invalid")  # invalid: an env:VERL_PATCHES_* setting, the layer spec
 
 
 @dataclass(frozen=True)
@@ -226,3 +236,50 @@ def env_findings(environ=None) -> list[Finding]:
 
 def as_json(findings: list[Finding]) -> list[dict]:
     return [asdict(f) | {"failed": f.failed} for f in findings]
+
+
+LAYER_SPEC_TIMEOUT_S = 900  # the adaptor's import and Megatron's argument check: seconds; a stuck import is named
+
+
+def layer_spec_finding(config_name: str, overrides: list[str] | tuple[str, ...] = (), root: Path | None = None,
+                       rehearsal_site: Path | None = None) -> tuple[Finding, list[str]]:
+    """The ``layer-spec`` finding for ``config_name`` (NPU platform) and the lines that list its classes.
+    ``rehearsal_site``: the NPU rehearsal platform's stand-in site, where that platform is selected.
+
+    Not resolved (``upstream_absent``: the lock's lines fail for it) where torch_npu or MindSpeed-LLM is not
+    importable and the NPU rehearsal platform is not selected. Otherwise ok, or invalid naming every class that
+    is not a real implementation, or the step that failed."""
+    env = dict(os.environ)
+    target = f"configs/{config_name}.yaml"
+    rehearsal = rehearsal_site is not None
+    absent = [m for m in ("torch_npu", "mindspeed_llm") if importlib.util.find_spec(m) is None
+              and not (m == "torch_npu" and rehearsal)]
+    if absent:
+        return Finding("layer-spec", target, "missing", f"not resolved: {', '.join(absent)} not importable here",
+                       None, None, True, upstream_absent=True), []
+    path = [str(root)] if root is not None else []
+    if rehearsal_site is not None:
+        path.insert(0, str(rehearsal_site))  # the stand-in before verl decides its device (entry_points)
+    env["PYTHONPATH"] = os.pathsep.join(path + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    with tempfile.TemporaryDirectory(prefix="layer_spec_") as tmp:
+        out = Path(tmp) / "layer_spec.json"
+        cmd = [sys.executable, "-m", "verl_patches.launch.layer_spec", "--config-name", config_name, "--json", str(out),
+               "--", *overrides]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAYER_SPEC_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return Finding("layer-spec", target, "invalid", f"not resolved in {LAYER_SPEC_TIMEOUT_S} s: "
+                           f"{' '.join(cmd)} did not finish", None, None, True), []
+        result = json.loads(out.read_text()) if out.is_file() else {
+            "error": f"exit {proc.returncode} without a result: " + "\n".join(proc.stderr.splitlines()[-5:])}
+    if "error" in result:
+        return Finding("layer-spec", target, "invalid", f"not resolved: {result['error']}", None, None, True), []
+    lines = [f"{c['path']}: {c['class']} [{c['release']}]" for c in result["classes"]]
+    header = f"layer spec of {config_name} (world {result['world_size']}, layout {result['layout']}):"
+    if result["problems"]:
+        return Finding("layer-spec", target, "invalid",
+                       f"{len(result['problems'])} class(es) are not real implementations: "
+                       + "; ".join(result["problems"]), None, None, True), [header, *lines]
+    releases = sorted({c["release"] for c in result["classes"]})
+    return Finding("layer-spec", target, "ok", f"{len(lines)} classes, each a real implementation, from "
+                   + ", ".join(releases), None, None, True), [header, *lines]

@@ -1,16 +1,25 @@
 """MindSpeed-LLM's adaptor in an Ascend rank of the recipe: imported at the rank's start by the prelude
 (verl_patches/entry_points.py: apply_prelude), its features re-selected by the worker binding from the model's
-Megatron command line (verl_patches/patches/verl/patch_single_controller_base_megatron_worker.py:
-build_global_args). docs/RECIPE.md, "The NPU path", says why in this order.
+Megatron command line (``build_global_args``, which the worker binding,
+verl_patches/patches/verl/patch_single_controller_base_megatron_worker.py, calls before the model is built, and the
+layer-spec report, verl_patches/launch/layer_spec.py, calls as a rank would). docs/RECIPE.md, "The NPU path", says
+why in this order.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import logging
 import sys
+from pathlib import Path
+from typing import Any
 
+from verl_patches.config import megatron_args as ma
 from verl_patches.config.megatron_args import RecipeMegatronError
+
+logger = logging.getLogger(__name__)
 
 # megatron-core 0.12.1's modules that decorate functions with jit_fuser when imported, on the DeepSeek path
 # (megatron/core/transformer/utils.py and torch_norm.py do too, but verl's worker module imports them before any
@@ -108,3 +117,71 @@ def bind_megatron_adam() -> list[str]:
             module.Adam = fused
             rebound.append(name)
     return rebound
+
+
+# The command line this process built Megatron's global arguments from (the actor and the reference both pass
+# through the binding; the second time must ask for the same arguments).
+_GLOBAL_ARGV: list[str] | None = None
+
+
+def _seq_length(worker_config: Any) -> int:
+    rollout = worker_config.get("rollout") if hasattr(worker_config, "get") else None
+    try:
+        return int(rollout["prompt_length"]) + int(rollout["response_length"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise ValueError("the worker config needs rollout.prompt_length and rollout.response_length for Megatron's "
+                         f"--seq-length (MindSpeed-LLM's arguments): {e}") from e
+
+
+def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: Any, *, tp: int, pp: int, ep: int,
+                      etp: int | None, cp: int) -> Any:
+    """Ascend with MindSpeed-LLM: Megatron's global arguments from verl's config, as the reference builds them.
+
+    The command line (verl_patches.config.megatron_args.megatron_argv: the HF config's shape, the parallel layout,
+    recipe.megatron's MindSpeed flags) is what MindSpeed-LLM's adaptor reads at ``import mindspeed_llm`` (which
+    applies MindSpeed's and MindSpeed-LLM's features) and what megatron.training's parse_args, as MindSpeed-LLM
+    patches it, parses; validate_args and set_global_variables follow, as in MindSpeed-LLM's own training entry.
+    The worker's own sys.argv (Ray's) is put back afterwards. Returns the global arguments."""
+    # Lazy: the doctor loads the catalogue (the binding's record imports this module) without torch.
+    import torch
+
+    global _GLOBAL_ARGV
+    hf = json.loads((Path(model_path) / "config.json").read_text())
+    mbs = 1
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    if dtype not in names:
+        raise ma.RecipeMegatronError(f"Megatron's arguments on Ascend: dtype {dtype} is not bf16, fp16 or fp32")
+    argv = ma.megatron_argv(hf, recipe, seq_length=_seq_length(worker_config), micro_batch_size=mbs, tp=tp, pp=pp,
+                            ep=ep, etp=etp, cp=cp, dtype=names[dtype])
+    if _GLOBAL_ARGV is not None:
+        if argv != _GLOBAL_ARGV:
+            raise ma.RecipeMegatronError("Megatron's global arguments were built for another model or layout in this "
+                                         f"process: {_GLOBAL_ARGV} then {argv}; one worker builds one model shape")
+        # Lazy: megatron's training package, built already (by the first call, after the adaptor).
+        from megatron.training import global_vars
+
+        return global_vars.get_args()
+    ma.set_pending_mindspeed_args(ma.mindspeed_args(recipe))
+    saved = sys.argv
+    sys.argv = ["verl_worker", *argv]
+    try:
+        # Its adaptor first (MindSpeed's and MindSpeed-LLM's features), then Megatron's training package: the
+        # adaptor replaces what megatron binds at import (torch.compile for jit_fuser, among others). Imported at
+        # the rank's start by the prelude (import_mindspeed_llm_at_rank_start: before verl seeds megatron-core),
+        # its features are re-selected here from the model's command line.
+        if "mindspeed_llm" in sys.modules:
+            reapply_mindspeed_llm_features()
+        else:
+            importlib.import_module("mindspeed_llm")
+        # Lazy: megatron's training package after the adaptor (the order above), never at this module's import.
+        from megatron.training import global_vars
+        from megatron.training.arguments import parse_args, validate_args
+
+        args = parse_args()
+        validate_args(args, {})
+        global_vars.set_global_variables(args, build_tokenizer=False)
+    finally:
+        sys.argv = saved
+    _GLOBAL_ARGV = argv
+    logger.info("Megatron's global arguments from verl's config through MindSpeed-LLM's parser: %s", " ".join(argv))
+    return args

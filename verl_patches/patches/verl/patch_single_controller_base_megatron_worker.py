@@ -23,10 +23,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any, Callable
 
 from verl_patches.core.fingerprint import Fingerprint
@@ -34,7 +32,7 @@ from verl_patches.core.record import Patch
 from verl_patches.config import megatron_args as ma
 from verl_patches.config.megatron_args import set_pending_mindspeed_args, SECTION, RecipeMegatronError, is_uneven
 from verl_patches.train.layer_list import LAYER_LIST_ATTR
-from verl_patches.train.mindspeed_adaptor import reapply_mindspeed_llm_features
+from verl_patches.train.mindspeed_adaptor import build_global_args
 
 logger = logging.getLogger(__name__)
 SECTION_IN_WORKER = "rollout.recipe.megatron"  # the worker's config is actor_rollout_ref
@@ -79,77 +77,6 @@ def hand_to_mindspeed(values: dict[str, Any]) -> None:
     for ns in targets:
         for k, v in values.items():
             setattr(ns, k, v)
-
-
-# The command line this process built Megatron's global arguments from (the actor and the reference both pass
-# through the binding; the second time must ask for the same arguments).
-_GLOBAL_ARGV: list[str] | None = None
-
-
-def _seq_length(worker_config: Any) -> int:
-    rollout = worker_config.get("rollout") if hasattr(worker_config, "get") else None
-    try:
-        return int(rollout["prompt_length"]) + int(rollout["response_length"])
-    except (TypeError, KeyError, ValueError) as e:
-        raise ValueError("the worker config needs rollout.prompt_length and rollout.response_length for Megatron's "
-                         f"--seq-length (MindSpeed-LLM's arguments): {e}") from e
-
-
-def build_global_args(worker_config: Any, model_path: str, dtype: Any, recipe: Any, *, tp: int, pp: int, ep: int,
-                      etp: int | None, cp: int) -> Any:
-    """Ascend with MindSpeed-LLM: Megatron's global arguments from verl's config, as the reference builds them.
-
-    The command line (verl_patches.config.megatron_args.megatron_argv: the HF config's shape, the parallel layout,
-    recipe.megatron's MindSpeed flags) is what MindSpeed-LLM's adaptor reads at ``import mindspeed_llm`` (which
-    applies MindSpeed's and MindSpeed-LLM's features) and what megatron.training's parse_args, as MindSpeed-LLM
-    patches it, parses; validate_args and set_global_variables follow, as in MindSpeed-LLM's own training entry.
-    The worker's own sys.argv (Ray's) is put back afterwards. Returns the global arguments."""
-    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
-    # the patch runs.
-    import torch
-
-    global _GLOBAL_ARGV
-    hf = json.loads((Path(model_path) / "config.json").read_text())
-    mbs = 1
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    if dtype not in names:
-        raise ma.RecipeMegatronError(f"Megatron's arguments on Ascend: dtype {dtype} is not bf16, fp16 or fp32")
-    argv = ma.megatron_argv(hf, recipe, seq_length=_seq_length(worker_config), micro_batch_size=mbs, tp=tp, pp=pp,
-                            ep=ep, etp=etp, cp=cp, dtype=names[dtype])
-    if _GLOBAL_ARGV is not None:
-        if argv != _GLOBAL_ARGV:
-            raise ma.RecipeMegatronError("Megatron's global arguments were built for another model or layout in this "
-                                         f"process: {_GLOBAL_ARGV} then {argv}; one worker builds one model shape")
-        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
-        # when the patch runs.
-        from megatron.training import global_vars
-
-        return global_vars.get_args()
-    ma.set_pending_mindspeed_args(ma.mindspeed_args(recipe))
-    saved = sys.argv
-    sys.argv = ["verl_worker", *argv]
-    try:
-        # Its adaptor first (MindSpeed's and MindSpeed-LLM's features), then Megatron's training package: the
-        # adaptor replaces what megatron binds at import (torch.compile for jit_fuser, among others). Imported at
-        # the rank's start by the prelude (verl_patches/train/mindspeed_adaptor.py: before verl seeds megatron-core),
-        # its features are re-selected here from the model's command line.
-        if "mindspeed_llm" in sys.modules:
-            reapply_mindspeed_llm_features()
-        else:
-            importlib.import_module("mindspeed_llm")
-        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
-        # when the patch runs.
-        from megatron.training import global_vars
-        from megatron.training.arguments import parse_args, validate_args
-
-        args = parse_args()
-        validate_args(args, {})
-        global_vars.set_global_variables(args, build_tokenizer=False)
-    finally:
-        sys.argv = saved
-    _GLOBAL_ARGV = argv
-    logger.info("Megatron's global arguments from verl's config through MindSpeed-LLM's parser: %s", " ".join(argv))
-    return args
 
 
 def check_weight_loading(worker_config: Any, recipe: Any) -> None:
