@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional
 
 from verl_patches.base import accelerator
 
-LABEL = "recipe"  # the prefix of the ranges this module names in a trace
+LABEL = "recipe/"  # the prefix of the ranges this module names in a trace
 
 
 class Profiles:
@@ -49,10 +49,10 @@ class Profiles:
         """A worker call of ``stage`` for the trainer's global ``step`` (None: no training step, a validation)."""
         self.step = step
         if self.recording is not None:
-            with accelerator.profiler_label(f"{LABEL}/{stage}"):
+            with accelerator.profiler_label(f"{LABEL}{stage}"):
                 yield
         elif self._wants(stage, step):
-            with self._session(step, stage, f"{LABEL}/{stage}", f"rank{self.rank}"):
+            with self._session(step, stage, f"{LABEL}{stage}", f"rank{self.rank}"):
                 yield
         else:
             yield
@@ -61,7 +61,7 @@ class Profiles:
     def phase(self, name: str) -> Iterator[None]:
         """A phase of the switch (a step of the switch loop that is not a stage's own work), in the step of the
         stage call under way."""
-        label = f"{LABEL}/switch/{name}"
+        label = f"{LABEL}switch/{name}"
         if self.recording is not None:
             with accelerator.profiler_label(label):
                 yield
