@@ -158,3 +158,30 @@ def test_without_the_recipes_offload_the_stage_calls_still_profile(trainer, tmp_
     update(worker, _data(1))
     (trace,) = (tmp_path / "step1/update/rank0").iterdir()
     assert {"recipe/update", "aten::mm"} <= {e.get("name") for e in _events(trace)}
+
+
+@pytest.mark.parametrize("ref_in_actor", [False, True])
+def test_the_driver_sends_the_trainers_step_with_every_stage_call(ref_in_actor):
+    """Patch verl.self_check.step_to_workers: generate_sequences, compute_log_prob, update_actor and the reference's
+    compute_ref_log_prob carry trainer.global_steps at the time of the call (the workers' profiles choose by it)."""
+    from verl_patches.patches.verl.patch_trainer_ppo_ray_trainer_self_check import wrap_init_workers_step
+
+    seen = []
+
+    def group():
+        return SimpleNamespace(**{name: (lambda data, name=name: seen.append((name, dict(data.meta_info))))
+                                  for name in ("generate_sequences", "compute_log_prob", "update_actor",
+                                               "compute_ref_log_prob")})
+
+    trainer = SimpleNamespace(actor_rollout_wg=group(), ref_policy_wg=group(), use_reference_policy=True,
+                              ref_in_actor=ref_in_actor, global_steps=0)
+    wrap_init_workers_step(lambda self: None)(trainer)
+    ref = trainer.actor_rollout_wg if ref_in_actor else trainer.ref_policy_wg
+    for step in (3, 4):
+        trainer.global_steps = step
+        for call in (trainer.actor_rollout_wg.generate_sequences, trainer.actor_rollout_wg.compute_log_prob,
+                     ref.compute_ref_log_prob, trainer.actor_rollout_wg.update_actor):
+            call(SimpleNamespace(meta_info={}))
+    assert [(name, meta[stash.STEP_META_KEY]) for name, meta in seen] == [
+        (name, step) for step in (3, 4)
+        for name in ("generate_sequences", "compute_log_prob", "compute_ref_log_prob", "update_actor")]
