@@ -13,7 +13,8 @@
 # environment with vLLM's CUDA build (VENV=...); DEVICE=npu-rehearsal trains the NPU path (MindSpeed,
 # MindSpeed-LLM's DeepSeek layers) on the host through the NPU rehearsal platform's torch_npu stand-in
 # (verl_patches/npu_rehearsal/), generation staying the CPU platform's stand-in. Outputs under TINY_OUT (default out/tiny): the
-# generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/.
+# generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/, and profiles/ when
+# actor_rollout_ref.rollout.recipe.profile.stages names stages (docs/TINY_RUN.md, "Profiles").
 #
 # The console after the environment build: a banner (what runs, where everything goes), one line
 # per phase, the run report's line per step and its summary (verl_patches/reporting/report.py), then the plots
@@ -107,6 +108,7 @@ launch_run_hook() {
     "actor_rollout_ref.rollout.recipe.vllm_dp.master_port_base=${VLLM_DP_PORT}"
     "actor_rollout_ref.rollout.recipe.metrics_file=${TINY_OUT}/metrics.jsonl"
     "actor_rollout_ref.rollout.recipe.tensorboard_dir=${TINY_OUT}/tensorboard"
+    "actor_rollout_ref.rollout.recipe.profile.dir=${TINY_OUT}/profiles"
   )
 }
 
@@ -131,7 +133,7 @@ dry=0
 case " $* " in *" --dry-run "*|*" -h "*|*" --help "*) dry=1 ;; esac
 if ((dry == 0)); then
   # A run's record starts afresh: the report appends to metrics.jsonl and tensorboard adds event files.
-  rm -rf -- "$TINY_OUT/metrics.jsonl" "$TINY_OUT/tensorboard" "$TINY_OUT/plots" "$LOG_DIR/trainer.log"
+  rm -rf -- "$TINY_OUT/metrics.jsonl" "$TINY_OUT/tensorboard" "$TINY_OUT/plots" "$TINY_OUT/profiles" "$LOG_DIR/trainer.log"
 fi
 rc=0
 launch_main tiny_deepseek_v3 "$@" || rc=$?

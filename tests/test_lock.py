@@ -7,7 +7,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.helpers import REPO
-from verl_patches.core.lock import load_lock
+from verl_patches.core.lock import load_extras, load_lock
 
 
 def _requirements(path):
@@ -284,3 +284,35 @@ def test_the_lock_can_be_chosen_by_the_environment(monkeypatch):
     assert load_lock()["torch"].version == load_lock(CUDA_LOCK_PATH)["torch"].version
     monkeypatch.delenv(LOCK_ENV)
     assert "torch_npu" in load_lock()
+
+
+TRACKERS = {"wandb", "swanlab", "mlflow"}  # verl 0.4.1's trainer.logger backends that need a package of their own
+
+
+def test_the_trackers_extra_pins_verls_three_loggers_alike_in_the_lock_the_package_and_its_requirements_file():
+    """The lock's [extras.trackers] names exactly wandb, swanlab and mlflow, each pinned to one release; the
+    package's extra (pyproject.toml) and requirements-trackers.txt pin the same; none is in the required sets."""
+    import tomllib
+
+    from packaging.version import Version
+    from verl.utils.tracking import Tracking
+
+    extras = load_extras()
+    assert set(extras) == {"trackers"}
+    pins = extras["trackers"]
+    assert set(pins) == TRACKERS and TRACKERS <= set(Tracking.supported_backend)
+    assert all(not Version(v).is_prerelease and str(Version(v)) == v for v in pins.values()), pins
+    expected = {name: f"=={version}" for name, version in pins.items()}
+    package = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert set(package) == set(extras)
+    assert {Requirement(r).name: str(Requirement(r).specifier) for r in package["trackers"]} == expected
+    assert {name: str(r.specifier) for name, r in _requirements("requirements-trackers.txt").items()} == expected
+    for path in ("requirements.txt", "requirements-test.txt"):
+        assert not TRACKERS & set(_requirements(path)), path
+
+
+def test_an_extra_pinned_to_no_version_is_refused(tmp_path):
+    lock = tmp_path / "lock.toml"
+    lock.write_text("[extras.trackers]\nwandb = 1\n")
+    with pytest.raises(ValueError, match=r"\[extras.trackers\] pins must be version strings, got \{'wandb': 1\}"):
+        load_extras(lock)

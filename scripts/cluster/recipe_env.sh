@@ -56,7 +56,7 @@ VLLM_DP_SIZE|128 / 64|any|-|-|vllm 0.9.1 (envs.py), set per DP group by the reci
 VLLM_ENABLE_FIX_ROUTE|1 / 0|any|-|-|nothing in vllm / vllm-ascend 0.9.1|the reference's own switch; here recipe.fixed_routing in the YAML (docs/RECIPE.md, Fixed routing)
 D2D_DATA_TRANSFER|1|any|-|-|nothing in the pinned stack|the reference's own switch; here recipe.tensor_cache in the YAML
 PRINT_MEMORY|1|any|-|-|nothing in the pinned stack|the reference's own memory log; here the offload engine's ledger
-PROFILE_UPDATE|0|any|-|-|nothing in the pinned stack|the reference's own profiling switch
+PROFILE_UPDATE|0|any|-|-|nothing in the pinned stack|the reference's own profiling switch (its update only); here recipe.profile in the YAML: chosen stages (rollout, old and reference log-prob, update, the switch's phases), steps and ranks, at torch_npu's profiler levels on NPU, torch's profiler on CUDA and CPU (docs/TINY_RUN.md, Profiles)
 WORLD_SIZE|256|any|-|-|verl 0.4.1 sets it per worker|the launcher must not fix it for every process
 MASTER_PORT|29444|any|-|-|verl 0.4.1 sets it per worker group|the reference's Ray port; here RAY_PORT
 ASCEND_NPU_SLEEP_DISABLE|-|any|-|-|nothing found in the pinned stack (vllm, vllm-ascend, verl, megatron-core, MindSpeed)|named by the issue that asked for parity; no reader was found, so it is not set

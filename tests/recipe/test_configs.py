@@ -172,7 +172,10 @@ def test_recipe_section_keys(random_init):
                         "fixed_routing", "device_memory_gib", "host_memory_gib", "vllm_dp", "megatron", "metrics_file",
                         "tensorboard_dir", "devices_per_card", "fingerprint_every", "rebalance",
                         "rebalance_min_graph_size_drop", "rebalance_max_imbalance", "rebalance_cpu_stagger",
-                        "overlap_grad_reduce", "overlap_param_gather"}
+                        "overlap_grad_reduce", "overlap_param_gather", "profile"}
+    # Profiling is off in the shipped configs; turned on, its traces go under the run's checkpoint directory.
+    profile = random_init.actor_rollout_ref.rollout.recipe.profile
+    assert list(profile.stages) == [] and profile.dir == f"{random_init.trainer.default_local_dir}/profiles"
     # verl 0.4.1's own tree has no recipe section and no recompute_old_log_prob: both are ours.
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra

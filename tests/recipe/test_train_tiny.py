@@ -8,7 +8,9 @@ per step, the summary, the plots; within a budget of lines), its curves are in t
 files and PNGs, and everything else is in the logs it names. B's steps must equal A's bit for bit: that is resume ==
 uninterrupted, upstream reshard == direct reshard and rebalance == none at once (any fault alone
 breaks it; the run's reshard-only comparison from a fresh start is in docs/TINY_RUN.md); the
-rebalance's own exactness test over 4 DP ranks is tests/rollout/long_tail/test_migrate.py.
+rebalance's own exactness test over 4 DP ranks is tests/rollout/long_tail/test_migrate.py. B also
+profiles its first step's update and switch phases on one rank (recipe.profile): the traces must be
+there, readable chrome traces of that work, and nothing else.
 
 On the CPU platform generation is the declared stand-in (verl_patches/cpu/engine.py: transformers'
 DeepseekV3 over the tensors the reshard wrote into vLLM's parameters); everything else is upstream.
@@ -16,6 +18,7 @@ DeepseekV3 over the tensors the reshard wrote into vLLM's parameters); everythin
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -26,6 +29,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPO
+from verl_patches.offload.live import STAGE_WORK
+from verl_patches.offload.schedule import our_steps
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +43,12 @@ NOT_COMPARED = ("timing_s/", "timing_per_token_ms/", "perf/", "switch/", "global
 # tokens of every response), so the first rank empties first and requests move both ways.
 REBALANCE = ("actor_rollout_ref.rollout.recipe.rebalance=True",
              "actor_rollout_ref.rollout.recipe.rebalance_cpu_stagger=8")
+# Run B also profiles (recipe.profile, verl_patches/base/profile.py): the update and the switch's phases of its first
+# step, on rank 1 only; its traces go to B's profiles/ (scripts/train_tiny.sh). Profiling changes no figure.
+PROFILE_STEP, PROFILE_RANK = SAVE_AT + 1, 1
+PROFILE = ("actor_rollout_ref.rollout.recipe.profile.stages=[update,switch]",
+           f"actor_rollout_ref.rollout.recipe.profile.steps=[{PROFILE_STEP},{PROFILE_STEP}]",
+           f"actor_rollout_ref.rollout.recipe.profile.ranks=[{PROFILE_RANK}]")
 # Mean reward of the last 2 steps over the first 2, on the toy task. Measured rises: 0.28 (rewards 0.094,
 # 0.112, 0.245, 0.311, 0.375, 0.391) when the stand-in sampled every row from one shared stream; 0.131
 # (0.094, 0.066, 0.150, 0.108, 0.171, 0.251) since each request samples with its own generator (what
@@ -104,7 +115,7 @@ def runs(tmp_path_factory, tiny_assets):
         b = _run(base / "b", assets, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=-1",
                  "trainer.val_before_train=False", "trainer.test_freq=-1", "trainer.resume_mode=resume_path",
                  f"trainer.resume_from_path={ckpt}", "actor_rollout_ref.rollout.recipe.reshard_method=upstream",
-                 *REBALANCE)
+                 *REBALANCE, *PROFILE)
         a_proc.wait(timeout=600)
     finally:
         if a_proc.poll() is None:
@@ -113,7 +124,7 @@ def runs(tmp_path_factory, tiny_assets):
     a = subprocess.CompletedProcess(a_proc.args, a_proc.returncode, (base / "a.console").read_text(errors="replace"))
     assert a.returncode == 0, a.stdout[-6000:] + _log(base / "a", "trainer.log")[-6000:]
     assert b.returncode == 0, b.stdout[-6000:] + _log(base / "b", "trainer.log")[-6000:]
-    a.out_dir = base / "a"
+    a.out_dir, b.out_dir = base / "a", base / "b"
     return a, _metrics(base / "a"), b, _metrics(base / "b")
 
 
@@ -241,3 +252,34 @@ def test_every_step_proves_the_rollout_holds_the_trainers_weights(runs):
             assert row["switch/fingerprint_params"] > 0 and row["switch/mla_layers_checked"] == 1.0, step
             assert row["switch/graph_addresses_checked"] == 0.0, step
 
+
+
+def _trace_events(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def test_the_profiled_stages_wrote_traces_a_person_can_open_and_nothing_else(runs):
+    """recipe.profile in a run through verl's trainer: the chosen stages of the chosen step on the chosen rank
+    only, each a gzipped chrome trace (what Perfetto and chrome://tracing open) of that stage's work."""
+    _, _, b, _ = runs
+    root = b.out_dir / "profiles"
+    folders = sorted(str(d.relative_to(root)) for d in root.glob("*/*/*") if d.is_dir())
+    assert folders == [f"step{PROFILE_STEP}/switch/rank{PROFILE_RANK}", f"step{PROFILE_STEP}/update/rank{PROFILE_RANK}"]
+    (update,) = (root / folders[1]).iterdir()
+    assert update.name.startswith(f"rank{PROFILE_RANK}.") and update.name.endswith(".pt.trace.json.gz")
+    names = {e.get("name") for e in _trace_events(update)}
+    # verl's update_actor (its range), Megatron's backward pass in it, and the switch phases it reaches.
+    assert {"recipe/update", "recipe/switch/update_onload", "recipe/switch/update_end"} <= names
+    assert any(str(n).startswith("autograd::engine::evaluate_function") for n in names)
+    # Every other phase of the step is a trace of its own, named after it, holding its range.
+    phases = {}
+    for trace in (root / folders[0]).iterdir():
+        assert trace.name.startswith(f"rank{PROFILE_RANK}_") and trace.name.endswith(".pt.trace.json.gz"), trace
+        phase = trace.name.split(".")[0].removeprefix(f"rank{PROFILE_RANK}_")
+        phases[phase] = {e.get("name") for e in _trace_events(trace)}
+    loop = {s.name for s in our_steps() if not any(a.kind == "call" and a.target in STAGE_WORK for a in s.actions)}
+    assert {"alloc_rollout_weights", "init_kv_cache", "ref_onload", "ref_offload"} <= set(phases) <= loop, phases
+    for phase, traced in phases.items():
+        assert f"recipe/switch/{phase}" in traced, phase
+    assert "aten::copy_" in phases["ref_onload"]  # the reference's params copied to the device

@@ -158,3 +158,26 @@ def test_card_rules():
     rc.card_rules(rep, {"devices_per_card": 3}, 16, 2, 8)
     assert rep.errors == [f"{rc.RECIPE_SECTION}.devices_per_card=3: the world size 16 (trainer.nnodes 2 x "
                           "trainer.n_gpus_per_node 8) is not whole cards of 3 device(s)"]
+
+
+def test_profile_rules():
+    def run(profile, world=4, total=12, recompute=True):
+        rep = rc.Report()
+        cfg = _cfg({"trainer": {"total_training_steps": total},
+                    "actor_rollout_ref": {"actor": {"recompute_old_log_prob": recompute}}})
+        rc.profile_rules(rep, cfg, {"profile": profile}, world)
+        return rep
+
+    on = {"stages": ["update"], "dir": "d"}
+    assert run({"stages": [], "ranks": [9]}).errors == []  # off: nothing judged
+    rep = run({**on, "ranks": [0, 4, 7]})
+    assert rep.errors == [f"{rc.RECIPE_SECTION}.profile.ranks=[0, 4, 7]: the run has ranks 0..3 (trainer.nnodes x "
+                          "trainer.n_gpus_per_node), not [4, 7]"]
+    assert run({**on, "ranks": "all"}).errors == [] and run({**on, "ranks": [3]}).errors == []
+    rep = run({**on, "steps": [13, 14]})
+    assert rep.errors == [] and rep.warnings == [f"{rc.RECIPE_SECTION}.profile.steps=[13, 14] starts after "
+                                                 "trainer.total_training_steps=12: no trace will be written"]
+    assert run({**on, "steps": [12, 14]}).warnings == []
+    rep = run({"stages": ["old_log_prob"], "dir": "d"}, recompute=False)
+    assert len(rep.warnings) == 1 and "recompute_old_log_prob=False reuses the update's log-prob" in rep.warnings[0]
+    assert run({"stages": ["old_log_prob"], "dir": "d"}).warnings == []

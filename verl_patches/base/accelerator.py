@@ -297,6 +297,48 @@ def new_event() -> Any:
     return device_module().Event()
 
 
+# How much a profiler session records (recipe.profile.level): torch_npu's ProfilerLevel.Level0/1/2 on NPU; on every
+# device, level1 adds the ops' input shapes and level2 their call stacks and memory.
+PROFILER_LEVELS = ("level0", "level1", "level2")
+
+
+def profiler(directory: str, worker_name: str, level: str = "level0") -> Any:
+    """A profiler session: a context manager that records from entering to leaving and writes its trace into
+    ``directory`` on leaving, its files named after ``worker_name``.
+
+    NPU: torch_npu's profiler (CPU and NPU activities, ``experimental_config`` at torch_npu's ProfilerLevel of
+    ``level``), written by torch_npu's tensorboard_trace_handler: a folder ``<worker_name>_..._ascend_pt`` that
+    MindStudio Insight opens (its ASCEND_PROFILER_OUTPUT/trace_view.json is a chrome trace). CUDA and the CPU:
+    torch's profiler (CPU activity, and CUDA's on CUDA), written as a gzipped chrome trace
+    ``<worker_name>.<ms>.pt.trace.json.gz`` that Perfetto (ui.perfetto.dev) and chrome://tracing open."""
+    if level not in PROFILER_LEVELS:
+        raise ValueError(f"profiler level {level!r}: the levels are {list(PROFILER_LEVELS)}")
+    depth = PROFILER_LEVELS.index(level)
+    shapes, deep = depth >= 1, depth >= 2
+    kind = device_type()
+    if kind == "npu":
+        # Lazy: torch_npu exists only on Ascend (or as the NPU rehearsal platform's stand-in); device_type() said
+        # "npu", so it is installed and imported already (_npu_available).
+        import torch_npu
+
+        npu = torch_npu.profiler
+        config = npu._ExperimentalConfig(profiler_level=getattr(npu.ProfilerLevel, f"Level{depth}"))
+        return npu.profile(activities=[npu.ProfilerActivity.CPU, npu.ProfilerActivity.NPU],
+                           on_trace_ready=npu.tensorboard_trace_handler(directory, worker_name=worker_name),
+                           record_shapes=shapes, profile_memory=deep, with_stack=deep, experimental_config=config)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if kind == "cuda"
+                                                          else [])
+    return torch.profiler.profile(
+        activities=activities, record_shapes=shapes, profile_memory=deep, with_stack=deep,
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(directory, worker_name=worker_name, use_gzip=True))
+
+
+def profiler_label(name: str) -> Any:
+    """A named range in the trace of the session recording now (a context manager; records nothing without one):
+    torch's record_function, which torch_npu's profiler records too."""
+    return torch.profiler.record_function(name)
+
+
 def describe() -> dict[str, Any]:
     """What was resolved, for logs and benchmark headers."""
     kind = device_type()

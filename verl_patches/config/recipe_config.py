@@ -190,6 +190,7 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     length_rules(rep, cfg, model)
     model_rules(rep, cfg, model)
     card_rules(rep, recipe, world, nnodes, per_node)
+    profile_rules(rep, cfg, recipe, world)
 
     megatron_section = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
     hybrid = _optimizer_offload(rep, cfg, megatron_section.get("swap_optimizer", False) is True)
@@ -422,6 +423,30 @@ def card_rules(rep: Report, recipe: dict, world: int | None, nnodes: int | None,
         rep.check(per_card >= 1 and world % per_card == 0,
                   f"{RECIPE_SECTION}.devices_per_card={per_card}: the world size {world} (trainer.nnodes {nnodes} x "
                   f"trainer.n_gpus_per_node {per_node}) is not whole cards of {per_card} device(s)")
+
+
+def profile_rules(rep: Report, cfg, recipe: dict, world: int | None) -> None:
+    """recipe.profile (well-formed: settings.problems): a chosen rank the run has not is an error (its traces would
+    never come); a step range the run never reaches, or old_log_prob under old log-prob reuse (verl's forward never
+    runs), is said as a warning: nothing would be written."""
+    if rep.bad_values or not isinstance(recipe.get("profile"), dict):
+        return
+    profile = settings.ProfileSettings.of(recipe["profile"])
+    if not profile.on:
+        return
+    here = f"{RECIPE_SECTION}.profile"
+    if world is not None and profile.ranks != "all":
+        missing = [r for r in profile.ranks if r >= world]
+        rep.check(not missing, f"{here}.ranks={list(profile.ranks)}: the run has ranks 0..{world - 1} "
+                               f"(trainer.nnodes x trainer.n_gpus_per_node), not {missing}")
+    total = _select(cfg, "trainer.total_training_steps")
+    if isinstance(total, int) and not isinstance(total, bool) and profile.steps[0] > total:
+        rep.warnings.append(f"{here}.steps={list(profile.steps)} starts after trainer.total_training_steps={total}: "
+                            "no trace will be written")
+    if "old_log_prob" in profile.stages and _select(cfg, "actor_rollout_ref.actor.recompute_old_log_prob") is False:
+        rep.warnings.append(f"{here}.stages names old_log_prob, but actor_rollout_ref.actor.recompute_old_log_prob="
+                            "False reuses the update's log-prob: verl's old log-prob forward never runs, so that "
+                            "stage writes no trace")
 
 
 MEMORY_KEYS = ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank",

@@ -79,6 +79,8 @@ KEYS: dict[str, Key] = {
     "rebalance_cpu_stagger": Key(int, 0, "tests only, CPU generation stand-in: DP rank r admits its requests r x N "
                                          "decode steps late, forcing an uneven tail for rebalance to move (the "
                                          "outputs do not change); 0: off", minimum=0),
+    "profile": Key("section", None, "profile chosen stages for a step range on chosen ranks: stages, steps, ranks, "
+                                    "level, dir (PROFILE below; verl_patches/base/profile.py); no stages: off"),
     "devices_per_card": Key(int, None, "devices (verl's GPUs: dies on Ascend) per card, for perf/tps_per_card; "
                                        "null: by trainer.device (npu 2, cuda 1; the CPU platform 1)"),
 }
@@ -91,11 +93,31 @@ VLLM_DP: dict[str, Key] = {
     "master_port_base": Key(int, 29600, "the first instance's DP master port", minimum=1, maximum=65535),
     "port_stride": Key(int, 4, "port distance between instances", minimum=1),
 }
+# The stages ``profile.stages`` may name: verl's worker calls (the rollout's generate_sequences, the old and the
+# reference log-prob forwards, the actor's update) and the switch's phases (verl_patches/offload/live.py: every step
+# of the switch loop that is not a stage's own work: the moves, the reshard).
+PROFILE_STAGES = ("rollout", "old_log_prob", "ref_log_prob", "update", "switch")
+# torch_npu's profiler levels (torch_npu.profiler.ProfilerLevel.Level0/1/2); on CUDA and the CPU the same names choose
+# how much torch's profiler records (verl_patches/base/accelerator.py: profiler).
+PROFILE_LEVELS = ("level0", "level1", "level2")
+# The keys of the ``profile`` section. ``steps`` is [first, last] of the trainer's global steps (both included);
+# ``ranks`` a list of global ranks or "all"; ``dir`` where the traces go (the recipe's configs: the run's
+# checkpoint directory's profiles/, ${trainer.default_local_dir}/profiles).
+PROFILE: dict[str, Key] = {
+    "stages": Key("stages", (), f"the stages to profile, of {list(PROFILE_STAGES)}; []: profiling off"),
+    "steps": Key("steps", (1, 1), "[first, last] global step profiled (both included; steps count from 1)"),
+    "ranks": Key("ranks", (0,), "the global ranks that profile: a list of ranks, or \"all\""),
+    "level": Key(PROFILE_LEVELS, "level0", "how much the profiler records: torch_npu's ProfilerLevel on NPU; on "
+                                           "CUDA and CPU level0 the ops, level1 also their shapes, level2 also "
+                                           "stacks and memory"),
+    "dir": Key(str, None, "the traces' root: <dir>/step<N>/<stage>/rank<R>/ (needed when stages are named)"),
+}
 # The type of each key: a type, a tuple of allowed values, a nested section, or "megatron"
 # (checked by verl_patches.config.megatron_args.parse).
 SCHEMA: dict[str, Any] = {
     **{name: key.kind for name, key in KEYS.items() if key.kind != "section"},
     "vllm_dp": {name: key.kind for name, key in VLLM_DP.items()},
+    "profile": {name: key.kind for name, key in PROFILE.items()},
     "megatron": "megatron",
 }
 
@@ -185,6 +207,49 @@ def _megatron_problems(value: Any, here: str) -> list[str]:
     return []
 
 
+def _int_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def _profile_problems(value: Any, here: str) -> list[str]:
+    """What is wrong with the ``profile`` section ``value`` (named ``here``): unknown keys, stages not in
+    PROFILE_STAGES, steps not [first, last] with 1 <= first <= last, ranks not a list of ranks >= 0 or "all",
+    a level not in PROFILE_LEVELS, a dir that is not a string, and stages named without a dir."""
+    if not isinstance(value, Mapping):
+        return [f"{here} must be a mapping of {sorted(PROFILE)}, got {_describe(value)}"]
+    out: list[str] = []
+    for sub, v in value.items():
+        at = f"{here}.{sub}"
+        spec = PROFILE.get(sub) if isinstance(sub, str) else None
+        if spec is None:
+            out.append(_unknown(sub, PROFILE, at))
+        elif v is None or v == "???":
+            continue
+        elif sub == "stages":
+            if not isinstance(v, (list, tuple)) or not all(isinstance(s, str) for s in v):
+                out.append(f"{at} must be a list of stage names of {list(PROFILE_STAGES)}, got {_describe(v)}")
+            else:
+                bad = [s for s in v if s not in PROFILE_STAGES]
+                if bad:
+                    out.append(f"{at}: unknown stage(s) {bad}; the stages are {list(PROFILE_STAGES)}")
+                elif len(set(v)) != len(v):
+                    out.append(f"{at} names a stage twice: {list(v)}")
+        elif sub == "steps":
+            if not _int_list(v) or len(v) != 2 or not 1 <= v[0] <= v[1]:
+                out.append(f"{at} must be [first, last] global steps with 1 <= first <= last, got {_describe(v)}")
+        elif sub == "ranks":
+            if v != "all" and (not _int_list(v) or not v or min(v) < 0):
+                out.append(f"{at} must be \"all\" or a non-empty list of global ranks (integers >= 0), "
+                           f"got {_describe(v)}")
+        else:
+            problem = _problem(spec, v, at)
+            out += [problem] if problem else []
+    if not out and value.get("stages") and value.get("dir") in (None, "???"):
+        out.append(f"{here}.dir is not set but {here}.stages names {list(value['stages'])}: name the directory the "
+                   "traces go to (the recipe's configs set ${trainer.default_local_dir}/profiles)")
+    return out
+
+
 def problems(section: Any, where: str = SECTION) -> list[str]:
     """Every unknown key (with a did-you-mean), wrong type and string boolean in the recipe section
     ``section`` (a DictConfig, a mapping or None), named by its full key path; [] when it is
@@ -203,6 +268,8 @@ def problems(section: Any, where: str = SECTION) -> list[str]:
             continue
         elif key == "megatron":
             out += _megatron_problems(value, here)
+        elif key == "profile":
+            out += _profile_problems(value, here)
         elif key == "vllm_dp":
             if not isinstance(value, Mapping):
                 out.append(f"{here} must be a mapping, got {_describe(value)}")
@@ -288,6 +355,33 @@ def _with_defaults(table: Mapping[str, Key], values: Mapping[str, Any]) -> dict[
     return {name: spec.default if values.get(name) in (None, "???") else values[name] for name, spec in table.items()}
 
 
+@dataclass(frozen=True)
+class ProfileSettings:
+    """recipe.profile, typed, with PROFILE's defaults: ``stages`` and ``steps`` as tuples, ``ranks`` a tuple or
+    "all". ``wants(stage, step, rank)``: whether that stage of that step is profiled on that rank."""
+
+    stages: tuple[str, ...] = PROFILE["stages"].default
+    steps: tuple[int, int] = PROFILE["steps"].default
+    ranks: Any = PROFILE["ranks"].default
+    level: str = PROFILE["level"].default
+    dir: Optional[str] = PROFILE["dir"].default
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any] | None) -> "ProfileSettings":
+        values = _with_defaults(PROFILE, section or {})
+        ranks = values["ranks"]
+        return cls(stages=tuple(values["stages"]), steps=tuple(values["steps"]),
+                   ranks=ranks if ranks == "all" else tuple(ranks), level=values["level"], dir=values["dir"])
+
+    @property
+    def on(self) -> bool:
+        return bool(self.stages)
+
+    def wants(self, stage: str, step: Any, rank: int) -> bool:
+        return (stage in self.stages and isinstance(step, int) and self.steps[0] <= step <= self.steps[1]
+                and (self.ranks == "all" or rank in self.ranks))
+
+
 VllmDp = make_dataclass(
     "VllmDp", [(name, _annotation(spec), field(default=spec.default)) for name, spec in VLLM_DP.items()],
     frozen=True, namespace={"__doc__": "recipe.vllm_dp, typed, with VLLM_DP's defaults."})
@@ -296,11 +390,13 @@ RecipeSettings = make_dataclass(
     "RecipeSettings",
     [(name, _annotation(spec), field(default=spec.default)) for name, spec in KEYS.items() if spec.kind != "section"]
     + [("vllm_dp", VllmDp, field(default_factory=VllmDp)),
+       ("profile", ProfileSettings, field(default_factory=ProfileSettings)),
        ("megatron", RecipeMegatron, field(default_factory=RecipeMegatron))],
     frozen=True,
     namespace={"__doc__": "The recipe section of one run, typed and frozen: one attribute per key of KEYS (its "
-                          "default where the section has none), ``vllm_dp`` (VllmDp) and ``megatron`` (the "
-                          "parsed RecipeMegatron, verl_patches/config/megatron_args.py). Built by ``build``."})
+                          "default where the section has none), ``vllm_dp`` (VllmDp), ``profile`` "
+                          "(ProfileSettings) and ``megatron`` (the parsed RecipeMegatron, "
+                          "verl_patches/config/megatron_args.py). Built by ``build``."})
 
 
 def build(section: Any, where: str = SECTION) -> Any:
@@ -313,6 +409,7 @@ def build(section: Any, where: str = SECTION) -> Any:
     scalars = _with_defaults({k: v for k, v in KEYS.items() if v.kind != "section"}, section)
     megatron = section.get("megatron")
     return RecipeSettings(**scalars, vllm_dp=VllmDp(**_with_defaults(VLLM_DP, section.get("vllm_dp") or {})),
+                          profile=ProfileSettings.of(section.get("profile")),
                           megatron=parse_megatron(None if megatron in (None, "???") else dict(megatron)))
 
 

@@ -66,3 +66,18 @@ def load_lock(path: Path | None = None) -> dict[str, Component]:
             optional=bool(entry.get("optional", False)),
         )
     return comps
+
+
+def load_extras(path: Path | None = None) -> dict[str, dict[str, str]]:
+    """The lock's optional extras: group -> {package: exact version} (``[extras.<group>]`` of the Ascend lock by
+    default: the groups are the same on every accelerator). A version that is not a string is refused."""
+    path = Path(path or LOCK_PATH)
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    out: dict[str, dict[str, str]] = {}
+    for group, pins in raw.get("extras", {}).items():
+        bad = {k: v for k, v in pins.items() if not isinstance(v, str) or not v}
+        if bad:
+            raise ValueError(f"{path}: [extras.{group}] pins must be version strings, got {bad}")
+        out[group] = dict(pins)
+    return out

@@ -25,6 +25,8 @@ order. Rules:
 - The loop starts where an update ends: memory attached before the first step is put where the
   steps so far leave it (the rollout engine's weights and KV cache released, the reference on
   host, the grads released). That is also what the engine's build-time sleep amounts to.
+- Every step run that is not a stage's own work (``STAGE_WORK``) is a phase of the switch for the run's profiles
+  (recipe.profile, verl_patches/base/profile.py): a named range in a stage's trace, or a trace of its own.
 - On a device (not on the CPU platform) each ledger entry carries the allocator's allocated and
   reserved peaks since the previous entry ended, so verl's work between two reached steps counts
   in the next one (the generation in ``generate``, which runs when the release is reached); the
@@ -37,6 +39,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+from verl_patches.base import profile
 from verl_patches.offload.groups import Location, OffloadGroup
 from verl_patches.offload.ledger import LedgerEntry
 from verl_patches.offload.schedule import (OUR_INITIAL, ROLES, Action, RunsSteps, ScheduleError, StepRunner, StepSpec,
@@ -45,6 +48,10 @@ from verl_patches.offload.pool import OffloadEngine
 
 # Call steps whose work runs inside verl's own bodies, between two reached steps.
 VERL_RUNS = ("reshard", "generate")
+# The calls that are a profiled stage's own work (recipe.profile: rollout, ref_log_prob, update), profiled as
+# that stage; every other step the loop runs (the moves, the reshard) is a phase of the switch
+# (verl_patches/base/profile.py).
+STAGE_WORK = ("generate", "ref_forward", "train")
 ROLLOUT_SEGMENT = ("alloc_rollout_weights", "release_rollout_weights")
 # What a repeated rollout segment needs back first: the reshard reads the training params.
 REENTRY = (Action("onload", "train_params"),)
@@ -201,7 +208,10 @@ class LiveSwitch(RunsSteps):
         return self._names.index(step)
 
     def _run(self, spec: StepSpec, hooks: dict[str, Callable]) -> LedgerEntry:
-        return self.runner.run(spec, hooks, self.iteration)
+        if any(a.kind == "call" and a.target in STAGE_WORK for a in spec.actions):
+            return self.runner.run(spec, hooks, self.iteration)
+        with profile.phase(spec.name):  # a phase of the switch (recipe.profile's "switch" stage)
+            return self.runner.run(spec, hooks, self.iteration)
 
     # -- memory objects ------------------------------------------------------------------
     def offload_engine(self) -> Any:
@@ -386,6 +396,6 @@ def reset_live_switch() -> LiveSwitch:
     return _LIVE
 
 
-__all__ = ["CALLS", "LiveSwitch", "REENTRY", "ROLLOUT_SEGMENT", "SHARDING_ENTER", "SwitchCall", "VERL_RUNS",
-           "WAKE_TAGS", "WEIGHT_SYNC", "WORKER", "calls_inside", "calls_markdown", "live_switch",
+__all__ = ["CALLS", "LiveSwitch", "REENTRY", "ROLLOUT_SEGMENT", "SHARDING_ENTER", "STAGE_WORK", "SwitchCall",
+           "VERL_RUNS", "WAKE_TAGS", "WEIGHT_SYNC", "WORKER", "calls_inside", "calls_markdown", "live_switch",
            "reset_live_switch", "switch_call", "wake_call"]

@@ -1,6 +1,8 @@
 """The run's self-checks, driver side: every generation request carries the trainer's global step, so a
 check that fails on a worker (the weight fingerprint after the reshard, verl_patches/reshard/checksum.py)
-names the step the person sees in the run's report.
+names the step the person sees in the run's report. The other stage calls (the old and the reference
+log-prob forwards, the update) carry it too, for the run's profiles (recipe.profile,
+verl_patches/base/profile.py), which profile chosen stages of chosen steps on the workers.
 
 Upstream: verl/trainer/ppo/ray_trainer.py. RayPPOTrainer.fit calls actor_rollout_wg.generate_sequences
 with a batch whose meta_info holds no step (validation's holds ``validate``). As the TensorCache does
@@ -19,13 +21,19 @@ from verl_patches.core.record import Patch
 
 
 def _with_step(trainer: Any, original: Callable[..., Any]) -> Callable[..., Any]:
-    def generate_sequences(gen_batch, *args, **kwargs):
+    def call(data, *args, **kwargs):
         step = getattr(trainer, "global_steps", None)
         if step is not None:
-            gen_batch.meta_info[stash.STEP_META_KEY] = int(step)
-        return original(gen_batch, *args, **kwargs)
+            data.meta_info[stash.STEP_META_KEY] = int(step)
+        return original(data, *args, **kwargs)
 
-    return generate_sequences
+    return call
+
+
+# The worker-group calls that carry the step: the actor's (generate_sequences first, as the fingerprint needs it)
+# and the reference's log-prob forward.
+ACTOR_CALLS = ("generate_sequences", "compute_log_prob", "update_actor")
+REF_CALL = "compute_ref_log_prob"
 
 
 def wrap_init_workers_step(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -33,7 +41,11 @@ def wrap_init_workers_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def init_workers(self):
         out = original(self)
         wg = self.actor_rollout_wg
-        wg.generate_sequences = _with_step(self, wg.generate_sequences)
+        for name in ACTOR_CALLS:
+            setattr(wg, name, _with_step(self, getattr(wg, name)))
+        if getattr(self, "use_reference_policy", False):
+            ref = wg if getattr(self, "ref_in_actor", False) else self.ref_policy_wg
+            setattr(ref, REF_CALL, _with_step(self, getattr(ref, REF_CALL)))
         return out
 
     return init_workers
@@ -48,8 +60,9 @@ PATCHES = [
         fingerprint=Fingerprint(signature="def init_workers(self)", source_sha="4a3b24c45c6ad122"),
         replacement=f"{__name__}:wrap_init_workers_step",
         flag="always on (a meta_info entry; the checks it serves have their own settings)",
-        why="The workers' per-step checks (weight fingerprint) must name the trainer's step, which only the "
-            "driver knows: verl 0.4.1 sends generation no step (docs/DESIGN.md, 'The run checks itself').",
-        remove_when="verl passes the global step to generate_sequences in meta_info.",
+        why="The workers' per-step checks (weight fingerprint) must name the trainer's step, and the run's "
+            "profiles (recipe.profile) choose stages by it, which only the driver knows: verl 0.4.1 sends its "
+            "stage calls no step (docs/DESIGN.md, 'The run checks itself').",
+        remove_when="verl passes the global step to its stage calls in meta_info.",
     ),
 ]

@@ -20,6 +20,10 @@ live.py's ``CALLS`` (the call -> step table, rendered in docs/DESIGN.md section 
   inside it; leaving, it reaches the segment's end, so a step nobody reached still runs, in order.
 - compute_log_prob / save_checkpoint / load_checkpoint: excursions; what they read comes to the device
   and goes back where the loop had it.
+- Profiles (recipe.profile, with or without the recipe's offload): the stage calls run inside their stage
+  (verl_patches/base/profile.py): generate_sequences is ``rollout``, compute_log_prob ``old_log_prob``,
+  compute_ref_log_prob ``ref_log_prob``, update_actor ``update``, for the trainer's global step that came with
+  the batch (patch verl.self_check.step_to_workers); init_model configures the process's profiling.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ _COMMON_OWN = dict(kind="wrap", phases=("worker",), upstream="verl", versions="=
 # -- flags --------------------------------------------------------------------------------
 
 OFFLOAD_FLAG = "actor_rollout_ref.rollout.recipe.offload"
+PROFILE_FLAG = "actor_rollout_ref.rollout.recipe.profile"
 SWAP_OPTIMIZER_FLAG = "actor_rollout_ref.rollout.recipe.megatron.swap_optimizer"
 # verl's own offload switches, which the recipe's offload replaces.
 VERL_OFFLOAD_ATTRS = ("_is_offload_param", "_is_offload_grad", "_is_offload_optimizer", "_ref_is_offload_param")
@@ -78,6 +83,32 @@ def _row(method: str) -> str:
     return f"{WORKER}.{method}"
 
 
+def _profiles():
+    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
+    # the patch runs.
+    from verl_patches.base import profile
+
+    return profile
+
+
+def _step(data: Any) -> Any:
+    """The trainer's global step that came with ``data`` (None for a validation generation, or none sent)."""
+    meta = getattr(data, "meta_info", None) or {}
+    step = meta.get(stash.STEP_META_KEY)
+    return None if step is None or meta.get("validate") else int(step)
+
+
+def _rank(worker: Any) -> int:
+    rank = getattr(worker, "rank", None)
+    if rank is None:
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+    return int(rank)
+
+
 def check_optimizer_offload(config: Any) -> None:
     """megatron-core's optimizer offload (actor.optim.optimizer_cpu_offload, patch verl.optim.cpu_offload)
     and MindSpeed's swap optimizer (recipe.megatron.swap_optimizer) would both keep Adam's state on the
@@ -96,6 +127,7 @@ def check_optimizer_offload(config: Any) -> None:
 def wrap_init_model_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_model(self):
+        _profiles().configure(settings.from_worker(self.config).profile, _rank(self))
         if getattr(self, "_is_actor", False):
             check_optimizer_offload(self.config)
         if not offload_on(self.config):
@@ -140,11 +172,12 @@ def _empty_cache() -> None:
 def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def update_actor(self, data):
-        if stash.get(self, "actor_memory") is None:
-            return original(self, data)
-        out = _switch().run_call(_row("update_actor"), lambda: original(self, data))
-        _empty_cache()
-        return out
+        with _profiles().stage("update", _step(data)):
+            if stash.get(self, "actor_memory") is None:
+                return original(self, data)
+            out = _switch().run_call(_row("update_actor"), lambda: original(self, data))
+            _empty_cache()
+            return out
 
     return update_actor
 
@@ -152,14 +185,15 @@ def wrap_update_actor_offload(original: Callable[..., Any]) -> Callable[..., Any
 def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def generate_sequences(self, prompts):
-        if stash.get(self, "actor_memory") is None:
-            return original(self, prompts)
-        switch = _switch()
-        switch.run_call(_row("generate_sequences, entering"))
-        out = original(self, prompts)
-        # Nothing left to do when the sharding manager and the engine's sleep reached every step.
-        switch.run_call(_row("generate_sequences, leaving"))
-        return out
+        with _profiles().stage("rollout", _step(prompts)):
+            if stash.get(self, "actor_memory") is None:
+                return original(self, prompts)
+            switch = _switch()
+            switch.run_call(_row("generate_sequences, entering"))
+            out = original(self, prompts)
+            # Nothing left to do when the sharding manager and the engine's sleep reached every step.
+            switch.run_call(_row("generate_sequences, leaving"))
+            return out
 
     return generate_sequences
 
@@ -167,9 +201,10 @@ def wrap_generate_sequences_offload(original: Callable[..., Any]) -> Callable[..
 def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_log_prob(self, data):
-        if stash.get(self, "actor_memory") is None:
-            return original(self, data)
-        return _switch().run_call(_row("compute_log_prob"), lambda: original(self, data))
+        with _profiles().stage("old_log_prob", _step(data)):
+            if stash.get(self, "actor_memory") is None:
+                return original(self, data)
+            return _switch().run_call(_row("compute_log_prob"), lambda: original(self, data))
 
     return compute_log_prob
 
@@ -177,10 +212,11 @@ def wrap_compute_log_prob_offload(original: Callable[..., Any]) -> Callable[...,
 def wrap_compute_ref_log_prob_offload(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compute_ref_log_prob(self, data):
-        if stash.get(self, "ref_memory") is None:
-            return original(self, data)
-        # ref_offload only frees: the reference is read-only, its host copy still exact.
-        return _switch().run_call(_row("compute_ref_log_prob"), lambda: original(self, data))
+        with _profiles().stage("ref_log_prob", _step(data)):
+            if stash.get(self, "ref_memory") is None:
+                return original(self, data)
+            # ref_offload only frees: the reference is read-only, its host copy still exact.
+            return _switch().run_call(_row("compute_ref_log_prob"), lambda: original(self, data))
 
     return compute_ref_log_prob
 
@@ -206,7 +242,8 @@ PATCHES = [
         target=_W + "init_model",
         fingerprint=Fingerprint(signature="def init_model(self)", source_sha="b43dfa697a54895c"),
         replacement=f"{__name__}:wrap_init_model_offload",
-        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG + ", actor_rollout_ref.actor.optim.optimizer_cpu_offload",
+        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG + ", actor_rollout_ref.actor.optim.optimizer_cpu_offload, "
+        + PROFILE_FLAG,
         why="Builds the actor's params / grads / optimizer groups and the reference's group on the process's "
             "offload engine and attaches them to the switch loop where an update ends; hands the actor's to the "
             "sharding manager (which then reshards under the loop); turns verl's own offload off so nothing "
@@ -221,7 +258,7 @@ PATCHES = [
         target=_W + "update_actor",
         fingerprint=Fingerprint(signature="def update_actor(self, data: DataProto)", source_sha="f8b46c040fd851f0"),
         replacement=f"{__name__}:wrap_update_actor_offload",
-        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG,
+        flag=OFFLOAD_FLAG + ", " + SWAP_OPTIMIZER_FLAG + ", " + PROFILE_FLAG,
         why="Upstream offloads params and grads after the update and reloads both for the reshard. We onload "
             "params, grads and optimizer state before the update and afterwards release the grads and offload "
             "the optimizer state only: the params stay on device because the reshard reads them next.",
@@ -234,7 +271,7 @@ PATCHES = [
         target=_W + "generate_sequences",
         fingerprint=Fingerprint(signature="def generate_sequences(self, prompts: DataProto)", source_sha="9f3b8f496926ac8f"),
         replacement=f"{__name__}:wrap_generate_sequences_offload",
-        flag=OFFLOAD_FLAG,
+        flag=OFFLOAD_FLAG + ", " + PROFILE_FLAG,
         why="The params come in resident (nothing is reloaded) and leave offloaded: the sharding manager reaches "
             "the loop's offload_train_params right after the reshard, before the KV cache is initialised; this "
             "begins the rollout segment and, leaving, reaches its end, running any step nobody reached.",
@@ -247,7 +284,7 @@ PATCHES = [
         target=_W + "compute_log_prob",
         fingerprint=Fingerprint(signature="def compute_log_prob(self, data: DataProto)", source_sha="46d3720f4e27860a"),
         replacement=f"{__name__}:wrap_compute_log_prob_offload",
-        flag=OFFLOAD_FLAG,
+        flag=OFFLOAD_FLAG + ", " + PROFILE_FLAG,
         why="With recompute_old_log_prob on, the old log-prob forward runs after generation, when the params "
             "are on host: onload them (no grads) and put them back.",
         remove_when="verl's offload moves params only (as above).",
@@ -259,7 +296,7 @@ PATCHES = [
         target=_W + "compute_ref_log_prob",
         fingerprint=Fingerprint(signature="def compute_ref_log_prob(self, data: DataProto)", source_sha="410e0c571e22e384"),
         replacement=f"{__name__}:wrap_compute_ref_log_prob_offload",
-        flag=OFFLOAD_FLAG,
+        flag=OFFLOAD_FLAG + ", " + PROFILE_FLAG,
         why="Upstream copies the reference params back to host after every forward (param.data.to('cpu')). They "
             "never change: copied once at init, each later offload only frees them.",
         remove_when="verl offloads the reference without a copy when the host copy is current.",

@@ -6,6 +6,7 @@ where a real torch_npu is installed. What it does, as the real package does on i
   device API answered by the host: see that module);
 - answers pinned host memory (``pin_memory``, ``is_pinned``, ``pin_memory=True`` factories: see _pinned.py);
 - answers ``Tensor.type()`` for the device's (host) tensors as ``torch.npu.<Scalar>Tensor`` (see _tensor_type.py);
+- exposes ``torch_npu.profiler`` (the profiler API the accelerator facade calls, onto torch's: see that package);
 - exposes torch_npu's operators (``torch_npu.npu_*``) as attributes: here the host implementations of
   verl_patches/npu_rehearsal (ops.OPERATORS, ops_extra.OPERATORS), looked up at each access; a name that
   is not there raises AttributeError naming it.
@@ -52,6 +53,7 @@ if getattr(torch, "npu", None) is not npu:
     torch._register_device_module("npu", npu)
 
 from torch_npu import _C, contrib  # noqa: E402,F401
+from torch_npu import profiler  # noqa: E402,F401  (the real package imports its profiler: torch_npu.profiler)
 
 
 def _hccl_on_host(store, rank, size, timeout):
