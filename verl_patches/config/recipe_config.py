@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from verl_patches.config import settings
-from verl_patches.config.compose import CONFIG_DIR, compose, find_model_config, load_model_config
+from verl_patches.config.compose import CONFIG_DIR, DEFAULT_MODEL_CONFIG, compose, find_model_config, load_model_config  # noqa: F401
 from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.config.megatron_args import RecipeMegatronError, parse as parse_megatron
