@@ -195,7 +195,7 @@ class _TooMany(Exception):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(offset: int, n: tuple[int, ...], D: tuple[int, ...], limit: int) -> tuple | None:
+def _plan(offset: int, n: tuple[int, ...], D: tuple[int, ...], limit: int, block: int) -> tuple | None:
     """Cut the canonical box (sizes n, destination strides D, D[-1] == 1, at destination ``offset``) into
     pieces that each lie in one key period, so that a piece's keys are a view of the table. A piece is
     (kind, prefix, lo, hi, t, q): indices ``prefix`` of the leading dims, then ``lo:hi`` of the next one;
@@ -204,7 +204,8 @@ def _plan(offset: int, n: tuple[int, ...], D: tuple[int, ...], limit: int) -> tu
     - "rows": whole periods of one row (t == 0), as [w, CHUNK]: keys K per period, chunk keys c(q + r);
     - "box": indices lo:hi of dim len(prefix), everything after it: keys K.as_strided(sizes, (D[k] mod
       CHUNK, D[k+1], ...), t); index r of the range lies in chunk q + r * (D[k] div CHUNK).
-    None when it takes more than ``limit`` pieces (then each element's key is gathered)."""
+    None when it takes more than ``limit`` pieces (then each element's key is gathered). A piece has at
+    most ``block`` elements (BLOCK) or one index's."""
     m = len(n) - 1
     L = n[m]
     ext = [1] * (m + 2)  # ext[k]: destination extent of dims k.. (all indices before k fixed)
@@ -225,7 +226,7 @@ def _plan(offset: int, n: tuple[int, ...], D: tuple[int, ...], limit: int) -> tu
             while j < L:
                 t = (o + j) % CHUNK
                 if t == 0 and L - j >= CHUNK:
-                    w = min((L - j) // CHUNK, max(1, BLOCK // CHUNK))
+                    w = min((L - j) // CHUNK, max(1, block // CHUNK))
                     emit(("rows", prefix, j, j + w * CHUNK, 0, (o + j) >> _SHIFT))
                     j += w * CHUNK
                 else:
@@ -238,7 +239,7 @@ def _plan(offset: int, n: tuple[int, ...], D: tuple[int, ...], limit: int) -> tu
             for i in range(n[k]):
                 rec(o + i * D[k], prefix + (i,), k + 1)
             return
-        step, per = D[k] % CHUNK, max(1, BLOCK // size[k + 1])
+        step, per = D[k] % CHUNK, max(1, block // size[k + 1])
         i = 0
         while i < n[k]:
             oi = o + i * D[k]
@@ -331,7 +332,7 @@ def _torch_sum(values: torch.Tensor, offset: int, shape, strides, gather: bool =
     table = key_table(values.device)
     ctab = chunk_table(values.device, ((_span(offset, n, D) - 1) >> _SHIFT) + 1)
     mix = bits.dtype == torch.int32
-    items = None if gather else _plan(offset, n, D, 16 + math.prod(n) // (1 << 15))
+    items = None if gather else _plan(offset, n, D, 16 + math.prod(n) // (1 << 15), BLOCK)
     if items is None:
         return _gather_sum(view, offset, n, D, mix, table, ctab)
     return _pieces_sum(view, items, n, D, mix, table, ctab)
@@ -439,9 +440,11 @@ def view_checksum(values: torch.Tensor, dest: torch.Tensor, impl: str = "auto") 
 _FUSED_DIMS = 4
 
 
-def _use_fused(values: torch.Tensor, impl: str, offset: int, strides) -> bool:
+def _use_fused(values: torch.Tensor, impl: str, offset: int = 0, strides=None) -> bool:
+    """Whether ``values`` at these destination indices (default: its own flat index) take the fused kernel."""
     if impl in ("torch", "gather"):
         return False
+    strides = _contiguous_strides(tuple(values.shape)) if strides is None else strides
     ok = (values.element_size() == 2 and values.dim() <= _FUSED_DIMS and values.numel() < (1 << 31)
           and _span(offset, values.shape, strides) <= (_MAX_CHUNKS << _SHIFT))
     if impl == "triton":
