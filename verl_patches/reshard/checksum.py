@@ -263,11 +263,12 @@ def _plan(offset: int, n: tuple[int, ...], D: tuple[int, ...], limit: int, block
 
 def _pieces_sum(view: torch.Tensor, items: tuple, n: tuple[int, ...], D: tuple[int, ...], mix: bool,
                 table: torch.Tensor, ctab: torch.Tensor) -> torch.Tensor:
-    """sum over the pieces of bits * k, as a 0-dim int32 (wrapping)."""
-    sums, cks = [], []
+    """sum over the pieces of bits * k, as a 0-dim int32 (wrapping). The chunk keys are views of the
+    device's chunk table (no host-to-device copy, which would wait for the device)."""
+    sums = []
     for kind, prefix, lo, hi, t, q in items:
         vals = view[prefix + (slice(lo, hi),)]
-        cvec = None
+        cvec = ctab[q]
         if kind == "slice":
             keys = table[t:t + hi - lo]
         elif kind == "rows":
@@ -283,15 +284,12 @@ def _pieces_sum(view: torch.Tensor, items: tuple, n: tuple[int, ...], D: tuple[i
                 cvec = ctab[q:q + (hi - lo - 1) * h + 1:h]
         PATHS[kind] += 1
         prod = (_mix(vals) if mix else vals) * keys  # int32 products, wrapping
-        if cvec is None:
-            sums.append(prod.sum(dtype=torch.int32))
-            cks.append(_signed(chunk_key(q)))
+        if cvec.dim() == 0:
+            sums.append(prod.sum(dtype=torch.int32) * cvec)
         else:
             rows = prod.sum(dim=tuple(range(1, prod.dim())), dtype=torch.int32)
             sums.append((rows * cvec).sum(dtype=torch.int32))
-            cks.append(1)
-    ck = torch.tensor(cks, dtype=torch.int32, device=view.device)
-    return (torch.stack(sums) * ck).sum(dtype=torch.int32)
+    return torch.stack(sums).sum(dtype=torch.int32)
 
 
 def _gather_sum(view: torch.Tensor, offset: int, n: tuple[int, ...], D: tuple[int, ...], mix: bool,
