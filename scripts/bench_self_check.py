@@ -140,7 +140,8 @@ def _previous_receive(t):
         bits = flat[q0 * CHUNK:q1 * CHUNK].view(torch.int16).view(q1 - q0, CHUNK)
         prod = bits * table
         rows = (prod[:, 0::2] + prod[:, 1::2]).sum(dim=1, dtype=torch.int64)
-        sums = bits.view(q1 - q0, CHUNK // (1 << 15), 1 << 15).sum(dim=2, dtype=torch.int32).sum(dim=1, dtype=torch.int64)
+        groups = bits.view(q1 - q0, CHUNK // (1 << 15), 1 << 15)
+        sums = groups.sum(dim=2, dtype=torch.int32).sum(dim=1, dtype=torch.int64)
         qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
         total = torch.remainder(total + (rows + _previous_chunk_key(qs) * sums).sum(), _PREV_MOD)
     if full * CHUNK < flat.numel():

@@ -7,6 +7,7 @@ a flipped element or a transposed expert."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +102,8 @@ def _cases():
          big[:, CHUNK - 1100:], {"box"}),
         ("a transposed box in a larger destination (Megatron -> vLLM experts)", r(3, 150, 300).permute(0, 2, 1),
          cube[1:4, 1300:1450, 100:400].permute(0, 2, 1), {"box"}),
-        ("the same, fp32", r(3, 150, 40, dtype=torch.float32).permute(0, 2, 1), cube[1:4, 1300:1450, 60:100].permute(0, 2, 1),
-         {"box"}),
+        ("the same, fp32", r(3, 150, 40, dtype=torch.float32).permute(0, 2, 1),
+         cube[1:4, 1300:1450, 60:100].permute(0, 2, 1), {"box"}),
         ("one row across a chunk boundary: split", r(1100), big.view(-1)[CHUNK - 500:CHUNK + 600], {"slice"}),
         ("rows of a box that each cross a boundary: split rows", r(200, 70), cube[1, 400:600, 580:650],
          {"box", "slice"}),
@@ -121,6 +122,35 @@ def test_every_piece_kind_and_the_gather_are_the_definition(case):
     used = {k for k in checksum.PATHS if checksum.PATHS[k] > before.get(k, 0)}
     assert used == kinds, (what, used)
     assert int(view_checksum(values, dest, impl="gather")) == want, what
+
+
+def test_random_views_are_the_definition():
+    # Random boxes of destinations up to a few key periods per dim (narrowed, permuted), values in their own
+    # random layout, 2- and 4-byte: the pieces (or the gather they fall back to) and the gather give the
+    # definition's integer.
+    import random
+
+    rng = random.Random(11)
+    sizes = [1, 2, 3, 7, 50, 1000, 70000, CHUNK // 3, CHUNK + 3]
+    for case in range(60):
+        nd = rng.randint(1, 4)
+        shape = [rng.choice(sizes) for _ in range(nd)]
+        while math.prod(shape) > 3e11:
+            shape[rng.randrange(nd)] = 3
+        box = []
+        for n in shape:
+            length = rng.randint(1, min(n, 30))
+            a = rng.randint(0, n - length)
+            box.append(slice(a, a + length))
+        order = list(range(nd))
+        rng.shuffle(order)
+        dest = torch.empty(shape, device="meta")[tuple(box)].permute(order)
+        own = list(range(nd))
+        rng.shuffle(own)
+        dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+        values = torch.randn([dest.shape[d] for d in own]).to(dtype).permute([own.index(d) for d in range(nd)])
+        want = _definition(values, _index(dest))
+        assert int(view_checksum(values, dest)) == want == int(view_checksum(values, dest, impl="gather")), case
 
 
 def test_whole_periods_of_a_row_and_a_tail():

@@ -289,7 +289,7 @@ def _pieces_sum(view: torch.Tensor, items: tuple, n: tuple[int, ...], D: tuple[i
         else:
             rows = prod.sum(dim=tuple(range(1, prod.dim())), dtype=torch.int32)
             sums.append((rows * cvec).sum(dtype=torch.int32))
-    return torch.stack(sums).sum(dtype=torch.int32)
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum(dtype=torch.int32)
 
 
 def _gather_sum(view: torch.Tensor, offset: int, n: tuple[int, ...], D: tuple[int, ...], mix: bool,
