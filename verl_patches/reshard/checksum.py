@@ -194,7 +194,7 @@ class _TooMany(Exception):
     pass
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)  # one entry per distinct box layout of a plan (a few thousand per rank)
 def _plan(offset: int, n: tuple[int, ...], D: tuple[int, ...], limit: int, block: int) -> tuple | None:
     """Cut the canonical box (sizes n, destination strides D, D[-1] == 1, at destination ``offset``) into
     pieces that each lie in one key period, so that a piece's keys are a view of the table. A piece is
