@@ -15,7 +15,8 @@ Measured, on a bf16 tensor of --gib GiB (median of --repeats after one warm-up):
 - send side: the checksum of a transposed box at its destination offsets (view_checksum on a
   [E, R, C] stack read through .transpose(1, 2), as Megatron's expert weights reach vLLM's).
 Each side on the path the run takes here (the fused Triton kernel on CUDA, else torch) and on the torch
-path (an NPU's), plus the receive side as it was before issue 37; all must give the same integers.
+path (an NPU's); these must give the same integers (and the torch path's gather fallback too). Beside them,
+both sides of the torch path as it was before the checksum moved to 2**32 (its own integers; timed only).
 GiB/s counts the bf16 bytes checked. Paper: per rank, the fingerprint reads its rollout shard once
 (receive rate) and each distinct box it sent once (send rate; checksum.checked_bytes); the largest
 rank's time over --switch-s, the reference's published switch (17 s: 11.5 s reshard + 5.5 s offload,
@@ -101,36 +102,91 @@ def _timed(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
-def _previous_receive(t):
-    """The receive side as it was before issue 37 (int64 products and sums: a full-size int64 copy per
-    sum), kept here to time the change on the same card; the same integers as tensor_checksum."""
+# ---- the torch path as it was before the checksum moved to 2**32 (issue 37): timed beside the new one ----
+# Its definition: C = sum bits_i * (K[i mod 2**22] + c(i div 2**22)) mod (2**31 - 1), K in [1, 2**15] from the
+# same seed, c(q) = (q * 40503 + 7) & 0x7FFF; int64 sums (torch's sum(dtype=int64) of int32 writes an int64
+# copy first) and, on the send side, an int32 index per element and two gathers. Kept only here, to time it.
+_PREV_MOD = (1 << 31) - 1
+_PREV_TABLES: dict = {}
+
+
+def _previous_table(device):
     import torch
 
-    from verl_patches.reshard.checksum import BLOCK, CHUNK, MOD, _chunk_key, key_table
+    from verl_patches.reshard.checksum import CHUNK
+
+    if str(device) not in _PREV_TABLES:
+        g = torch.Generator().manual_seed(0x5EED)
+        _PREV_TABLES[str(device)] = torch.randint(1, (1 << 15) + 1, (CHUNK,), generator=g, dtype=torch.int32).to(device)
+    return _PREV_TABLES[str(device)]
+
+
+def _previous_chunk_key(q):
+    return (q * 40503 + 7) & 0x7FFF
+
+
+def _previous_receive(t):
+    """The previous receive side (2-byte values): int32 products added in pairs, then an int64 sum."""
+    import torch
+
+    from verl_patches.reshard.checksum import BLOCK, CHUNK
 
     flat = t.reshape(-1)
-    table = key_table(t.device)
+    table = _previous_table(t.device)
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     per, full = BLOCK // CHUNK, flat.numel() // CHUNK
     for q0 in range(0, full, per):
         q1 = min(full, q0 + per)
         bits = flat[q0 * CHUNK:q1 * CHUNK].view(torch.int16).view(q1 - q0, CHUNK)
-        rows = (bits * table).sum(dim=1, dtype=torch.int64)
-        sums = torch.remainder(bits.sum(dim=1, dtype=torch.int64), MOD)
+        prod = bits * table
+        rows = (prod[:, 0::2] + prod[:, 1::2]).sum(dim=1, dtype=torch.int64)
+        groups = bits.view(q1 - q0, CHUNK // (1 << 15), 1 << 15)
+        sums = groups.sum(dim=2, dtype=torch.int32).sum(dim=1, dtype=torch.int64)
         qs = torch.arange(q0, q1, dtype=torch.int64, device=t.device)
-        total = torch.remainder(total + torch.remainder(rows + _chunk_key(qs) * sums, MOD).sum(), MOD)
+        total = torch.remainder(total + (rows + _previous_chunk_key(qs) * sums).sum(), _PREV_MOD)
     if full * CHUNK < flat.numel():
         bits = flat[full * CHUNK:].view(torch.int16)
-        part = torch.remainder((bits * table[:bits.numel()]).sum(dtype=torch.int64), MOD) + \
-            _chunk_key(full) * torch.remainder(bits.sum(dtype=torch.int64), MOD)
-        total = torch.remainder(total + part, MOD)
+        part = (bits * table[:bits.numel()]).sum(dtype=torch.int64) + \
+            _previous_chunk_key(full) * bits.sum(dtype=torch.int64)
+        total = torch.remainder(total + part, _PREV_MOD)
+    return total
+
+
+def _previous_send(values, dest):
+    """The previous send side (2-byte values): per block of leading rows, each element's int32 destination
+    index, its key gathered from the table and its chunk key from a 512-entry table, an int64 sum."""
+    import math
+
+    import torch
+
+    from verl_patches.reshard.checksum import BLOCK, CHUNK
+
+    device = values.device
+    table = _previous_table(device)
+    chunk_keys = _previous_chunk_key(torch.arange(512, dtype=torch.int32, device=device))
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    rest = torch.zeros((), dtype=torch.int32, device=device)
+    for d in range(1, values.dim()):
+        shape = [1] * (values.dim() - 1)
+        shape[d - 1] = values.shape[d]
+        rest = rest + (torch.arange(values.shape[d], dtype=torch.int32, device=device) * dest.stride(d)).view(shape)
+    rows = max(1, BLOCK // max(1, math.prod(values.shape[1:])))
+    for a in range(0, values.shape[0], rows):
+        b = min(values.shape[0], a + rows)
+        lead = torch.arange(a, b, dtype=torch.int32, device=device) * dest.stride(0) + dest.storage_offset()
+        index = lead.view([-1] + [1] * (values.dim() - 1)) + rest
+        keys = table[index & (CHUNK - 1)]
+        keys += chunk_keys[index >> 22]
+        part = (values[a:b].view(torch.int16) * keys).sum(dtype=torch.int64)
+        total = torch.remainder(total + part, _PREV_MOD)
     return total
 
 
 def measure(device, gib: float, repeats: int) -> dict[str, float]:
     """GiB/s of each path; "receive"/"send" are the path the run takes on this device (auto: the fused
-    kernel on CUDA where Triton is, else torch), "*_torch" the torch path (an NPU's), "receive_previous"
-    the receive side before issue 37. Every path's integer is checked against the torch path's."""
+    kernel on CUDA where Triton is, else torch), "*_torch" the torch path (an NPU's), "*_previous" the
+    torch path before the checksum moved to 2**32 (other integers: timed only). Every path's integer is
+    checked against the torch path's."""
     import torch
 
     from verl_patches.base import accelerator
@@ -150,14 +206,16 @@ def measure(device, gib: float, repeats: int) -> dict[str, float]:
                 ("send", lambda: view_checksum(stack.transpose(1, 2), meta)),
                 ("receive_torch", lambda: tensor_checksum(x, impl="torch")),
                 ("send_torch", lambda: view_checksum(stack.transpose(1, 2), meta, impl="torch"))]
-    variants.append(("receive_previous", lambda: _previous_receive(x)))
+    variants += [("receive_previous", lambda: _previous_receive(x)),
+                 ("send_previous", lambda: _previous_send(stack.transpose(1, 2), meta))]
     for name, fn in variants:
         s = _timed(fn, repeats, sync)
         out[f"{name}_s"] = s
         out[f"{name}_gib_s"] = nbytes / s / (1 << 30)
     r_t, s_t = int(tensor_checksum(x, impl="torch")), int(view_checksum(stack.transpose(1, 2), meta, impl="torch"))
-    out["same_integers"] = (int(tensor_checksum(x)) == r_t == int(_previous_receive(x))
-                            and int(view_checksum(stack.transpose(1, 2), meta)) == s_t)
+    out["same_integers"] = (int(tensor_checksum(x)) == r_t == int(tensor_checksum(x, impl="gather"))
+                            and int(view_checksum(stack.transpose(1, 2), meta)) == s_t
+                            == int(view_checksum(stack.transpose(1, 2), meta, impl="gather")))
     if not out["same_integers"]:
         raise SystemExit("weight fingerprint: the paths disagree on the same tensor")
     return out
@@ -226,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     m = measure(device, gib, a.repeats)
     print(f"device {device}: {m['bytes'] / (1 << 30):.3f} GiB bf16, median of {a.repeats}; the run's path here: "
           f"{'fused Triton kernel' if m['fused'] else 'torch'}; every path gives the same integers: {m['same_integers']}")
-    for name in ("copy", "receive", "send", "receive_torch", "send_torch", "receive_previous"):
+    for name in ("copy", "receive", "send", "receive_torch", "send_torch", "receive_previous", "send_previous"):
         print(f"  {name:17s} {m[name + '_s'] * 1e3:9.2f} ms  {m[name + '_gib_s']:8.1f} GiB/s")
     from verl_patches.reshard.checksum import checked_bytes
     from verl_patches.reshard.planner import build_plan
@@ -236,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     checked = [checked_bytes(plan, r) for r in range(len(plan.ranks))]
     p = _share(plan, checked, m, a.switch_s)
     pt = _share(plan, checked, m, a.switch_s, "_torch")
-    for label, q in (("the run's path", p), ("torch path", pt)):
+    pp = _share(plan, checked, m, a.switch_s, "_previous")
+    for label, q in (("the run's path", p), ("torch path", pt), ("previous torch path", pp)):
         print(f"paper ({label}): {a.model} train {a.train} -> rollout {a.rollout} ({q['ranks']} ranks): the busiest "
               f"rank ({q['rank']}) checks its {q['shard_gb']:.2f} GB shard and {q['checked_sent_gb']:.2f} GB of "
               f"distinct sent boxes (of {q['sent_gb']:.2f} GB sent) in {q['fingerprint_s']:.3f} s = "
@@ -253,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * (e['paper_entropy_s'] + e['paper_probe_s']) / 859.7:.2f}% of the 859.7 s step")
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"device": str(device), "measured": m, "paper": p, "paper_torch": pt,
+                                                "paper_previous": pp,
                                                 "mismatch": e},
                                                indent=1))
     return 0

@@ -1,52 +1,180 @@
-"""The weight fingerprint (verl_patches/reshard/checksum.py): exact, order free, position sensitive; and
-on 8 gloo processes over the reshard's layouts, it accepts the ground-truth rollout shards and every
-method's output, and names the rank and parameter of a flipped element or a transposed expert."""
+"""The weight fingerprint (verl_patches/reshard/checksum.py): exact, order free, position sensitive; every
+piece of the torch path and its gather fallback equal the definition, written here in Python integers; a
+device whose int32 arithmetic does not wrap is refused; and on 8 gloo processes over the reshard's layouts,
+it accepts the ground-truth rollout shards and every method's output, and names the rank and parameter of
+a flipped element or a transposed expert."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from verl_patches.launch.local_ranks import run_distributed
-from verl_patches.reshard.checksum import (CHUNK, MOD, FingerprintTable, _chunk_key, key_table, tensor_checksum,
-                                           view_checksum)
+from verl_patches.reshard import checksum
+from verl_patches.reshard.checksum import (CHUNK, MASK, FingerprintArithmeticError, FingerprintTable, key_table,
+                                           tensor_checksum, view_checksum)
 from verl_patches.testing.fingerprint_check import check_fingerprints
 from verl_patches.testing.selfcheck import make_plan
 
 MODEL = json.loads((Path(__file__).resolve().parents[2] / "configs/model/tiny_deepseek_v3.json").read_text())
+M32 = 1 << 32
 
 
-def _bits_sum(t: torch.Tensor) -> int:
-    """The checksum written out in Python integers, element by element (the definition)."""
-    flat = t.reshape(-1)
-    bits = flat.view(torch.int16).tolist() if t.element_size() == 2 else [x % MOD for x in flat.view(torch.int32).tolist()]
-    table = key_table(torch.device("cpu")).tolist()
-    return sum(b * (table[i % CHUNK] + _chunk_key(i // CHUNK)) for i, b in enumerate(bits)) % MOD
+def _c(q: int) -> int:
+    """The chunk key, from the definition: ((q * 0x9E3779B1 + 0x7F4A7C15) mod 2**32) | 1."""
+    return ((q * 0x9E3779B1 + 0x7F4A7C15) % M32) | 1
+
+
+def _bits(values: torch.Tensor) -> list[int]:
+    """bits() from the definition: 2-byte values as signed int16; 4-byte words w as w ^ (w >>> 16)."""
+    flat = values.contiguous().reshape(-1)
+    if flat.element_size() == 2:
+        return flat.view(torch.int16).tolist()
+    return [(w % M32) ^ ((w % M32) >> 16) for w in flat.view(torch.int32).tolist()]
+
+
+def _index(dest: torch.Tensor) -> list[int]:
+    """Each element's flat index in the destination (a view of a meta tensor), row-major over the view."""
+    idx = [dest.storage_offset()]
+    for n, st in zip(dest.shape, dest.stride()):
+        idx = [i + j * st for i in idx for j in range(n)]
+    return idx
+
+
+def _definition(values: torch.Tensor, index: list[int]) -> int:
+    """C = sum_i bits_i * K[i mod 2**22] * c(i div 2**22) mod 2**32, element by element in Python integers."""
+    K = key_table(torch.device("cpu"))
+    keys = K[torch.tensor(index, dtype=torch.int64) % CHUNK].tolist()
+    return sum(b * k * _c(i // CHUNK) for b, k, i in zip(_bits(values), keys, index)) % M32
+
+
+def _definition_np(values: torch.Tensor, index: np.ndarray) -> int:
+    """The same for large 2-byte tensors, vectorised in numpy's uint64 (arithmetic modulo 2**64, so exact
+    modulo 2**32)."""
+    b = values.contiguous().reshape(-1).view(torch.int16).numpy().astype(np.int64).astype(np.uint64)
+    k = key_table(torch.device("cpu")).numpy().astype(np.int64).astype(np.uint64)[index % CHUNK]
+    q = (index // CHUNK).astype(np.uint64)
+    c = ((q * np.uint64(0x9E3779B1) + np.uint64(0x7F4A7C15)) & np.uint64(MASK)) | np.uint64(1)
+    return int((b * k * c).sum() & np.uint64(MASK))
+
+
+def test_keys_are_odd_32_bit_and_drawn_once():
+    K = key_table(torch.device("cpu"))
+    assert K.dtype == torch.int32 and K.numel() == CHUNK and bool((K & 1).all())
+    assert K.min() < -(1 << 30) and K.max() > (1 << 30)  # the whole 32-bit range, not small keys
+    assert key_table(torch.device("cpu")) is K
+    assert all(checksum.chunk_key(q) == _c(q) for q in (0, 1, 2, 511, 4096, (1 << 20) - 1))
+    assert checksum.chunk_table(torch.device("cpu"), 5000)[:5000].tolist() == \
+        [_c(q) - M32 if _c(q) >> 31 else _c(q) for q in range(5000)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_checksum_is_the_definition_and_chunk_free(dtype):
-    t = torch.randn(37, 53).to(dtype)
-    want = _bits_sum(t)
-    assert int(tensor_checksum(t)) == want
+def test_checksum_is_the_definition(dtype):
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(37, 53, generator=g).to(dtype)
+    t.view(-1)[:2] = torch.tensor([float("-inf"), float("nan")], dtype=dtype)  # the extreme bit patterns
+    want = _definition(t, list(range(t.numel())))
+    assert int(tensor_checksum(t)) == want == int(tensor_checksum(t, impl="gather"))
     meta = torch.empty(t.shape, device="meta")
-    assert int(view_checksum(t, meta)) == want
-    assert int(view_checksum(t, meta, rows_per_chunk=3)) == want
+    assert int(view_checksum(t, meta)) == want == int(view_checksum(t, meta, impl="gather"))
+    one = t[3, 4]  # a 0-dim value
+    assert int(view_checksum(one, meta[3, 4])) == _definition(one, [3 * 53 + 4])
+
+
+def _cases():
+    """(what, values, destination view, the piece kinds it must use): small values at destination offsets
+    past and across key periods (a meta tensor costs no memory)."""
+    g = torch.Generator().manual_seed(5)
+
+    def r(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    big = torch.empty(3, CHUNK, device="meta")
+    cube = torch.empty(4, 1500, 2100, device="meta")
+    odd = torch.empty(200, 2, CHUNK + 1, device="meta")
+    return [
+        ("rows of three chunks, one as_strided view and a chunk key per row", r(3, 1100),
+         big[:, CHUNK - 1100:], {"box"}),
+        ("a transposed box in a larger destination (Megatron -> vLLM experts)", r(3, 150, 300).permute(0, 2, 1),
+         cube[1:4, 1300:1450, 100:400].permute(0, 2, 1), {"box"}),
+        ("the same, fp32", r(3, 150, 40, dtype=torch.float32).permute(0, 2, 1),
+         cube[1:4, 1300:1450, 60:100].permute(0, 2, 1), {"box"}),
+        ("one row across a chunk boundary: split", r(1100), big.view(-1)[CHUNK - 500:CHUNK + 600], {"slice"}),
+        ("rows of a box that each cross a boundary: split rows", r(200, 70), cube[1, 400:600, 580:650],
+         {"box", "slice"}),
+        ("a column (no unit-stride dim)", r(1500), cube[2, :, 7], {"box"}),
+        ("fragmented: the gather", r(2, 200, 3).permute(1, 0, 2), odd[:, :, CHUNK - 2:CHUNK + 1], {"gather"}),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_every_piece_kind_and_the_gather_are_the_definition(case):
+    what, values, dest, kinds = _cases()[case]
+    want = _definition(values, _index(dest))
+    checksum._check_wraps(torch.device("cpu"))  # the per-device probe (it uses every kind) before counting
+    before = dict(checksum.PATHS)
+    assert int(view_checksum(values, dest)) == want, what
+    used = {k for k in checksum.PATHS if checksum.PATHS[k] > before.get(k, 0)}
+    assert used == kinds, (what, used)
+    assert int(view_checksum(values, dest, impl="gather")) == want, what
+
+
+def test_random_views_are_the_definition():
+    # Random boxes of destinations up to a few key periods per dim (narrowed, permuted), values in their own
+    # random layout, 2- and 4-byte: the pieces (or the gather they fall back to) and the gather give the
+    # definition's integer.
+    import random
+
+    rng = random.Random(11)
+    sizes = [1, 2, 3, 7, 50, 1000, 70000, CHUNK // 3, CHUNK + 3]
+    for case in range(60):
+        nd = rng.randint(1, 4)
+        shape = [rng.choice(sizes) for _ in range(nd)]
+        while math.prod(shape) > 3e11:
+            shape[rng.randrange(nd)] = 3
+        box = []
+        for n in shape:
+            length = rng.randint(1, min(n, 30))
+            a = rng.randint(0, n - length)
+            box.append(slice(a, a + length))
+        order = list(range(nd))
+        rng.shuffle(order)
+        dest = torch.empty(shape, device="meta")[tuple(box)].permute(order)
+        own = list(range(nd))
+        rng.shuffle(own)
+        dtype = rng.choice([torch.bfloat16, torch.float16, torch.float32])
+        values = torch.randn([dest.shape[d] for d in own]).to(dtype).permute([own.index(d) for d in range(nd)])
+        want = _definition(values, _index(dest))
+        assert int(view_checksum(values, dest)) == want == int(view_checksum(values, dest, impl="gather")), case
+
+
+def test_whole_periods_of_a_row_and_a_tail():
+    # A parameter of 2.3 key periods (the receive side: rows of whole periods, then a tail), values that reach
+    # both ends of int16, and the same values as a box at an offset past the first period.
+    n = 2 * CHUNK + 1234567
+    g = torch.Generator().manual_seed(7)
+    t = torch.randint(-(1 << 15), 1 << 15, (n,), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    t.view(torch.int16)[:64] = -(1 << 15)
+    t.view(torch.int16)[64:128] = (1 << 15) - 1
+    checksum._check_wraps(torch.device("cpu"))
+    before = dict(checksum.PATHS)
+    assert int(tensor_checksum(t)) == _definition_np(t, np.arange(n))
+    assert checksum.PATHS["rows"] > before.get("rows", 0)
+    meta = torch.empty(4 * CHUNK, device="meta")
+    assert int(view_checksum(t, meta[CHUNK + 5:CHUNK + 5 + n])) == _definition_np(t, np.arange(n) + CHUNK + 5)
 
 
 def test_chunks_past_the_key_period_count():
-    # Two chunks of the key period holding the same values still add differently (c(q)).
+    # Two chunks holding the same values still add differently (c(q)).
     half = torch.randn(CHUNK).to(torch.bfloat16)
     both = torch.cat([half, half])
-    bits = half.view(torch.int16).to(torch.int64)
-    table = key_table(torch.device("cpu")).to(torch.int64)
-    want = sum(int((bits * (table + _chunk_key(q))).sum()) for q in (0, 1)) % MOD
-    assert int(tensor_checksum(both)) == want
-    meta = torch.empty(both.shape, device="meta")
-    assert int(view_checksum(both.view(2, CHUNK), meta.view(2, CHUNK))) == want
+    assert int(tensor_checksum(both)) == _definition_np(both, np.arange(2 * CHUNK))
+    assert int(tensor_checksum(both)) != int(tensor_checksum(half)) * 2 % M32
 
 
 def test_boxes_at_their_destination_offsets_add_up_to_the_whole():
@@ -58,23 +186,52 @@ def test_boxes_at_their_destination_offsets_add_up_to_the_whole():
     dest = meta.permute(0, 2, 1)
     parts = [view_checksum(logical[:2, :, :3], dest[:2, :, :3]), view_checksum(logical[:2, :, 3:], dest[:2, :, 3:]),
              view_checksum(full[2:], meta[2:])]
-    assert int(sum(parts)) % MOD == int(tensor_checksum(full))
+    assert int(sum(parts)) % M32 == int(tensor_checksum(full))
 
 
-def test_position_sensitive():
-    t = torch.randn(8, 16).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_position_sensitive(dtype):
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(8, 16, generator=g).to(dtype)
     base = int(tensor_checksum(t))
-    flipped = t.clone()
-    flipped.view(torch.int16)[3, 5] ^= 1  # the lowest mantissa bit of one element
-    assert int(tensor_checksum(flipped)) != base
-    square = torch.randn(16, 16).to(torch.bfloat16)
+    bits, width = (torch.int16, 16) if dtype == torch.bfloat16 else (torch.int32, 32)
+    for pos in range(0, 128, 9):  # each bit of a few elements flipped alone: always seen
+        for bit in range(width):
+            flipped = t.clone()
+            mask = (1 << bit) - (1 << width if bit == width - 1 else 0)  # the top bit as a negative value
+            flipped.view(bits).view(-1)[pos] ^= mask
+            assert int(tensor_checksum(flipped)) != base, (pos, bit)
+    square = torch.randn(16, 16, generator=g).to(dtype)
     assert int(tensor_checksum(square.t().contiguous())) != int(tensor_checksum(square))
     # The vLLM-Ascend bug's shape: an expert stack transposed once more, read back in its own shape.
-    w = torch.randn(2, 6, 4).to(torch.bfloat16)
+    w = torch.randn(2, 6, 4, generator=g).to(dtype)
     assert int(tensor_checksum(w.transpose(1, 2).contiguous().view(w.shape))) != int(tensor_checksum(w))
     swapped = t.clone()
     swapped[[0, 1]] = swapped[[1, 0]]
     assert int(tensor_checksum(swapped)) != base
+    experts = torch.randn(4, 6, 8, generator=g).to(dtype)
+    assert int(tensor_checksum(experts[[1, 0, 2, 3]])) != int(tensor_checksum(experts))
+    # A whole tensor negated (an even number of elements): every sign bit moves. With fp32 words taken
+    # plainly modulo 2**32 this would sum to the same integer (2**31 times an even sum of odd keys).
+    assert int(tensor_checksum(-t)) != base
+
+
+def test_a_device_whose_int32_arithmetic_does_not_wrap_is_refused(monkeypatch):
+    # Simulated: the torch path's sums pass through float32 (as a device without int32 reductions might),
+    # which loses their low bits once they overflow: the per-device probe sees it and every call refuses.
+    dev = torch.device("cpu")
+    real = checksum._torch_sum
+    monkeypatch.setattr(checksum, "_torch_sum", lambda *a, **k: real(*a, **k).to(torch.float32).to(torch.int32))
+    monkeypatch.setattr(checksum, "_WRAPS", {})
+    for call in (lambda: tensor_checksum(torch.randn(8).to(torch.bfloat16)),
+                 lambda: view_checksum(torch.randn(4), torch.empty(4, device="meta"))):
+        with pytest.raises(FingerprintArithmeticError, match=r"on cpu the int32 multiply and sum .* modulo 2\*\*32 "
+                           r"\(receive \(torch.bfloat16, pieces\): .*fingerprint_every=0"):
+            call()
+    assert checksum._WRAPS["cpu"]  # probed once, remembered
+    monkeypatch.setattr(checksum, "_torch_sum", real)
+    monkeypatch.setattr(checksum, "_WRAPS", {})
+    assert checksum._probe(dev) == "" and int(tensor_checksum(torch.zeros(3))) == 0
 
 
 def test_table_orders_every_rank_parameter_once():
@@ -116,17 +273,16 @@ def test_fingerprint_on_8_ranks_accepts_every_method_and_names_faults():
                 assert message.count("rollout rank") == 1, message
 
 
-def test_blocks_of_chunks_give_the_same_integer(monkeypatch):
-    # Several launches of several key periods each, plus a tail: the same sum as one period at a time.
-    from verl_patches.reshard import checksum
-
+def test_blocks_give_the_same_integer(monkeypatch):
+    # Pieces of at most BLOCK elements: smaller blocks, more pieces, the same sum.
     x = torch.randn(5 * CHUNK + 123).to(torch.bfloat16)
     whole = int(tensor_checksum(x))
+    rows = x[:5 * CHUNK // 1000 * 1000].view(-1, 1000)
+    meta = torch.empty(rows.shape, device="meta")
+    boxed = int(view_checksum(rows[:, 10:], meta[:, 10:]))
     monkeypatch.setattr(checksum, "BLOCK", 2 * CHUNK)
-    assert int(tensor_checksum(x)) == whole
-    meta = torch.empty(x.shape, device="meta")
-    assert int(view_checksum(x, meta)) == whole
-    assert int(view_checksum(x.view(-1, 1), meta.view(-1, 1), rows_per_chunk=CHUNK + 1)) == whole
+    assert int(tensor_checksum(x)) == whole == _definition_np(x, np.arange(x.numel()))
+    assert int(view_checksum(rows[:, 10:], meta[:, 10:])) == boxed
 
 
 def test_fault_specs_parse_or_name_the_problem(monkeypatch):
@@ -155,30 +311,6 @@ def test_injected_faults_change_exactly_the_named_parameter(monkeypatch):
     for n in roll:
         assert not torch.equal(roll[n].view(torch.int16), before[n].view(torch.int16)), n
     assert (roll["a.weight"].view(torch.int16) != before["a.weight"].view(torch.int16)).sum() == 1
-
-
-def _definition(t: torch.Tensor, dest_index: torch.Tensor) -> int:
-    """The checksum by its definition, vectorised in int64 (2-byte values): sum(bits * k(index)) mod M."""
-    bits = t.reshape(-1).view(torch.int16).to(torch.int64)
-    i = dest_index.reshape(-1).to(torch.int64)
-    keys = key_table(torch.device("cpu")).to(torch.int64)[i % CHUNK] + _chunk_key(i // CHUNK)
-    return int((bits * keys).sum() % MOD)
-
-
-def test_the_torch_path_is_the_definition_past_chunks_and_ragged():
-    # 2.3 key periods (three chunks, the last partial), values that reach both ends of int16.
-    n = 2 * CHUNK + 1234567
-    g = torch.Generator().manual_seed(7)
-    t = torch.randint(-(1 << 15), 1 << 15, (n,), generator=g, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    t[:64] = torch.tensor(-(1 << 15), dtype=torch.int16).view(torch.bfloat16)  # the extremes, a whole int32 group
-    t[64:128] = torch.tensor((1 << 15) - 1, dtype=torch.int16).view(torch.bfloat16)
-    assert int(tensor_checksum(t, impl="torch")) == _definition(t, torch.arange(n))
-    # Send side: a transposed [3, R, C] box at an offset of a larger destination, crossing chunk boundaries.
-    meta = torch.empty(4, 1500, 2100, device="meta")
-    dest = meta[1:4, :, 100:2100].permute(0, 2, 1)  # [3, 2000, 1500]
-    values = torch.randn(3, 1500, 2000, generator=g).to(torch.bfloat16).permute(0, 2, 1)
-    idx = torch.arange(meta.numel()).view(4, 1500, 2100)[1:4, :, 100:2100].permute(0, 2, 1)
-    assert int(view_checksum(values, dest, impl="torch")) == _definition(values.contiguous(), idx.contiguous())
 
 
 _TRITON_CHECK = r"""
