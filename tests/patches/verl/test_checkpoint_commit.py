@@ -146,7 +146,9 @@ print(seen, len(bad), repr(bad[:3]))
 
 
 def test_the_tracker_is_never_seen_cut_short(tmp_path):
-    """A reader polls the tracker while this process rewrites it 3000 times with numbers of 1 to 6 digits."""
+    """A reader polls the tracker while this process rewrites it 3000 times with numbers of 1 to 6 digits. verl's
+    write (open with "w", then write) seen by the same reader: empty in 100,407 of 109,226 reads (measured once on
+    this machine)."""
     cc.write_tracker(tmp_path, 1)
     reader = subprocess.Popen([sys.executable, "-c", READER, str(tmp_path / cc.TRACKER), "6"],
                               stdout=subprocess.PIPE, text=True)
