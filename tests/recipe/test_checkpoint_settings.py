@@ -87,3 +87,14 @@ def test_every_run_config_states_its_checkpoint_and_timeout_settings(name):
     assert cfg.actor_rollout_ref.nccl_timeout == TIMEOUT_S
     # The directory is the launcher's (CKPT_SAVE_DIR): the override above, never the config's own default.
     assert tr.default_local_dir == "/shared/ckpt"
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("actor_rollout_ref.actor.checkpoint.async_save=True",
+     "actor_rollout_ref.actor.checkpoint.async_save=True with trainer.save_freq=10: an asynchronous save returns"),
+    ("trainer.resume_mode=latest", "trainer.resume_mode='latest': one of auto, resume_path, disable"),
+    ("trainer.resume_mode=resume_path", "trainer.resume_mode=resume_path needs trainer.resume_from_path"),
+])
+def test_the_dry_run_refuses_checkpoint_settings_the_commit_cannot_serve(model, override, needle):
+    rep = RC.validate(RC.compose(RUNS[0], [*OVERRIDES, override]), model)
+    assert any(needle in e for e in rep.errors), rep.errors

@@ -43,6 +43,11 @@ COMMIT_MARKER = "checkpoint_complete.json"
 MARKER_FORMAT = 1
 
 
+RESUME_MODES = ("auto", "resume_path", "disable")  # verl 0.4.1's trainer.resume_mode
+ASYNC_SAVE_WHY = ("an asynchronous save returns before the shards are written, so a checkpoint could be marked "
+                  "whole while it is not; set it to False (the recipe's checkpoints are written synchronously)")
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be resumed from, or cannot be committed; the message names the directory and why."""
 

@@ -127,6 +127,10 @@ def test_an_asynchronous_save_is_refused(tmp_path, patched):
     with pytest.raises(cc.CheckpointError, match=r"actor_rollout_ref.actor.checkpoint.async_save=True"):
         RayPPOTrainer._save_checkpoint(t)
     assert not (tmp_path / "global_step_2").exists()
+    # Said before the first step when the run saves (fit calls _load_checkpoint first), not at the first save.
+    t.config.trainer.save_freq = 10
+    with pytest.raises(cc.CheckpointError, match=r"async_save=True: an asynchronous save returns"):
+        RayPPOTrainer._load_checkpoint(t)
 
 
 READER = """

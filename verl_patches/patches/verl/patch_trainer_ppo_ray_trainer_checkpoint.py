@@ -49,9 +49,7 @@ def check_save_config(trainer: Any) -> None:
     keys = [ASYNC_KEYS[0]] + ([ASYNC_KEYS[1]] if trainer.use_critic else [])
     on = [k for k in keys if _select(trainer.config, k, False)]
     if on:
-        raise cc.CheckpointError(f"{', '.join(k + '=True' for k in on)}: an asynchronous save returns before the "
-                                 "shards are written, so a checkpoint could be marked whole while it is not; set "
-                                 "it to False (the recipe's checkpoints are written synchronously)")
+        raise cc.CheckpointError(f"{', '.join(k + '=True' for k in on)}: {cc.ASYNC_SAVE_WHY}")
 
 
 def save_checkpoint(self) -> None:
@@ -89,6 +87,8 @@ def load_checkpoint(self) -> int:
     import torch
 
     config = self.config
+    if (_select(config, "trainer.save_freq", -1) or -1) > 0:
+        check_save_config(self)  # before the first step, not at the first save
     mode = config.trainer.resume_mode
     if mode == "disable":
         return 0
@@ -111,7 +111,7 @@ def load_checkpoint(self) -> int:
         directory = named if os.path.isabs(named) else os.path.join(os.getcwd(), named)
         step = cc.check_named(directory)
     else:
-        raise cc.CheckpointError(f"trainer.resume_mode={mode!r}: one of auto, resume_path, disable")
+        raise cc.CheckpointError(f"trainer.resume_mode={mode!r}: one of {', '.join(cc.RESUME_MODES)}")
     print(f"checkpoint: resuming from step {step}, {directory} (whole)", flush=True)
     self.global_steps = step
     drop = config.trainer.del_local_ckpt_after_load
