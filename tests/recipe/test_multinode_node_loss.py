@@ -6,8 +6,8 @@ launcher stops within the bound of Ray's health checks (set short here: RAY_heal
 and the step, exits 4; the other launcher ends with its Ray; nothing is left in either namespace. Then the same
 command again (without the fault): it resumes from the whole checkpoint of step 2 (verl's resume_mode=auto,
 patch verl.ray_trainer.checkpoint_resume_whole), finishes, leaves nothing behind, and its step 3 equals an
-uninterrupted run's bit for bit (the single-node run of the same command, run beside the first case: one node's
-steps equal two nodes' bit for bit, test_multinode_rehearsal.py).
+uninterrupted run's bit for bit (the single-node run of the same command, run beside the first resumed run: one
+node's steps equal two nodes' bit for bit, test_multinode_rehearsal.py).
 
 Root only (network namespaces); everything is removed afterwards, by the script and again by the
 fixture's finalizer (only namespaces of this test's own tag).
@@ -48,22 +48,37 @@ RUN = (f"trainer.total_training_steps={STEPS}", f"trainer.save_freq={SAVE_FREQ}"
        "trainer.test_freq=-1")
 
 
+class Uninterrupted:
+    """The same command on one node, uninterrupted: started beside the first resumed run (both wait on Ray and their
+    ranks much of the time), never beside a node loss, whose bound a loaded machine would stretch."""
+
+    def __init__(self, out: Path, assets: Path):
+        self.out, self.assets, self.proc = out, assets, None
+
+    def start(self) -> None:
+        if self.proc is None:
+            env = dict(os.environ, SETUP_TEST_ENV="0", VENV=str(Path(sys.executable).parent.parent),
+                       TINY_OUT=str(self.out), TINY_ASSETS=str(self.assets))
+            with open(self.out / "console.log", "w") as log:
+                self.proc = subprocess.Popen(["bash", str(REPO / "scripts" / "train_tiny.sh"), *RUN], env=env,
+                                             cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def metrics(self) -> dict[int, dict]:
+        self.start()
+        rc = self.proc.wait(timeout=900)
+        assert rc == 0, (self.out / "console.log").read_text(errors="replace")[-4000:]
+        return _metrics(self.out / "metrics.jsonl")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_assets):
-    """The same command on one node, uninterrupted, started at the first case and run beside it (both wait on
-    Ray and their ranks much of the time); waited for where it is compared."""
-    out = tmp_path_factory.mktemp("uninterrupted")
-    env = dict(os.environ, SETUP_TEST_ENV="0", VENV=str(Path(sys.executable).parent.parent), TINY_OUT=str(out),
-               TINY_ASSETS=str(tiny_assets))
-    with open(out / "console.log", "w") as log:
-        p = subprocess.Popen(["bash", str(REPO / "scripts" / "train_tiny.sh"), *RUN], env=env, cwd=str(REPO),
-                             stdout=log, stderr=subprocess.STDOUT, text=True)
+    run = Uninterrupted(tmp_path_factory.mktemp("uninterrupted"), tiny_assets)
     try:
-        yield p, out
+        yield run
     finally:
-        if p.poll() is None:
-            p.terminate()  # the launcher stops what it started (its trap)
-            p.wait(timeout=60)
+        if run.proc is not None and run.proc.poll() is None:
+            run.proc.terminate()  # the launcher stops what it started (its trap)
+            run.proc.wait(timeout=60)
 
 
 @pytest.mark.parametrize("fault", ["kill-ray", "partition"])
@@ -97,6 +112,7 @@ def test_a_node_lost_mid_step_stops_the_run_naming_node_and_step_and_the_same_co
     stopped = rec["exit_s"][0] - rec["fault_s"]
 
     # The same command again, the fault aside: it resumes from step 2's whole checkpoint and finishes.
+    uninterrupted.start()
     r, rec, took_again = _rehearse(out, netns_tag, "--health", HEALTH, *RUN)
     diag = _diag(r, out)
     assert r.returncode == 0 and rec.get("exit") == [0, 0], diag
@@ -106,9 +122,7 @@ def test_a_node_lost_mid_step_stops_the_run_naming_node_and_step_and_the_same_co
         in trainer, diag
     resumed = _metrics(out / "node0" / "metrics.jsonl")
     assert sorted(resumed) == list(range(SAVE_FREQ + 1, STEPS + 1)), sorted(resumed)
-    p, base = uninterrupted
-    assert p.wait(timeout=900) == 0, (base / "console.log").read_text(errors="replace")[-4000:]
-    one = _metrics(base / "metrics.jsonl")
+    one = uninterrupted.metrics()
     for s in resumed:
         assert _compared(resumed[s]) == _compared(one[s]), (
             s, {k: (one[s].get(k), resumed[s].get(k)) for k in _compared(one[s]) if one[s].get(k) != resumed[s].get(k)})
