@@ -6,6 +6,10 @@
 #   sudo bash scripts/rehearse_multinode.sh OUT trainer.total_training_steps=2
 #   sudo bash scripts/rehearse_multinode.sh OUT --fault kill-ray     # the last node's Ray killed in step 1
 #   sudo bash scripts/rehearse_multinode.sh OUT --fault partition    # the last node's link down in step 1
+#   # a checkpoint every 2 steps in OUT/checkpoints, the node lost in step 3; then the same command without
+#   # the fault resumes from the last whole checkpoint and finishes:
+#   sudo bash scripts/rehearse_multinode.sh OUT --fault kill-ray --fault-step 3 trainer.total_training_steps=3 trainer.save_freq=2
+#   sudo bash scripts/rehearse_multinode.sh OUT trainer.total_training_steps=3 trainer.save_freq=2
 #
 # Options and outputs: python -m verl_patches.launch.rehearse --help (verl_patches/launch/rehearse.py).
 # The namespaces, their links and addresses exist only while it runs; it removes them on any exit.

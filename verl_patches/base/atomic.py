@@ -23,7 +23,8 @@ def partial_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{PARTIAL_SUFFIX}")
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (its entries: a rename or an unlink in it); an OS that refuses is let be."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -57,7 +58,7 @@ def atomic_path(path: Path, mode: int | None = None) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def write_text(path: Path, text: str, encoding: str = "utf-8") -> None:
@@ -96,7 +97,7 @@ def replace_dir(path: Path) -> Iterator[Path]:
             os.replace(old, path)
         raise
     shutil.rmtree(old, ignore_errors=True)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def writable_dir(folder: Path) -> str | None:

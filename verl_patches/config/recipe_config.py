@@ -25,6 +25,7 @@ from verl_patches.config.optim_offload import OptimizerOffloadError, offload_set
 from verl_patches.config.recipe_memory import estimate
 from verl_patches.data.check import check_files, recipe_scorer
 from verl_patches.rollout.graph_safe import alloc_conf_conflict
+from verl_patches.train.checkpoint_commit import ASYNC_SAVE_WHY, RESUME_MODES
 
 RUN_CONFIGS = ("deepseekv3_256die_random_init", "deepseekv3_256die_true_weight")
 # The one section that holds the recipe's own keys (configs/README.md).
@@ -189,6 +190,7 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     engine_rules(rep, cfg, recipe, environ)
     length_rules(rep, cfg, model)
     model_rules(rep, cfg, model)
+    checkpoint_rules(rep, cfg)
     card_rules(rep, recipe, world, nnodes, per_node)
     profile_rules(rep, cfg, recipe, world)
 
@@ -390,6 +392,21 @@ def length_rules(rep: Report, cfg, model: dict) -> None:
         rep.notes.append(
             f"rollout.max_num_batched_tokens={tokens} < max_model_len {max_len} with chunked prefill: "
             "verl 0.4.1's vLLMRollout rejects this; the recipe's rollout patch must lift that check")
+
+
+def checkpoint_rules(rep: Report, cfg) -> None:
+    """What the whole-or-absent checkpoints need (verl_patches/train/checkpoint_commit.py): a synchronous save when
+    the run saves, a resume mode verl knows, and the directory a resume_path names."""
+    save_freq = _select(cfg, "trainer.save_freq")
+    if isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0:
+        rep.check(_select(cfg, "actor_rollout_ref.actor.checkpoint.async_save") is not True,
+                  f"actor_rollout_ref.actor.checkpoint.async_save=True with trainer.save_freq={save_freq}: "
+                  f"{ASYNC_SAVE_WHY}")
+    mode = _select(cfg, "trainer.resume_mode")
+    if rep.check(mode in RESUME_MODES, f"trainer.resume_mode={mode!r}: one of {', '.join(RESUME_MODES)}"):
+        named = _select(cfg, "trainer.resume_from_path")
+        rep.check(mode != "resume_path" or (isinstance(named, str) and bool(named)),
+                  "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
 
 
 def model_rules(rep: Report, cfg, model: dict) -> None:

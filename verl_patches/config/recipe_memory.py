@@ -57,6 +57,67 @@ def model_params(cfg: dict) -> ModelParams:
     )
 
 
+def stage_shards(m: ModelParams, *, tp: int, pp: int, expert_group: int,
+                 layer_list: list[int] | None) -> list[tuple[float, float]]:
+    """Per pipeline stage, the parameters one rank holds: (the dense part, split over TP; the routed experts,
+    split over the stage's expert group)."""
+    stages = list(layer_list) if layer_list else [m.layers // pp + (1 if s < m.layers % pp else 0) for s in range(pp)]
+    out, first = [], 0
+    for s, n in enumerate(stages):
+        dense_layers = max(0, min(n, m.dense_layers - first))
+        moe_layers = n - dense_layers
+        first += n
+        dense = (m.attention * n + m.dense_mlp * dense_layers + (m.shared_experts + m.router) * moe_layers
+                 + (m.embedding if s == 0 else 0) + (m.lm_head if s == len(stages) - 1 else 0)) / tp
+        out.append((dense, m.routed_experts * moe_layers / expert_group))
+    return out
+
+
+# Bytes per parameter in one checkpoint of the actor (verl's save_contents model, optimizer, extra): the BF16
+# weights (the model's sharded state dict) and megatron-core's distributed optimizer state as it saves it
+# (sharding_type fully_sharded_model_space: each parameter's FP32 main weight and Adam's two FP32 moments).
+CKPT_WEIGHT_BYTES, CKPT_OPTIMIZER_BYTES = 2, 12
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    """One checkpoint of the actor, in bytes. Every tensor is written once: the distributed optimizer's state is
+    sharded over the data-parallel replicas already, and megatron-core's fully parallel save spreads the writes of
+    a replicated weight over its replicas (verl saves with it), so a rank writes about its share of both."""
+
+    weights: float  # all ranks
+    optimizer: float
+    ranks: int
+    per_rank_max: float  # a rank of the heaviest pipeline stage
+    per_rank_min: float  # of the lightest
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.optimizer
+
+    def write_seconds(self, bandwidth_bytes_per_s: float) -> float:
+        """The whole checkpoint through one aggregate storage bandwidth (bytes/s)."""
+        return self.total / bandwidth_bytes_per_s
+
+    def idle_seconds(self, bandwidth_bytes_per_s: float) -> float:
+        """How long the ranks of the lightest stage wait in the save's closing collective for the others, the
+        bandwidth shared fairly among the ranks still writing: what is left once they are done, at the full
+        bandwidth. A process-group timeout shorter than this fails the save."""
+        return (self.total - self.ranks * self.per_rank_min) / bandwidth_bytes_per_s
+
+
+def checkpoint_size(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int,
+                    layer_list: list[int] | None) -> CheckpointSize:
+    """The actor's checkpoint on a training layout (the reference is not saved: frozen, it is rebuilt from its
+    weights at every start; no MTP layer: the recipe trains without one)."""
+    m = model_params(cfg)
+    dense_dp, expert_dp = world // (tp * pp), max(world // (expert_group * pp), 1)
+    per_rank = [(CKPT_WEIGHT_BYTES + CKPT_OPTIMIZER_BYTES) * (dense / dense_dp + experts / expert_dp)
+                for dense, experts in stage_shards(m, tp=tp, pp=pp, expert_group=expert_group, layer_list=layer_list)]
+    return CheckpointSize(weights=CKPT_WEIGHT_BYTES * m.total, optimizer=CKPT_OPTIMIZER_BYTES * m.total, ranks=world,
+                          per_rank_max=max(per_rank), per_rank_min=min(per_rank))
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     params: float  # GiB per device, the heaviest pipeline stage
@@ -114,18 +175,9 @@ def estimate(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int, laye
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"host_fraction must be in [0, 1], got {fraction!r}")
     m = model_params(cfg)
-    stages = list(layer_list) if layer_list else [m.layers // pp + (1 if s < m.layers % pp else 0) for s in range(pp)]
-    dense_dp = world // (tp * pp)
-    expert_dp = max(world // (expert_group * pp), 1)
+    dense_dp, expert_dp = world // (tp * pp), max(world // (expert_group * pp), 1)
     worst = None
-    first = 0
-    for s, n in enumerate(stages):
-        dense_layers = max(0, min(n, m.dense_layers - first))
-        moe_layers = n - dense_layers
-        first += n
-        dense = (m.attention * n + m.dense_mlp * dense_layers + (m.shared_experts + m.router) * moe_layers
-                 + (m.embedding if s == 0 else 0) + (m.lm_head if s == len(stages) - 1 else 0)) / tp
-        experts = m.routed_experts * moe_layers / expert_group
+    for dense, experts in stage_shards(m, tp=tp, pp=pp, expert_group=expert_group, layer_list=layer_list):
         params = dense + experts
         opt = 12 * (dense / dense_dp + experts / expert_dp)
         if worst is None or 2 * params + 4 * params + opt > worst[0]:

@@ -16,7 +16,7 @@ FEATURES: dict[str, str] = {
     "fixed_routing": "Load-balanced expert routing for benchmarks (random-init runs).",
     "old_log_prob_reuse": "Skipping the old log-prob forward when the policy has not moved.",
     "tensor_cache": "The driver-side tensor cache that keeps batches on the workers.",
-    "checkpoint": "Checkpoint save and resume that restore the run bit for bit.",
+    "checkpoint": "Checkpoint save and resume that restore the run bit for bit; checkpoints whole or absent.",
     "reward": "The recipe's reward functions.",
     "observability": "The recipe's per-step report.",
     "self_check": "Every step proves itself: the rollout's weights against the trainer's, captured addresses.",

@@ -7,12 +7,16 @@ them by veth pairs to a bridge in the switch's namespace, gives the nodes the ad
 machine's own network), and runs ``scripts/train_tiny.sh`` in each namespace as a user runs the
 launcher on each node of a cluster: ``MASTER_ADDR`` (the head's address), ``NODE_RANK``, ``NNODES``,
 ``DEVICES_PER_NODE``. Each node's launcher output goes to ``OUT/nodeR/console.log`` and its logs to
-``OUT/nodeR/logs``; the head's metrics to ``OUT/node0/metrics.jsonl``.
+``OUT/nodeR/logs``; the head's metrics to ``OUT/node0/metrics.jsonl``. Every node's launcher is given
+``CKPT_SAVE_DIR=OUT/checkpoints`` (storage every node mounts at the same path, as a cluster's nodes must
+share it): with ``trainer.save_freq`` set the run saves there, and the same command run again resumes from
+the last whole checkpoint there (verl's ``trainer.resume_mode=auto``).
 
 ``--fault kill-ray`` kills the last node's Ray (its whole process group, SIGKILL) ``--fault-delay``
 seconds into step ``--fault-step``; ``--fault partition`` detaches that node's link from the switch
 instead (the node runs on, its link keeps its carrier, nothing arrives: silent). ``OUT/rehearsal.json`` records every launcher's exit status and
-time, the fault's time and the step then running (``fault_during_step``), the Ray node ids and where verl's
+time, the fault's time, the step then running (``fault_during_step``) and the step the checkpoint tracker
+named then (``tracker_at_fault``, None without one), the Ray node ids and where verl's
 workers ran (a run without a fault only: the query takes seconds on a loaded machine, and a fault must come
 within its step), and every process still running in a namespace once its launcher had exited (none is expected).
 
@@ -36,6 +40,7 @@ import time
 from pathlib import Path
 
 from verl_patches.base.schema import Integer, Number, PathArg, Text
+from verl_patches.train.checkpoint_commit import TRACKER
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "scripts" / "train_tiny.sh"
@@ -222,7 +227,7 @@ def run(out: Path, nodes: int, overrides: list[str], fault: str | None, fault_st
             env = dict(os.environ, SETUP_TEST_ENV="0", TINY_OUT=str(node_out), TINY_ASSETS=str(assets),
                        MASTER_ADDR=net.address(0), NODE_RANK=str(rank), NNODES=str(nodes),
                        DEVICES_PER_NODE=str(WORKERS // nodes), RAY_PORT=str(RAY_PORT), RAY_TEMP_DIR=str(ray_tmp),
-                       VENV=str(Path(python).parent.parent), **health)
+                       VENV=str(Path(python).parent.parent), CKPT_SAVE_DIR=str(out / "checkpoints"), **health)
             for k in ("SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "HCCL_SOCKET_IFNAME", "ROLE",
                       "NODE_IP", "VLLM_HOST_IP"):
                 env.pop(k, None)
@@ -263,6 +268,8 @@ def run(out: Path, nodes: int, overrides: list[str], fault: str | None, fault_st
                     record["fault_action"] = f"the link of {net.address(victim)} detached from the switch"
                 record["fault_s"] = round(time.monotonic() - t0, 1)
                 record["fault_during_step"] = _running_step(head_log)
+                tracker = out / "checkpoints" / TRACKER
+                record["tracker_at_fault"] = int(tracker.read_text()) if tracker.is_file() else None
                 injected = True
             time.sleep(0.5)
         now = time.monotonic() - t0

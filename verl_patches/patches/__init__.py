@@ -21,6 +21,7 @@ RECIPE_MODULES: tuple[str, ...] = (
     "verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd",
     "verl_patches.patches.verl.patch_trainer_ppo_core_algos",
     "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer",
+    "verl_patches.patches.verl.patch_trainer_ppo_ray_trainer_checkpoint",
     "verl_patches.patches.verl.patch_workers_actor_megatron_actor",
     # megatron-core DDP overlap: the actor build hands the recipe keys to get_model; the update finishes the gather.
     "verl_patches.patches.verl.patch_workers_megatron_workers_ddp_overlap",
