@@ -169,7 +169,8 @@ def test_verl_strictness_new_keys_need_plus():
 def test_recipe_section_keys(random_init):
     rec = OmegaConf.to_container(random_init.actor_rollout_ref.rollout.recipe)
     assert set(rec) == {"reshard_method", "reshard_bucket_mb", "tensor_cache", "dp_sync_on_device", "offload",
-                        "rollout_torch_compile", "fixed_routing", "device_memory_gib", "host_memory_gib", "vllm_dp", "megatron", "metrics_file",
+                        "rollout_torch_compile", "fixed_routing", "device_memory_gib", "host_memory_gib", "vllm_dp",
+                        "megatron", "metrics_file",
                         "tensorboard_dir", "devices_per_card", "fingerprint_every", "rebalance",
                         "rebalance_min_graph_size_drop", "rebalance_max_imbalance", "rebalance_cpu_stagger",
                         "overlap_grad_reduce", "overlap_param_gather", "profile"}
