@@ -25,6 +25,7 @@ WORLD = 4
 # A valid value other than the default, for each key.
 OTHER = {
     "reshard_method": "recipe",
+    "reshard_bucket_mb": 64,
     "tensor_cache": False,
     "dp_sync_on_device": False,
     "offload": False,
@@ -111,9 +112,42 @@ def _patch_reader(module: str, name: str):
     return getattr(importlib.import_module(f"verl_patches.patches.verl.{module}"), name)
 
 
+class _Built(Exception):
+    """Raised by the LiveReshard.build stand-in below, carrying what the sharding manager passed it."""
+
+
+def _bucket_mb_the_plan_gets(cfg):
+    """The sharding manager's _build_session as the first switch runs it, up to LiveReshard.build: the
+    bucket it asks the plan for, in MiB (the plan's own bucket_bytes from that argument:
+    tests/patches/verl/test_sharding_manager_reshard.py). Stand-ins: megatron's parallel state, the
+    rank, and LiveReshard.build itself (it stops there)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from verl_patches.patches.verl.patch_workers_sharding_manager_megatron_vllm import _build_session
+    from verl_patches.reshard.binding import LiveReshard
+
+    def build(*args, **kwargs):
+        raise _Built(kwargs)
+
+    manager = types.SimpleNamespace(model_config=types.SimpleNamespace(to_dict=lambda: {}))
+    with mock.patch.object(LiveReshard, "build", build), mock.patch.object(dist, "get_rank", lambda: 0), \
+            mock.patch.multiple(mpu, get_tensor_model_parallel_world_size=lambda: 1,
+                                get_pipeline_model_parallel_world_size=lambda: 1,
+                                get_pipeline_model_parallel_rank=lambda: 0):
+        with pytest.raises(_Built) as e:
+            _build_session(manager, _from_llm(cfg), {}, {})
+    bucket = e.value.args[0]["bucket_bytes"]
+    assert bucket % (1 << 20) == 0, bucket
+    return bucket >> 20
+
+
 # key -> the readers the run has for it (each: trainer config -> the value it sees).
 READERS = {
     "reshard_method": [lambda c: _from_llm(c).recipe.reshard_method],  # the sharding manager's
+    "reshard_bucket_mb": [_bucket_mb_the_plan_gets],  # the sharding manager's plan
     "tensor_cache": [lambda c: _patch_reader("patch_trainer_ppo_ray_trainer", "tensor_cache_on")(c)],
     "dp_sync_on_device": [lambda c: _from_llm(c).recipe.dp_sync_on_device],
     "offload": [lambda c: _patch_reader("patch_workers_megatron_workers_switch", "offload_on")(c.actor_rollout_ref),
@@ -191,10 +225,11 @@ def test_the_object_is_frozen_and_names_every_problem_at_once():
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.offload = False
     with pytest.raises(settings.SettingsError) as e:
-        settings.build({"offload": "no", "fingerprint_every": -1, "ofload": True})
+        settings.build({"offload": "no", "fingerprint_every": -1, "ofload": True, "reshard_bucket_mb": 0})
     message = str(e.value)
     assert "recipe.offload must be true or false" in message and "recipe.fingerprint_every must be >= 0" in message \
-        and "recipe.ofload: unknown key (did you mean 'offload'?)" in message
+        and "recipe.ofload: unknown key (did you mean 'offload'?)" in message \
+        and "recipe.reshard_bucket_mb must be >= 1 and <= 4096, got 0" in message
 
 
 def test_the_run_reads_the_section_only_through_the_object():

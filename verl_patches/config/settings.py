@@ -46,6 +46,11 @@ class Key:
 
 KEYS: dict[str, Key] = {
     "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (verl_patches/reshard/__init__.py)"),
+    "reshard_bucket_mb": Key(int, 256, "the reshard's transfer bucket in MiB per rank "
+                                       "(verl_patches/reshard/planner.py); two are in flight, so the switch's "
+                                       "peak extra device memory is 2 x this "
+                                       "(docs/benchmarks.md, issue 37: larger buckets bring the direct reshard "
+                                       "closer to the all-to-all's large-message ceiling)", minimum=1, maximum=4096),
     "tensor_cache": Key(bool, True, "keep stage outputs on the workers; the driver sends row ids"),
     "dp_sync_on_device": Key(bool, True, "vLLM's DP all-reduces on the device group instead of gloo"),
     "offload": Key(bool, True, "the recipe's switch schedule instead of verl's offload and vLLM's sleep mode"),

@@ -174,6 +174,9 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
     result = {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
               "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "mla_layers": len(mla_derived(ref)) // 2,
               "events": list(events), "error": error}
+    session = stash.get(manager, "reshard")  # the run's plan, built on the first switch (the patch's SESSION_ATTR)
+    if session is not None:
+        result.update(bucket_bytes=session.plan.bucket_bytes, buckets=len(session.plan.buckets))
     if ddp and error is None:
         # After the switch the training params are on host; back on device they are the same bytes.
         params_now = [p for _, p in actor.named_parameters()]
@@ -194,12 +197,12 @@ def _case(world: int, model_dir: Path, grouped: bool, method: str, dtype: str,
 
 
 def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dict[str, Any], rollout_tp: int,
-                               method: str) -> dict[str, Any]:
+                               method: str, bucket_mb: int | None = None) -> dict[str, Any]:
     """Real megatron-core model parallel (train: tp, pp, layers; experts over TP x EP) and a
     real vLLM model with TP = EP = rollout_tp over all ranks. The actor is filled from a seeded
     full model through the layout (its names and shapes are checked against the real modules;
     the single-rank cases check the values' mapping independently); the reference is vLLM's
-    own load_weights of that full model on every rank."""
+    own load_weights of that full model on every rank. ``bucket_mb``: recipe.reshard_bucket_mb (None: absent)."""
     # Lazy: megatron-core and verl load inside the rank, after the patches are applied.
     from megatron.core import parallel_state as mpu
 
@@ -223,7 +226,8 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     apply_all([get_patch("verl.sharding_manager.reshard")])
     events: list[str] = []
     settings = RolloutSettings.from_config({"tensor_model_parallel_size": rollout_tp, "recipe": {
-        "reshard_method": method, "megatron": {"num_layer_list": list(layers)}}}, world)
+        "reshard_method": method, "megatron": {"num_layer_list": list(layers)},
+        **({} if bucket_mb is None else {"reshard_bucket_mb": bucket_mb})}}, world)
     mesh = init_device_mesh("cpu", mesh_shape=(world // rollout_tp, rollout_tp), mesh_dim_names=["dp", "infer_tp"])
     manager = MegatronVLLMShardingManager(
         actor_module=[actor], inference_engine=_Engine(model, settings, events),
@@ -235,7 +239,8 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     with _generation(manager):
         pass
     live_switch().begin_rollout()  # the training params back on device for the fill (rollout_again)
-    P = manager._verl_patches_reshard.plan.placements
+    plan = stash.get(manager, "reshard").plan
+    P = plan.placements
 
     experts_checked = check_expert_placement(model, P, rank)
     full = full_state(P, seed=3, dtype="float32")
@@ -253,4 +258,5 @@ def sharding_manager_multirank(rank: int, world: int, model_dir: str, train: dic
     return {"differ_before": len(differ_before), "mismatch": _same(params(model), params(ref)),
             "mla_mismatch": _same(mla_derived(model), mla_derived(ref)), "events": events,
             "local_layers": sorted({n.split(".")[2] for n in live if n.startswith("decoder.layers.")}),
-            "extra_names": sorted(set(live) - set(mine)), "layout": str(P.train), "experts_checked": experts_checked}
+            "extra_names": sorted(set(live) - set(mine)), "layout": str(P.train), "experts_checked": experts_checked,
+            "bucket_bytes": plan.bucket_bytes, "buckets": len(plan.buckets)}

@@ -30,7 +30,8 @@ LOOP = ["reshard", "offload_train_params", "rollout_again", "reshard", "offload_
 CASES = [
     dict(grouped=True, method="direct", dtype="float32", patched=False),   # upstream __enter__
     dict(grouped=False, method="direct", dtype="float32"),                 # SequentialMLP experts
-    dict(grouped=True, method="direct", dtype="bfloat16"),                 # GroupedMLP (MindSpeed), fp32 expert bias
+    dict(grouped=True, method="direct", dtype="bfloat16",                  # GroupedMLP (MindSpeed), fp32 expert bias,
+         recipe={"reshard_bucket_mb": 1}),                                 # 1 MiB transfer buckets
     dict(grouped=True, method="recipe", dtype="float32"),                  # method B in the same binding
     dict(grouped=True, method="direct", dtype="float32", recipe={"megatron": {"num_layer_list": [3, 1]}}),
     dict(grouped=True, method="direct", dtype="bfloat16", ddp=True),      # megatron DDP + the real ActorMemory
@@ -56,6 +57,13 @@ def test_reshard_into_vllm_equals_vllms_own_load(results, case):
     # freed with the weights (what the recipe engine's offload does), back after the next switch
     assert r["mla_freed_bytes"] > 0 and r["mla_emptied"]
     assert r["mla_mismatch_after_release"] == []
+
+
+def test_the_plan_takes_the_bucket_from_the_recipe_setting(results):
+    """recipe.reshard_bucket_mb reaches the run's plan (the sharding manager's _build_session); absent, 256."""
+    assert results[1]["error"] is None and results[1]["bucket_bytes"] == 256 << 20
+    r = results[2]
+    assert r["error"] is None and r["bucket_bytes"] == 1 << 20
 
 
 def test_switch_schedule_order(results):
@@ -90,14 +98,17 @@ def test_four_ranks_megatron_tp2_pp2_uneven_to_vllm_tp4_ep4(tmp_path, method):
     from verl_patches.testing.binding_check import sharding_manager_multirank
 
     (tmp_path / "config.json").write_text(CONFIG.read_text())
+    # recipe.reshard_bucket_mb 1: the plan's bucket is 1 MiB, and this layout's transfers (up to 0.6 MB
+    # received per rank, fp32) take two buckets where the default 256 MiB takes one.
     res = run_distributed(sharding_manager_multirank, 4, str(tmp_path), {"tp": 2, "pp": 2, "layers": [3, 1]}, 4,
-                          method, timeout=400)
+                          method, 1, timeout=400)
     for rank, r in enumerate(res):
         assert r["differ_before"] > 0 and r["mismatch"] == [] and r["mla_mismatch"] == [], (rank, r)
         assert r["local_layers"] == (["0", "1", "2"] if rank < 2 else ["0"]), (rank, r["local_layers"])
         assert r["events"][-5:] == SCHEDULE, r["events"]
         assert "layers=(3, 1)" in r["layout"] and "ep=1" in r["layout"], r["layout"]
         assert r["experts_checked"] == 3  # vLLM's expert_map on each MoE layer matches the plan
+        assert r["bucket_bytes"] == 1 << 20 and r["buckets"] == 2, (rank, r["bucket_bytes"], r["buckets"])
 
 
 def test_with_the_workers_actor_memory_the_training_params_leave_after_the_reshard(results):

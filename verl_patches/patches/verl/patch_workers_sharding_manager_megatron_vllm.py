@@ -110,7 +110,8 @@ def _build_session(manager: Any, settings: Any, train: dict, roll: dict, method:
         hf, rollout=RolloutLayout(tp=dp.tp_size, dp=dp.dp_size, instances=dp.instances),
         tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(), layers=settings.num_layer_list, train=train, roll=roll,
-        rank=dist.get_rank(), method=method or settings.recipe.reshard_method)
+        rank=dist.get_rank(), method=method or settings.recipe.reshard_method,
+        bucket_bytes=settings.recipe.reshard_bucket_mb << 20)
     check_expert_placement(_model(manager), session.plan.placements, session.rank)
     setattr(manager, SESSION_ATTR, session)
     s = session.plan.ranks[session.rank]
