@@ -19,6 +19,7 @@ its own host spec (cpu.verl.deepseek_v3_host_layer_spec) and CUDA keeps upstream
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from verl_patches.core.fingerprint import Fingerprint
@@ -26,7 +27,12 @@ from verl_patches.core.record import Patch
 from verl_patches.train import layer_classes
 
 SPEC_MODULE = "mindspeed_llm.tasks.models.spec.deepseek_spec"
-_REPORTED: list[bool] = []  # the resolved classes are printed once per process
+
+
+@functools.lru_cache(maxsize=None)
+def _report(lines: tuple[str, ...]) -> None:
+    """Print the resolved classes once per process (the actor and the reference both build the model)."""
+    print("verl_patches: DeepSeek-V3's layer spec on Ascend resolves to\n  " + "\n  ".join(lines), flush=True)
 
 
 def get_transformer_layer_spec(self):
@@ -41,10 +47,7 @@ def get_transformer_layer_spec(self):
             "actor_rollout_ref.rollout.recipe.megatron section; give the worker config that section")
     spec = importlib.import_module(SPEC_MODULE).layer_spec
     entries = layer_classes.check(spec, f"{SPEC_MODULE}.layer_spec")
-    if not _REPORTED:
-        _REPORTED.append(True)
-        print("verl_patches: DeepSeek-V3's layer spec on Ascend resolves to\n  " + "\n  ".join(layer_classes.report(entries)),
-              flush=True)
+    _report(tuple(layer_classes.report(entries)))
     return spec
 
 
