@@ -64,12 +64,17 @@ BANNER = "== train_tiny: "
 PNGS = ("reward", "phases", "switch", "throughput")
 
 
+def _script(out: Path, assets: Path, overrides: tuple[str, ...], env: dict[str, str] | None = None) -> dict:
+    """How a person runs the script, as subprocess arguments: its command, environment and folder."""
+    return {"args": ["bash", str(REPO / "scripts" / "train_tiny.sh"), *overrides], "cwd": str(REPO),
+            "env": dict(os.environ, **(env or {}), TINY_OUT=str(out), TINY_ASSETS=str(assets))}
+
+
 def _run(out: Path, assets: Path, *overrides: str, timeout: int = 600,
          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The script as a person runs it: stdout and stderr in one stream, as a terminal shows them."""
-    env = dict(os.environ, **(env or {}), TINY_OUT=str(out), TINY_ASSETS=str(assets))
-    return subprocess.run(["bash", str(REPO / "scripts" / "train_tiny.sh"), *overrides], env=env, cwd=str(REPO),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    return subprocess.run(**_script(out, assets, overrides, env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout)
 
 
 def _console(r: subprocess.CompletedProcess) -> list[str]:
@@ -91,10 +96,8 @@ def _compared(row: dict) -> dict:
 
 def _start(out: Path, assets: Path, console: Path, *overrides: str) -> subprocess.Popen:
     """_run, not waited for: the console (stdout and stderr in one stream) goes to a file."""
-    env = dict(os.environ, TINY_OUT=str(out), TINY_ASSETS=str(assets))
     with open(console, "w") as f:
-        return subprocess.Popen(["bash", str(REPO / "scripts" / "train_tiny.sh"), *overrides], env=env,
-                                cwd=str(REPO), stdout=f, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(**_script(out, assets, overrides), stdout=f, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
