@@ -251,9 +251,8 @@ def layer_spec_finding(config_name: str, overrides: list[str] | tuple[str, ...] 
     is not a real implementation, or the step that failed."""
     env = dict(os.environ)
     target = f"configs/{config_name}.yaml"
-    rehearsal = rehearsal_site is not None
     absent = [m for m in ("torch_npu", "mindspeed_llm") if importlib.util.find_spec(m) is None
-              and not (m == "torch_npu" and rehearsal)]
+              and not (m == "torch_npu" and rehearsal_site is not None)]
     if absent:
         return Finding("layer-spec", target, "missing", f"not resolved: {', '.join(absent)} not importable here",
                        None, None, True, upstream_absent=True), []
