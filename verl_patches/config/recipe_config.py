@@ -22,7 +22,7 @@ from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.config.megatron_args import RecipeMegatronError, parse as parse_megatron
 from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
-from verl_patches.config.recipe_memory import estimate
+from verl_patches.config.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT, estimate
 from verl_patches.data.check import check_files, recipe_scorer
 from verl_patches.rollout.graph_safe import alloc_conf_conflict
 from verl_patches.train.checkpoint_commit import ASYNC_SAVE_WHY, RESUME_MODES
@@ -489,8 +489,15 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
     megatron = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
     swap = str(cfg.trainer.device) == "npu" and bool(megatron.get("swap_optimizer", False))
     fraction = hybrid["fraction"] if hybrid else (1.0 if swap else 0.0)
-    est = estimate(model, host_fraction=fraction, host_grad_copy=bool(hybrid), **layout)
+    # The direct reshard's buckets are counted at the switch; the baselines' gather buffers (recipe, upstream)
+    # are not estimated (docs/benchmarks.md measures them per layout).
+    direct = recipe.get("reshard_method", settings.KEYS["reshard_method"].default) == "direct"
+    bucket_mb = recipe.get("reshard_bucket_mb", settings.KEYS["reshard_bucket_mb"].default) if direct else 0
+    est = estimate(model, host_fraction=fraction, host_grad_copy=bool(hybrid), reshard_bucket_mb=bucket_mb, **layout)
     out = {**est.as_dict(), "device_memory_gib": device_gib}
+    if not direct:
+        rep.notes.append(f"{RECIPE_SECTION}.reshard_method={recipe['reshard_method']}: its transfer buffers are not "
+                         "in the switch's memory estimate (only the direct method's buckets are)")
     where = ("" if fraction == 1.0 else f" + optimizer {est.device_optimizer:.1f}"
              + (f" ({1 - fraction:g} of {est.optimizer:.1f} on the device)" if fraction else ""))
     rep.check(est.training_state <= device_gib,
@@ -514,6 +521,11 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
     rep.check(est.rollout_weights <= share * device_gib,
               f"rollout weights {est.rollout_weights:.1f} GiB per device exceed rollout.gpu_memory_utilization={share} "
               f"of {device_gib} GiB: raise the rollout TP or EP, or the memory share")
+    rep.check(est.switch_peak <= device_gib,
+              f"the switch's reshard holds {est.switch_peak:.1f} GiB per device (training params {est.params:.1f} + "
+              f"rollout weights {est.rollout_weights:.1f} + {RESHARD_BUCKETS_IN_FLIGHT} reshard buckets of "
+              f"{bucket_mb} MiB), over {RECIPE_SECTION}.device_memory_gib={device_gib}: lower "
+              f"{RECIPE_SECTION}.reshard_bucket_mb, or raise the rollout TP or EP")
     if est.training_state > 0.85 * device_gib:
         rep.notes.append(f"training state {est.training_state:.1f} GiB is over 85% of {device_gib} GiB: activations "
                          "need the rest (keep full recompute)")

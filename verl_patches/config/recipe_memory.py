@@ -3,7 +3,9 @@ update and the rollout weights during generation, for the configuration check an
 
 Counts parameters from DeepSeek-V3's config (MLA attention, dense and MoE layers, shared experts, router,
 embedding and LM head) and places them as the layouts do (docs/DESIGN.md section 1). Activations, the KV
-cache and communication buffers are not counted: the check compares with what must fit besides them.
+cache and communication buffers are not counted: the check compares with what must fit besides them. The one
+buffer counted is the direct reshard's, a recipe setting (``reshard_bucket_mb``) sized for the links: its
+buckets in flight sit beside the training params and the rollout weights at the switch's reshard.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 1024**3
+MIB = 1024**2
+# The direct reshard's staging buffers: verl_patches/reshard/executor.py keeps two buckets in flight, each
+# holding one bucket's send and receive parts (its stats report exactly this many buckets as peak extra).
+RESHARD_BUCKETS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,14 @@ class MemoryEstimate:
     optimizer_on_host: bool  # all of it on the host
     host_fraction: float = 0.0  # the share of ``optimizer`` on the host
     host_optimizer: float = 0.0  # GiB on the host for that share (with the pinned grad copies if counted)
+    reshard_buffers: float = 0.0  # GiB: the direct reshard's buckets in flight
+
+    @property
+    def switch_peak(self) -> float:
+        """GiB on the device at the reshard (docs/DESIGN.md section 3, our schedule): the training params (the
+        source), the rollout weights (allocated, being filled) and the reshard's buckets; the grads are
+        released and the optimizer state offloaded before it."""
+        return self.params + self.rollout_weights + self.reshard_buffers
 
     @property
     def device_optimizer(self) -> float:
@@ -150,6 +164,8 @@ class MemoryEstimate:
                 "device_optimizer_gib": round(self.device_optimizer, 1),
                 "training_state_gib": round(self.training_state, 1),
                 "rollout_weights_gib": round(self.rollout_weights, 1),
+                "reshard_buffers_gib": round(self.reshard_buffers, 2),
+                "switch_peak_gib": round(self.switch_peak, 1),
                 "host_optimizer_gib": round(self.host_optimizer, 1),
                 "host_per_device_gib": round(self.host_per_device, 1)}
 
@@ -162,7 +178,8 @@ HYBRID_HOST_RATIO = 16 / 12
 
 def estimate(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int, layer_list: list[int] | None,
              rollout_tp: int, rollout_ep: int, optimizer_on_host: bool = False,
-             host_fraction: float | None = None, host_grad_copy: bool = False) -> MemoryEstimate:
+             host_fraction: float | None = None, host_grad_copy: bool = False,
+             reshard_bucket_mb: float = 0) -> MemoryEstimate:
     """GiB per device: BF16 params, FP32 main grads (verl builds megatron's DDP with grads reduced in FP32),
     FP32 master weights plus Adam's two moments sharded over each parameter's data-parallel replicas
     (distributed optimizer), all on the heaviest stage; and the BF16 rollout weights of one rank (experts
@@ -170,7 +187,8 @@ def estimate(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int, laye
 
     ``host_fraction`` of the optimizer state lives on the host (``optimizer_on_host``: all of it, as
     MindSpeed's swap optimizer keeps it); ``host_grad_copy``: the host also holds a pinned fp32 copy of
-    those parameters' gradients (megatron-core's HybridDeviceOptimizer)."""
+    those parameters' gradients (megatron-core's HybridDeviceOptimizer). ``reshard_bucket_mb``: the direct
+    reshard's bucket (0 for a method whose buffers are not estimated)."""
     fraction = host_fraction if host_fraction is not None else (1.0 if optimizer_on_host else 0.0)
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"host_fraction must be in [0, 1], got {fraction!r}")
@@ -188,4 +206,5 @@ def estimate(cfg: dict, *, world: int, tp: int, pp: int, expert_group: int, laye
     host_opt = opt * fraction * (HYBRID_HOST_RATIO if host_grad_copy else 1.0)
     return MemoryEstimate(params=2 * params / GIB, grads=4 * params / GIB, optimizer=opt / GIB,
                           rollout_weights=2 * rollout / GIB, optimizer_on_host=fraction == 1.0,
-                          host_fraction=fraction, host_optimizer=host_opt / GIB)
+                          host_fraction=fraction, host_optimizer=host_opt / GIB,
+                          reshard_buffers=RESHARD_BUCKETS_IN_FLIGHT * reshard_bucket_mb * MIB / GIB)
