@@ -107,7 +107,15 @@ def pytest_xdist_make_scheduler(config, log):
     multi-node rehearsal's three tests of 13 minutes last."""
     if config.getoption("dist", None) != "loadfile":
         return None
+    import xdist
     from xdist.scheduler import LoadFileScheduling
+
+    # The ordering below overrides a private method of xdist's scheduler (pinned in requirements-test.txt);
+    # a release without it would silently fall back to xdist's order, so it is an error naming the pin.
+    if not callable(getattr(LoadFileScheduling, "_assign_work_unit", None)):
+        raise pytest.UsageError(f"pytest-xdist {xdist.__version__}'s LoadFileScheduling has no _assign_work_unit, which "
+                                "tests/conftest.py's file order overrides: install requirements-test.txt's pin, or "
+                                "port OrderedFileScheduling to this release")
 
     class OrderedFileScheduling(LoadFileScheduling):
         def _assign_work_unit(self, node):
