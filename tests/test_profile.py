@@ -185,3 +185,9 @@ def test_the_driver_sends_the_trainers_step_with_every_stage_call(ref_in_actor):
     assert [(name, meta[stash.STEP_META_KEY]) for name, meta in seen] == [
         (name, step) for step in (3, 4)
         for name in ("generate_sequences", "compute_log_prob", "compute_ref_log_prob", "update_actor")]
+
+
+def test_the_settings_accept_the_levels_the_accelerator_profiler_takes():
+    """The level names stand twice: in the settings (loaded without torch) and in the accelerator facade (the floor,
+    importing only config.env); neither may import the other, so this test keeps them one list."""
+    assert settings.PROFILE_LEVELS == accelerator.PROFILER_LEVELS
