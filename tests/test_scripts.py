@@ -20,6 +20,7 @@ import pytest
 from tests.helpers import REPO
 
 SCRIPTS = {
+    "scripts/bench_dp_sync.py": "tests/test_scripts.py::test_bench_dp_sync_tiny",
     "scripts/bench_offload.py": "tests/offload/test_bench_offload_script.py::test_bench_offload_tiny",
     "scripts/bench_optimizer_offload.py": "tests/test_scripts.py::test_bench_optimizer_offload_tiny",
     "scripts/bench_host_optimizer_step.py": "tests/test_scripts.py::test_bench_host_optimizer_step_tiny",
@@ -202,6 +203,48 @@ def test_measure_tensorcache_bytes_tiny(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "measure_tensorcache_bytes.py"), "--prompts", "2"],
                          capture_output=True, text=True, timeout=120, cwd=str(REPO))
     assert bad.returncode == 2 and "--prompts 2 must be a multiple of the workers, TP2 x PP2 x DP2 = 8" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_dp_sync_tiny(tmp_path):
+    """Two gloo ranks: every call on both groups (both gloo here) and vLLM's own has_unfinished_dp, each answer
+    checked against the ranks' shared inputs; on GPUs the device group is NCCL (docs/benchmarks.md)."""
+    from verl_patches.launch.ports import free_port_block
+
+    out = tmp_path / "dp.json"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port_block(1, low=20000)), str(REPO / "scripts" / "bench_dp_sync.py"),
+                        "--device", "cpu", "--steps", "5", "--warmup", "1", "--json-out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["world"] == 2 and res["checked"] is True and res["vllm_not_run"] == ""
+    assert {(row["path"], row["call"]) for row in res["rows"]} == {
+        *((path, call) for path in ("gloo, CPU tensors (upstream)", "gloo, device tensors (recipe)")
+          for call in ("any_unfinished", "tokens_across_dp", "agree_forward")),
+        ("vLLM has_unfinished_dp, gloo (upstream code)", "any_unfinished")}
+    assert all(0 < row["median_ms"] <= row["p90_ms"] for row in res["rows"])
+    alone = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_dp_sync.py")], capture_output=True,
+                           text=True, timeout=120, cwd=str(REPO), env={k: v for k, v in os.environ.items() if k != "RANK"})
+    assert alone.returncode == 2 and "run it under torchrun" in alone.stderr
+
+
+def test_bench_dp_sync_knows_every_answer_and_names_a_wrong_one():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_dp_sync", REPO / "scripts" / "bench_dp_sync.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ins = bench.inputs(0, 3, 4)
+    assert ins == bench.inputs(0, 3, 4) and ins != bench.inputs(0, 4, 4)  # shared by the ranks, new each step
+    want = bench.expected(ins)
+    assert want["tokens_across_dp"] == [r["tokens"] for r in ins]
+    assert want["agree_forward"][0] == [-(-r["tokens"] // 8) * 8 for r in ins]
+    bench.check("p", 3, 1, "tokens_across_dp", list(want["tokens_across_dp"]), want["tokens_across_dp"])
+    wrong = want["tokens_across_dp"][:]
+    wrong[2] += 1
+    with pytest.raises(bench.AgreementError, match=r"^p: step 3, rank 1: tokens_across_dp returned \["):
+        bench.check("p", 3, 1, "tokens_across_dp", wrong, want["tokens_across_dp"])
 
 
 def test_bench_self_checks_entropy_is_verls_at_tensor_parallel_1():
