@@ -18,7 +18,8 @@ naming the path, the step, the rank and the call. Where vLLM imports, its own ``
 upstream code the patch wraps) runs on the gloo group too. Each call is timed on the host, from the call to
 its answer there (the device path includes its copies to and from the device); the table gives the median and
 the 90th percentile over steps, the slowest rank's. On the CPU the device group is gloo as well: both rows are
-gloo there, and only the checks mean something.
+gloo there, and only the checks mean something. ``VERL_PATCHES_PLATFORM=npu-rehearsal`` takes the Ascend path
+(torch.npu, the hccl backend) on the NPU rehearsal platform's torch_npu stand-in, whose hccl is gloo.
 """
 
 from __future__ import annotations
@@ -100,9 +101,16 @@ def run(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from verl_patches import npu_rehearsal
     from verl_patches.base import accelerator
     from verl_patches.rollout import dp_sync
 
+    if npu_rehearsal.selected():
+        # VERL_PATCHES_PLATFORM=npu-rehearsal: the Ascend path (torch.npu, the hccl backend) on the declared
+        # torch_npu stand-in, whose hccl is gloo and whose device is the host: only the checks mean something.
+        # Its "npu" tensors are host tensors through transfer_to_npu, which verl's NPU workers import too.
+        npu_rehearsal.activate()
+        import torch_npu.contrib.transfer_to_npu  # noqa: F401
     rank = int(os.environ.get("RANK", "0"))
     device = accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = accelerator.dist_backend()

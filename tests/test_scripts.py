@@ -206,21 +206,29 @@ def test_measure_tensorcache_bytes_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_dp_sync_tiny(tmp_path):
-    """Two gloo ranks: every call on both groups (both gloo here) and vLLM's own has_unfinished_dp, each answer
-    checked against the ranks' shared inputs; on GPUs the device group is NCCL (docs/benchmarks.md)."""
+@pytest.mark.parametrize("platform", ["cpu", "npu-rehearsal"])
+def test_bench_dp_sync_tiny(tmp_path, platform):
+    """Two ranks: every call on both groups and vLLM's own has_unfinished_dp, each answer checked against the
+    ranks' shared inputs. cpu: both groups gloo; npu-rehearsal: the Ascend path (torch.npu, the hccl backend) on
+    the declared torch_npu stand-in, whose hccl is gloo. On GPUs the device group is NCCL (docs/benchmarks.md)."""
     from verl_patches.launch.ports import free_port_block
 
     out = tmp_path / "dp.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PATCHES_DEVICE", "VERL_PATCHES_PLATFORM")}
+    device = ["--device", "cpu"]
+    if platform == "npu-rehearsal":
+        env["VERL_PATCHES_PLATFORM"], device = "npu-rehearsal", []
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(free_port_block(1, low=20000)), str(REPO / "scripts" / "bench_dp_sync.py"),
-                        "--device", "cpu", "--steps", "5", "--warmup", "1", "--json-out", str(out)],
-                       capture_output=True, text=True, timeout=300, cwd=str(REPO))
+                        *device, "--steps", "5", "--warmup", "1", "--json-out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=str(REPO), env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["world"] == 2 and res["checked"] is True and res["vllm_not_run"] == ""
+    backend = {"cpu": "gloo", "npu-rehearsal": "hccl"}[platform]
+    assert res["backend"] == backend and res["device"]["device_type"] == platform.split("-")[0]
     assert {(row["path"], row["call"]) for row in res["rows"]} == {
-        *((path, call) for path in ("gloo, CPU tensors (upstream)", "gloo, device tensors (recipe)")
+        *((path, call) for path in ("gloo, CPU tensors (upstream)", f"{backend}, device tensors (recipe)")
           for call in ("any_unfinished", "tokens_across_dp", "agree_forward")),
         ("vLLM has_unfinished_dp, gloo (upstream code)", "any_unfinished")}
     assert all(0 < row["median_ms"] <= row["p90_ms"] for row in res["rows"])
