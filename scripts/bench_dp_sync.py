@@ -25,6 +25,7 @@ gloo there, and only the checks mean something. ``VERL_PATCHES_PLATFORM=npu-rehe
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -37,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CALLS = ("any_unfinished", "tokens_across_dp", "agree_forward")
+TIMEOUT_S = 300  # a rank missing from a collective ends the run with torch's timeout error, not a silent wait
 
 
 class AgreementError(RuntimeError):
@@ -114,12 +116,19 @@ def run(a: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     device = accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     backend = accelerator.dist_backend()
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     world = dist.get_world_size()
-    gloo = dist.new_group(backend="gloo")  # vLLM's DP coordinator's cpu_group
+    gloo = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))  # vLLM's DP cpu_group
     paths = [("gloo, CPU tensors (upstream)", gloo, torch.device("cpu")),
              (f"{backend}, device tensors (recipe)", None, device)]
+    # Every rank must take the same calls: vLLM's row runs only where it imports on every rank (one rank
+    # running an extra all-reduce would hang the others), and the reasons of those where it does not are said.
     vllm_fn, vllm_absent = _vllm_has_unfinished()
+    reasons = [None] * world
+    dist.all_gather_object(reasons, vllm_absent, group=gloo)
+    if any(reasons):
+        vllm_fn = None
+        vllm_absent = "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why)
     times: dict[str, dict[str, list[float]]] = {p[0]: {c: [] for c in CALLS} for p in paths}
     vllm_times: list[float] = []
     for step in range(a.warmup + a.steps):
@@ -165,8 +174,7 @@ def run(a: argparse.Namespace) -> int:
                                                     "steps": a.steps, "warmup": a.warmup, "checked": True,
                                                     "vllm_not_run": vllm_absent, "rows": rows}, indent=2,
                                                    default=str))
-    dist.barrier(group=gloo)
-    dist.destroy_process_group()
+    dist.barrier(group=gloo)  # every rank is past its last collective; main() ends the process (see there)
     return 0
 
 
@@ -188,10 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         p.error("run it under torchrun (torchrun --nproc-per-node N scripts/bench_dp_sync.py): it needs a world")
     try:
-        return run(a)
+        rc = run(a)
     except AgreementError as e:
         print(f"bench_dp_sync: {e}", file=sys.stderr)
-        return 1
+        rc = 1
+    # The process ends here, without destroying its process groups: torch 2.5.1's ProcessGroupGloo destructor
+    # joins its worker threads with the GIL held, and a worker freeing a finished all-reduce whose tensor Python
+    # had already dropped waits for the GIL: a deadlock, seen in CI as a run that printed its table and never
+    # exited (about one run in seven on a loaded 2-core machine). Ranks past the final barrier need nothing more.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 if __name__ == "__main__":
