@@ -31,4 +31,5 @@ export PATH="$VENV/bin:$PATH" REQUIRE_LINTERS=1
 export VLLM_PLUGINS=${VLLM_PLUGINS:-verl_patches} RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 # Two pytest-xdist workers, one test file each at a time (module fixtures such as the tiny runs' are
 # built once); tests/conftest.py hands out the longest files first. TEST_WORKERS=0 runs in one process.
-exec "$VENV/bin/python" -m pytest -q --timeout=900 -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+# --durations: the 25 slowest phases close the log, for keeping the suite within CI's 30 minutes.
+exec "$VENV/bin/python" -m pytest -q --timeout=900 --durations=25 -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
