@@ -25,7 +25,7 @@ from verl_patches.config.optim_offload import OptimizerOffloadError, offload_set
 from verl_patches.config.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT, estimate
 from verl_patches.data.check import check_files, recipe_scorer
 from verl_patches.rollout.graph_safe import alloc_conf_conflict
-from verl_patches.train.checkpoint_commit import ASYNC_SAVE_WHY, RESUME_MODES
+from verl_patches.train.checkpoint_commit import ASYNC_SAVE_WHY, RESUME_MODES, resume_path_problem
 
 RUN_CONFIGS = ("deepseekv3_256die_random_init", "deepseekv3_256die_true_weight")
 # The one section that holds the recipe's own keys (configs/README.md).
@@ -404,9 +404,9 @@ def checkpoint_rules(rep: Report, cfg) -> None:
                   f"{ASYNC_SAVE_WHY}")
     mode = _select(cfg, "trainer.resume_mode")
     if rep.check(mode in RESUME_MODES, f"trainer.resume_mode={mode!r}: one of {', '.join(RESUME_MODES)}"):
-        named = _select(cfg, "trainer.resume_from_path")
-        rep.check(mode != "resume_path" or (isinstance(named, str) and bool(named)),
-                  "trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
+        problem = resume_path_problem(_select(cfg, "trainer.resume_from_path")) if mode == "resume_path" else None
+        if problem:
+            rep.errors.append(problem)
 
 
 def model_rules(rep: Report, cfg, model: dict) -> None:
@@ -491,12 +491,13 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
     fraction = hybrid["fraction"] if hybrid else (1.0 if swap else 0.0)
     # The direct reshard's buckets are counted at the switch; the baselines' gather buffers (recipe, upstream)
     # are not estimated (docs/benchmarks.md measures them per layout).
-    direct = recipe.get("reshard_method", settings.KEYS["reshard_method"].default) == "direct"
+    method = recipe.get("reshard_method", settings.KEYS["reshard_method"].default)
+    direct = method == "direct"
     bucket_mb = recipe.get("reshard_bucket_mb", settings.KEYS["reshard_bucket_mb"].default) if direct else 0
     est = estimate(model, host_fraction=fraction, host_grad_copy=bool(hybrid), reshard_bucket_mb=bucket_mb, **layout)
     out = {**est.as_dict(), "device_memory_gib": device_gib}
     if not direct:
-        rep.notes.append(f"{RECIPE_SECTION}.reshard_method={recipe['reshard_method']}: its transfer buffers are not "
+        rep.notes.append(f"{RECIPE_SECTION}.reshard_method={method}: its transfer buffers are not "
                          "in the switch's memory estimate (only the direct method's buckets are)")
     where = ("" if fraction == 1.0 else f" + optimizer {est.device_optimizer:.1f}"
              + (f" ({1 - fraction:g} of {est.optimizer:.1f} on the device)" if fraction else ""))

@@ -160,6 +160,14 @@ def resume_dir(root: Path) -> ResumePoint:
     return ResumePoint(0, None, tuple(notes))
 
 
+def resume_path_problem(named: object) -> str | None:
+    """``trainer.resume_mode=resume_path`` without a directory named: what is wrong, or None."""
+    if isinstance(named, str) and named:
+        return None
+    return ("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory), got "
+            f"{named!r}")
+
+
 def check_named(directory: Path) -> int:
     """``trainer.resume_mode=resume_path``: the named directory must be a whole checkpoint; returns its step."""
     directory = Path(directory)

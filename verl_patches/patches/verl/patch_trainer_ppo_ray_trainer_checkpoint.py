@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from verl_patches.base.atomic import atomic_path
+from verl_patches.config import settings
 from verl_patches.core.fingerprint import Fingerprint
 from verl_patches.core.record import Patch
 from verl_patches.train import checkpoint_commit as cc
@@ -24,11 +25,7 @@ ASYNC_KEYS = ("actor_rollout_ref.actor.checkpoint.async_save", "critic.checkpoin
 
 
 def _select(config: Any, key: str, default: Any = None) -> Any:
-    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
-    # the patch runs.
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(config, key, default=default)
+    value = settings.select(config, key)  # the one reader of a composed config's key
     return default if value is None else value
 
 
@@ -105,9 +102,9 @@ def load_checkpoint(self) -> int:
         step, directory = point.step, str(point.directory)
     elif mode == "resume_path":
         named = config.trainer.get("resume_from_path", None)
-        if not isinstance(named, str) or not named:
-            raise cc.CheckpointError(f"trainer.resume_mode=resume_path needs trainer.resume_from_path (a "
-                                     f"global_step_N directory), got {named!r}")
+        problem = cc.resume_path_problem(named)
+        if problem:
+            raise cc.CheckpointError(problem)
         directory = named if os.path.isabs(named) else os.path.join(os.getcwd(), named)
         step = cc.check_named(directory)
     else:
