@@ -33,12 +33,18 @@ def _layout(name: str, model: dict) -> dict:
     return rep.layout
 
 
-def row(name: str, model: dict) -> str:
-    """The README's row for a config's layout."""
+def _size(name: str, model: dict):
+    """A config's layout and its checkpoint's size."""
     layout = _layout(name, model)
     t = layout["train"]
-    size = checkpoint_size(model, world=layout["world"], tp=t["tp"], pp=t["pp"], expert_group=t["expert_group"],
-                           layer_list=t["num_layer_list"])
+    return layout, checkpoint_size(model, world=layout["world"], tp=t["tp"], pp=t["pp"],
+                                   expert_group=t["expert_group"], layer_list=t["num_layer_list"])
+
+
+def row(name: str, model: dict) -> str:
+    """The README's row for a config's layout."""
+    layout, size = _size(name, model)
+    t = layout["train"]
     ten, fifty = (size.write_seconds(b * 1e9) / 60 for b in BANDWIDTHS_GB_S)
     return (f"| {layout['world']} ranks: TP{t['tp']} PP{t['pp']}, experts over {t['expert_group']} | "
             f"{size.weights / 1e12:.2f} TB | {size.optimizer / 1e12:.2f} TB | {size.total / 1e12:.2f} TB | "
@@ -54,10 +60,7 @@ def test_the_readme_states_each_layouts_checkpoint_as_computed(model):
     assert not missing, "scripts/cluster/README.md's checkpoint table differs; the rows are:\n" + "\n".join(missing)
     for b in BANDWIDTHS_GB_S:
         assert f"{b} GB/s" in text
-    layout = _layout(RUNS[0], model)
-    t = layout["train"]
-    size = checkpoint_size(model, world=layout["world"], tp=t["tp"], pp=t["pp"], expert_group=t["expert_group"],
-                           layer_list=t["num_layer_list"])
+    _, size = _size(RUNS[0], model)
     # The bandwidth below which the wait reaches the timeout, and the directory's peak during a save (2 kept + 1).
     assert f"less than about {(size.total - size.ranks * size.per_rank_min) / TIMEOUT_S / 1e9:.1f} GB/s" in text
     assert f"holds 3 checkpoints ({3 * size.total / 1e12:.0f} TB)" in text
@@ -68,10 +71,7 @@ def test_the_lightest_ranks_wait_within_the_timeout_at_the_assumed_bandwidth(mod
     """The save ends with a collective every rank joins; at the table's 10 GB/s the lightest stage's ranks wait
     for the heaviest's well within the configs' process-group timeout."""
     for name in RUNS:
-        layout = _layout(name, model)
-        t = layout["train"]
-        size = checkpoint_size(model, world=layout["world"], tp=t["tp"], pp=t["pp"], expert_group=t["expert_group"],
-                               layer_list=t["num_layer_list"])
+        _, size = _size(name, model)
         assert size.idle_seconds(BANDWIDTHS_GB_S[0] * 1e9) < TIMEOUT_S, name
         # Every tensor once: the ranks' shares add up to the whole.
         assert size.ranks * size.per_rank_min <= size.total <= size.ranks * size.per_rank_max
