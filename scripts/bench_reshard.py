@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_patches.base import accelerator  # noqa: E402
 from verl_patches.reshard.baselines import recipe_stats, upstream_stats  # noqa: E402
-from verl_patches.reshard import METHODS  # noqa: E402
+from verl_patches.config.settings import METHODS  # noqa: E402
 from verl_patches.reshard.executor import execute  # noqa: E402
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout  # noqa: E402
 from verl_patches.reshard.model import ModelConfig  # noqa: E402

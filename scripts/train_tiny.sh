@@ -76,7 +76,7 @@ export WAIT_TIMEOUT_S="${WAIT_TIMEOUT_S:-300}" LAUNCH_CONSOLE="${LAUNCH_CONSOLE:
 # 10002 ("Failed to start the grpc server"). One block, not one pick per purpose: picked separately, two of them
 # overlapped once (the DP masters on the run's own agent ports, CI 2026-11-28). RAY_PORT and RAY_EXTRA_ARGS, when
 # the user sets them, replace their parts of the block.
-PORT_BLOCK="$("$PY" -c 'from verl_patches.launch.ports import free_port_block; print(free_port_block(77, low=20000))')"
+PORT_BLOCK="$("$PY" -c 'from verl_patches.base.ports import free_port_block; print(free_port_block(77, low=20000))')"
 RAY_PORT="${RAY_PORT:-$PORT_BLOCK}"
 RAY_TEMP_DIR="${RAY_TEMP_DIR:-$(mktemp -d /tmp/ray_tiny.XXXXXX)}"
 VLLM_DP_PORT=$((PORT_BLOCK + 1))

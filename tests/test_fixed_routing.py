@@ -16,7 +16,7 @@ import torch
 
 from tests.core.test_call_shapes import standin_from_signature
 from verl_patches.train import fixed_routing as fr
-from verl_patches.config import recipe_config as RC
+from verl_patches.checks import recipe_config as RC
 from verl_patches.core import apply as ap
 from verl_patches.patches.megatron import patch_core_transformer_moe_router as mrouter
 from verl_patches.patches.vllm import patch_model_executor_layers_fused_moe_layer as vmoe

@@ -224,12 +224,11 @@ def test_the_import_map_has_its_floors():
     assert top + 1 <= MAX_FLOORS, f"the import map has {top + 1} floors (at most {MAX_FLOORS}): " + " -> ".join(chain)
 
 
-# The wings: folders that group modules by what they are for (configuration and settings; local processes
-# and the launchers' checks; reporting, plots and the console; the floor every part stands on). A wing is a
-# folder, not a layer: its __init__ imports nothing, and each of its modules is a part of the package map on
-# its own, as it was when it lay at the root. Every other folder (core/, patches/, reshard/, rollout/, ...)
-# is one part.
-WINGS = ("base", "config", "launch", "reporting")
+# The wings: folders that group modules by what they are for (the ground every part stands on; settings; local
+# processes and the prelude; reporting, plots and the console; the launch-time checks and commands). A wing's
+# __init__ imports nothing, and each of its modules is a part of the package map on its own. Every other folder
+# (core/, patches/, reshard/, rollout/, ...) is one part. Each wing is also one floor of the folder map below.
+WINGS = ("base", "config", "launch", "reporting", "checks")
 
 
 def _part(m: str) -> str:
@@ -278,8 +277,9 @@ def test_a_wing_is_a_folder_that_imports_nothing():
 
 # The commands: run by ``python -m`` (scripts/cluster/launch.sh, the docs) or behind a verb of verl_patches/cli.py
 # (a string there, not an import). They are the top floor: no module of the package imports one.
-COMMANDS = {f"{PACKAGE}.{m}" for m in ("config.recipe_config", "launch.cluster_checks", "launch.layer_spec", "reporting.console",
-                                        "reporting.plot", "reshard.cli", "preflight.cli", "rollout.long_tail.simulator")}
+COMMANDS = {f"{PACKAGE}.{m}" for m in ("checks.recipe_config", "launch.cluster_checks", "checks.layer_spec",
+                                        "reporting.console", "reporting.plot", "reshard.cli", "preflight.cli",
+                                        "rollout.long_tail.simulator")}
 
 
 def test_no_module_imports_a_command():
@@ -287,24 +287,96 @@ def test_no_module_imports_a_command():
     assert not bad, "a command imported as a library (move what both need below both):\n" + "\n".join(bad)
 
 
-# The floor of the wings: what every part may read, importing nothing of the package above it (the accelerator
-# reads VERL_PATCHES_DEVICE from the environment table).
-FLOOR = {"base.accelerator": {"config.env"}, "base.atomic": set(), "config.env": set(),
-         "config.megatron_args": set(), "config.optim_offload": set(), "config.recipe_memory": set()}
+# The folder map (issue 49): every folder is one floor, and a module imports only modules of folders on its own
+# floor or below it (no folder imports a folder above it), and no two folders are tied (each folder can be learnt
+# before the ones above it). A folder is its package path; a subfolder sits on the floor of the longest listed
+# prefix (patches/verl/ on patches', rollout/long_tail/ on rollout's, patches/cpu/vllm/ on the CPU rig's); "" is
+# the root with its entry modules. The rigs (the NPU rehearsal's stand-in and the tiny assets, the CPU platform and
+# the test helpers) sit on two floors of their own until they share one wing (issue 49 item 5).
+FOLDER_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("ground: the accelerator facade, the environment table, the schema of inputs, the recipe's settings",
+     ("base", "config")),
+    ("registry: patch records, the lock, the doctor, the stash", ("core",)),
+    ("engines and their reports", ("reshard", "reward", "tensor_cache", "train", "offload", "rollout", "tools", "data",
+                                   "reporting")),
+    ("rig platforms: the torch_npu stand-in, the tiny assets", ("npu_rehearsal", "tiny")),
+    ("patches: the catalogue and the recipe's changes to each upstream", ("patches",)),
+    ("processes: local ranks, the prelude, the cluster launchers' checks", ("launch",)),
+    ("commands: launch-time checks, the preflight, the entry modules", ("checks", "preflight", "")),
+    ("the CPU rig: the CPU platform, its patch records, the test helpers", ("cpu", "patches.cpu", "testing")),
+)
 
 
-def test_the_floor_imports_nothing_above_it():
-    graph, wings = import_graph(), {f"{PACKAGE}.{w}" for w in WINGS}
-    bad = sorted(f"{PACKAGE}.{m} imports {t}" for m, allowed in FLOOR.items()
-                 for t in graph[f"{PACKAGE}.{m}"] - wings - {f"{PACKAGE}.{a}" for a in allowed})
-    assert not bad, "a floor module imports above the floor:\n" + "\n".join(bad)
+def folder_of(module: str, root: Path = REPO) -> str:
+    """The folder (package path below the package, "" for the root) a module lies in; a package is its own folder."""
+    parts = module.split(".")
+    if not (root / Path(*parts)).is_dir():
+        parts = parts[:-1]
+    return ".".join(parts[1:])
+
+
+def floor_of(folder: str) -> int:
+    """The index in FOLDER_FLOORS of the longest listed prefix of ``folder``; KeyError if none."""
+    best = (-1, -1)
+    for i, (_, folders) in enumerate(FOLDER_FLOORS):
+        for f in folders:
+            if folder == f or (f and folder.startswith(f + ".")):
+                best = max(best, (len(f), i))
+    if best[1] < 0:
+        raise KeyError(folder)
+    return best[1]
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for mod, edges in graph.items():
+        out.setdefault(folder_of(mod), set()).update(folder_of(t) for t in edges if folder_of(t) != folder_of(mod))
+    return out
+
+
+def test_every_folder_is_on_a_floor():
+    missing = []
+    for f in folder_graph(import_graph()):
+        try:
+            floor_of(f)
+        except KeyError:
+            missing.append(f or "(root)")
+    assert not missing, f"folders on no floor of FOLDER_FLOORS (tests/test_import_graph.py): {missing}"
+
+
+def test_the_floor_finder_and_the_folder_graph(tmp_path):
+    assert floor_of("patches.verl") == floor_of("patches") != floor_of("patches.cpu.vllm") == floor_of("cpu")
+    assert floor_of("rollout.long_tail") == floor_of("rollout") and floor_of("") == floor_of("checks")
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py"):
+        (pkg / f).write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")
+    assert folder_of("pkg.sub", tmp_path) == "sub" and folder_of("pkg.sub.b", tmp_path) == "sub"
+    assert folder_of("pkg.a", tmp_path) == ""
+
+
+def test_no_folder_imports_a_folder_above_it():
+    bad = sorted(f"{mod} (floor {floor_of(folder_of(mod))}) imports {t} (floor {floor_of(folder_of(t))})"
+                 for mod, edges in import_graph().items() for t in edges
+                 if floor_of(folder_of(t)) > floor_of(folder_of(mod)))
+    assert not bad, "imports from a folder to a folder above it (move the module to the floor it needs, or the " \
+                    "name it imports below both):\n" + "\n".join(bad)
+
+
+def test_no_two_folders_are_tied():
+    """Each strongly connected set of the folder graph (every import counted, function-level ones too) is one
+    folder: a reader can learn the folders bottom-up."""
+    cycles = find_cycles(folder_graph(import_graph()))
+    assert not cycles, "folders tied by imports both ways:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
 LAUNCH = f"{PACKAGE}.launch"
-# Who starts local processes: the preflight (its ranks, its process tree) and the test helpers; rollout's DP domain
-# takes a rendezvous port (launch.ports). No engine spawns ranks.
-LAUNCH_USERS = {f"{PACKAGE}.{m}" for m in ("preflight.cli", "rollout.dp_domain", "testing.graph_switch",
-                                           "testing.optimizer_offload", "testing.stop_on_sigterm")}
+# Who starts local processes: the preflight (its ranks, its process tree) and the test helpers; who runs the prelude:
+# the entry modules and the layer-spec check. No engine spawns ranks.
+LAUNCH_USERS = {f"{PACKAGE}.{m}" for m in ("preflight.cli", "testing.graph_switch", "testing.optimizer_offload",
+                                           "testing.stop_on_sigterm", "checks.layer_spec", "entry_points",
+                                           "prelude_patch")}
 
 
 def test_the_launch_wing_is_reached_by_its_named_users():
@@ -444,7 +516,8 @@ def test_one_settings_module_is_imported_by_every_reader():
     settings, the launch-time validator and the run report import it, and no other module spells the
     section's path to look it up itself."""
     graph = import_graph()
-    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.config.recipe_config", f"{PACKAGE}.rollout.long_tail.rebalance",
+    readers = {f"{PACKAGE}.rollout.settings", f"{PACKAGE}.checks.recipe_config",
+               f"{PACKAGE}.rollout.long_tail.rebalance",
                f"{PACKAGE}.patches.verl.patch_utils_tracking"}
     assert {r for r in readers if f"{PACKAGE}.config.settings" not in graph[r]} == set()
     bad = []

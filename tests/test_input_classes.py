@@ -307,7 +307,7 @@ def test_data_check_refuses_a_ground_truth_no_response_can_match(tmp_path, capsy
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from verl_patches.data import check
+    from verl_patches.checks import data_check
 
     rows = [{"data_source": "deepscaler", "prompt": [{"role": "user", "content": "q"}],
              "reward_model": {"ground_truth": gt}, "extra_info": {"index": i}} for i, gt in enumerate(["2", "N/A"])]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches.launch import ports
+from verl_patches.base import ports
 from verl_patches.launch import local_ranks as rd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # spawned ranks import the bodies by name

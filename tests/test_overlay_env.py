@@ -1,4 +1,4 @@
-"""verl_patches/config/env.py: one table of every VERL_PATCHES_* variable, one typed reader used by
+"""verl_patches/base/env.py: one table of every VERL_PATCHES_* variable, one typed reader used by
 every reader, errors naming the variable, settings that would weaken a check refused, and the
 doctor reporting what is set (and nothing when nothing is)."""
 
@@ -10,7 +10,7 @@ import re
 import pytest
 
 from tests.helpers import REPO, cli, run_py
-from verl_patches.config import env
+from verl_patches.base import env
 
 NAME_RE = re.compile(r"VERL_PATCHES_[A-Z0-9_]*[A-Z0-9]")
 # Readers in directories outside this change's scope still read os.environ themselves; each keeps
@@ -35,7 +35,7 @@ def test_the_table_names_every_variable_the_overlay_reads_and_only_those():
 
 def test_every_python_reader_goes_through_env():
     direct = re.compile(r"(os\.environ\.get|os\.getenv|environ\)?\.get)\(\s*(\"VERL_PATCHES_|[A-Z_]*ENV\b)")
-    found = sorted(rel for rel, text in _sources() if rel.endswith(".py") and rel != "verl_patches/config/env.py"
+    found = sorted(rel for rel, text in _sources() if rel.endswith(".py") and rel != "verl_patches/base/env.py"
                    and direct.search(text))
     assert set(found) <= NOT_YET_ON_ENV, set(found) - NOT_YET_ON_ENV
 
@@ -94,7 +94,7 @@ def test_bad_values_name_the_variable(name, raw):
 def test_readers_use_the_table(monkeypatch):
     from verl_patches.base import accelerator
     from verl_patches.train import fixed_routing
-    from verl_patches import entry_points
+    from verl_patches.launch import prelude
     from verl_patches.core.phase import current_phase
 
     monkeypatch.setenv("VERL_PATCHES_DEVICE", "tpu")
@@ -106,7 +106,7 @@ def test_readers_use_the_table(monkeypatch):
     monkeypatch.setenv("VERL_PATCHES_FIXED_ROUTING", "true")
     assert fixed_routing.enabled() is True
     monkeypatch.setenv("VERL_PATCHES_OFF", "yes")
-    assert entry_points.apply_prelude("driver") == []
+    assert prelude.apply_prelude("driver") == []
 
 
 def test_nothing_set_nothing_reported():

@@ -5,9 +5,9 @@ ones (a tiny DeepSeek-V3 checkpoint, its config, a prepared parquet file) by dam
 at a time. derandomize=True and small example budgets keep the run the same and short on every
 machine; each test prints how many inputs it tried (pytest -s shows them).
 
-Entry points: verl_patches.config.env (the reader), python -m verl_patches plan, the checkpoint tools
+Entry points: verl_patches.base.env (the reader), python -m verl_patches plan, the checkpoint tools
 hf_to_mcore, mcore_to_hf and fp8_to_bf16, the data check, python -m verl_patches rollout-plan, and the
-recipe config check (python -m verl_patches.config.recipe_config: every key of the recipe section, the trainer keys a
+recipe config check (python -m verl_patches.checks.recipe_config: every key of the recipe section, the trainer keys a
 user edits, and keys added with "+").
 """
 
@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 
 from tests.helpers import REPO
 from tests.tools.synth_dsv3 import random_bf16, tiny_config, write_hf
-from verl_patches.config import env
-from verl_patches.data import check as data_check
+from verl_patches.base import env
+from verl_patches.checks import data_check as data_check
 from verl_patches.reshard import cli as plan_cli
 from verl_patches.rollout.long_tail import simulator as rollout_planner  # the name its derandomized tests hash
 from verl_patches.tools import fp8_to_bf16, hf_to_mcore, mcore_to_hf
@@ -421,7 +421,7 @@ def test_rollout_plan_properties(tmp_path_factory):
     _finish("rollout-plan")
 
 
-# ---------- the recipe's config sections (python -m verl_patches.config.recipe_config) ----------
+# ---------- the recipe's config sections (python -m verl_patches.checks.recipe_config) ----------
 
 def test_recipe_config_properties():
     """The run config with one override: a key of the recipe section (the typed settings table) or a
@@ -429,7 +429,7 @@ def test_recipe_config_properties():
     section (Hydra's own hint for a misspelt key). The check composes and validates it as the dry run
     does: it accepts (exit 0) only values the settings table accepts, and otherwise exits non-zero
     naming the key; never a traceback."""
-    from verl_patches.config import recipe_config as RC
+    from verl_patches.checks import recipe_config as RC
     from verl_patches.config import settings as S
 
     trainer_keys = ["trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",

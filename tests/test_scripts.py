@@ -101,7 +101,7 @@ def test_help_exits_0_with_usage_before_any_work(script, tmp_path):
 
 @pytest.mark.slow
 def test_bench_reshard_tiny(tmp_path):
-    from verl_patches.launch.ports import free_port_block
+    from verl_patches.base.ports import free_port_block
 
     out = tmp_path / "rows.json"
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -211,7 +211,7 @@ def test_bench_dp_sync_tiny(tmp_path, platform):
     """Two ranks: every call on both groups and vLLM's own has_unfinished_dp, each answer checked against the
     ranks' shared inputs. cpu: both groups gloo; npu-rehearsal: the Ascend path (torch.npu, the hccl backend) on
     the declared torch_npu stand-in, whose hccl is gloo. On GPUs the device group is NCCL (docs/benchmarks.md)."""
-    from verl_patches.launch.ports import free_port_block
+    from verl_patches.base.ports import free_port_block
 
     out = tmp_path / "dp.json"
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_PATCHES_DEVICE", "VERL_PATCHES_PLATFORM")}
@@ -260,7 +260,7 @@ def test_bench_self_checks_entropy_is_verls_at_tensor_parallel_1():
     # where verl is installed, the two agree on one gloo rank (megatron's TP group of 1).
     code = """
 import importlib.util, os, torch, torch.distributed as dist
-from verl_patches.launch.ports import free_port_block
+from verl_patches.base.ports import free_port_block
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_block(1, low=20000)))
 dist.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import parallel_state as mpu

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from verl_patches.config import settings
-from verl_patches.reshard import METHODS
+from verl_patches.config.settings import METHODS
 
 
 def test_defaults_come_from_one_table_and_absent_sections_take_them():

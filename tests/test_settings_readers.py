@@ -157,7 +157,7 @@ READERS = {
     "fixed_routing": [_fixed_routing],
     "overlap_grad_reduce": [lambda c: _ddp(c, "overlap_grad_reduce").pop()],
     "overlap_param_gather": [lambda c: _ddp(c, "overlap_param_gather").pop()],
-    # Read at launch by the memory check (verl_patches/config/recipe_config.py) from the composed YAML, and
+    # Read at launch by the memory check (verl_patches/checks/recipe_config.py) from the composed YAML, and
     # by nothing in the run: the run's object still carries them.
     "device_memory_gib": [lambda c: settings.from_trainer(c).device_memory_gib],
     "host_memory_gib": [lambda c: settings.from_trainer(c).host_memory_gib],

@@ -25,7 +25,7 @@ DELEGATED = {
     "plan": ("verl_patches.reshard.cli:main", "reshard plan for a model and two layouts (ours vs baselines)"),
     "preflight": ("verl_patches.preflight.cli:main", "rehearse train/rollout switches and verify the shards"),
     "plot": ("verl_patches.reporting.plot:main", "PNG curves of a run (its metrics.jsonl or tensorboard event files)"),
-    "layer-spec": ("verl_patches.launch.layer_spec:main",
+    "layer-spec": ("verl_patches.checks.layer_spec:main",
                    "Ascend: the classes DeepSeek-V3's layer spec resolves to for a run's config, with their releases"),
     "rollout-plan": ("verl_patches.rollout.long_tail.simulator:main",
                      "model the rollout's long tail (lockstep DP decode, graph sizes, rebalance) and recommend"),

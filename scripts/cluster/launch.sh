@@ -118,7 +118,7 @@ PY
   "$PYTHON" -m verl_patches hook check \
     || { echo "error: the overlay is not hooked into this verl: run '$PYTHON -m verl_patches hook install' on every node" >&2; rc=1; }
   echo "== config composition, layout and data ($CONFIG_NAME)"
-  "$PYTHON" -m verl_patches.config.recipe_config --config-name "$CONFIG_NAME" --print-config --check-data \
+  "$PYTHON" -m verl_patches.checks.recipe_config --config-name "$CONFIG_NAME" --print-config --check-data \
     -- "${CONFIG_OVERRIDES[@]}" \
     || { echo "error: config composition, layout or data check failed (see above)" >&2; rc=1; }
   return "$rc"

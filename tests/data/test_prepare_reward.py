@@ -8,7 +8,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from verl_patches.data import check as C
+from verl_patches.checks import data_check as C
 from verl_patches.data import prepare as P
 from verl_patches.patches.verl.patch_utils_reward_score import DEEPSCALER_SOURCES
 

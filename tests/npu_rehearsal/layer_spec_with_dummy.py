@@ -28,6 +28,6 @@ class _SpecWithDummy(types.ModuleType):
 
 if __name__ == "__main__":
     sys.modules[SPEC_MODULE] = _SpecWithDummy(SPEC_MODULE)
-    from verl_patches.launch import layer_spec
+    from verl_patches.checks import layer_spec
 
     sys.exit(layer_spec.main(sys.argv[1:]))

@@ -1,11 +1,11 @@
 """The NPU path on the NPU rehearsal platform, run as its own process (torch_npu's import renames torch's
 PrivateUse1 backend and MindSpeed patches megatron-core in place: neither can be undone in a test process).
 
-Through the overlay's own mechanism: entry_points.boot_rehearsal (the stand-in, MindSpeed's op builders on host
+Through the overlay's own mechanism: launch.prelude.boot_rehearsal (the stand-in, MindSpeed's op builders on host
 kernels); the binding's build_global_args (Megatron's global arguments from verl's config:
 verl_patches.config.megatron_args.megatron_argv of the tiny DeepSeek-V3's HF config through MindSpeed-LLM's
 parser, whose adaptor applies MindSpeed's and MindSpeed-LLM's features); the worker-phase records the rehearsal
-platform selects (entry_points.patches_for) for the model; verl's own MegatronWorker._init_hf_config_and_tf_config
+platform selects (launch.prelude.patches_for) for the model; verl's own MegatronWorker._init_hf_config_and_tf_config
 (wrapped by verl.recipe_megatron.binding) and registry.init_mcore_model, whose layer spec is MindSpeed-LLM's
 (record verl.deepseek_v3_mindspeed_llm_layer_spec). One forward and backward in bf16 (megatron's Float16Module,
 as verl's get_model wraps it) on a gloo world of 1 ("hccl", registered by the stand-in as torch_npu does).
@@ -39,7 +39,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from verl_patches.core import apply
-    from verl_patches.entry_points import boot_rehearsal
+    from verl_patches.launch.prelude import boot_rehearsal
     from verl_patches.patches.mindspeed import patch_features_manager_features_manager as no_text_generation
     from verl_patches.patches.verl import patch_single_controller_base_megatron_worker as binding
 
@@ -68,7 +68,7 @@ def main() -> None:
     mpu.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(42)
     # The worker-phase records the build goes through (the whole prelude: npu_path_worker.py).
-    from verl_patches.entry_points import patches_for
+    from verl_patches.launch.prelude import patches_for
 
     wanted = {"verl.recipe_megatron.binding", "mindspeed.recipe_megatron_args",
               "verl.deepseek_v3_mindspeed_llm_layer_spec", "verl.mcore_config.deepseek_v3"}

@@ -1,7 +1,7 @@
 """The recipe's checkpoints (issue 36): every run config states its checkpoint settings (saved every N steps into
 the directory the launcher passes from CKPT_SAVE_DIR, resumed automatically, a bounded number kept, written
 synchronously), and scripts/cluster/README.md's table of one checkpoint's size and write time at 671B is what
-verl_patches/config/recipe_memory.checkpoint_size computes from configs/model/deepseek_v3.json and each config's
+verl_patches/checks/recipe_memory.checkpoint_size computes from configs/model/deepseek_v3.json and each config's
 own layout (recomputed here, row by row)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import REPO
-from verl_patches.config import recipe_config as RC
-from verl_patches.config.recipe_memory import checkpoint_size
+from verl_patches.checks import recipe_config as RC
+from verl_patches.checks.recipe_memory import checkpoint_size
 
 README = REPO / "scripts" / "cluster" / "README.md"
 RUNS = ("deepseekv3_256die_random_init", "deepseekv3_256die_true_weight", "deepseekv3_128gpu_random_init",

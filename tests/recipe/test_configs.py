@@ -11,7 +11,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from verl_patches.config import recipe_config as RC
+from verl_patches.checks import recipe_config as RC
 
 MODEL_JSON = RC.DEFAULT_MODEL_CONFIG
 # configs/model/deepseek_v3.json belongs to the reshard work; the facts the layout needs
@@ -364,7 +364,7 @@ def test_the_switch_peak_counts_the_reshard_buckets_and_fails_by_name(model):
 def test_the_estimate_counts_the_buckets_the_executor_keeps_in_flight():
     import inspect
 
-    from verl_patches.config.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT
+    from verl_patches.checks.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT
     from verl_patches.reshard import executor
 
     default = inspect.signature(executor._execute_direct).parameters["in_flight"].default
@@ -379,7 +379,7 @@ def test_graph_mode_is_the_nvidia_default_and_eager_an_explicit_override(model):
 
 
 def test_the_memory_estimate_counts_deepseek_v3():
-    from verl_patches.config.recipe_memory import estimate, model_params
+    from verl_patches.checks.recipe_memory import estimate, model_params
 
     cfg = RC.load_model_config(RC.DEFAULT_MODEL_CONFIG)
     assert 670e9 < model_params(cfg).total < 672e9  # DeepSeek-V3's published 671B

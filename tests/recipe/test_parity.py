@@ -33,7 +33,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from verl_patches.config import megatron_args as ma
-from verl_patches.config import recipe_config as RC
+from verl_patches.checks import recipe_config as RC
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "RECIPE.md"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from verl_patches.config import recipe_config as rc
+from verl_patches.checks import recipe_config as rc
 
 MODEL = {"num_hidden_layers": 4, "first_k_dense_replace": 1, "n_routed_experts": 8}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_patches.config import recipe_config as RC
+from verl_patches.checks import recipe_config as RC
 from verl_patches.offload.stable import StableBackend
 from verl_patches.rollout import graph_safe
 from verl_patches.rollout.graph_safe import GraphModeError, alloc_conf_conflict, arm_for_build, expandable_segments

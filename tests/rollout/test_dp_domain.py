@@ -116,7 +116,7 @@ def test_setup_publishes_the_masters_address_or_names_a_taken_port_on_every_rank
 
 
 def test_a_master_port_block_in_the_ephemeral_range_is_warned_about(monkeypatch, caplog):
-    import verl_patches.launch.ports as ports
+    import verl_patches.base.ports as ports
     from verl_patches.rollout.dp_domain import check_master_ports
 
     base = free_port_block(4)

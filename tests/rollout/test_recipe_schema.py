@@ -14,7 +14,7 @@ from verl_patches.config.settings import problems as recipe_problems
 
 @pytest.mark.parametrize("name", ["deepseekv3_256die_random_init", "deepseekv3_256die_true_weight"])
 def test_the_shipped_configs_match_the_schema(name):
-    from verl_patches.config.recipe_config import RECIPE_SECTION, _select, compose
+    from verl_patches.checks.recipe_config import RECIPE_SECTION, _select, compose
 
     cfg = compose(name)
     assert recipe_problems(_select(cfg, RECIPE_SECTION)) == []

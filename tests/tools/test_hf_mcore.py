@@ -293,7 +293,7 @@ def test_the_helps_examples_are_the_run_configs_layouts(capsys):
     import re
     import shlex
 
-    from verl_patches.config import recipe_config as RC
+    from verl_patches.checks import recipe_config as RC
 
     with pytest.raises(SystemExit) as e:
         H.main(["--help"])

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch
 
-from verl_patches.config import env
+from verl_patches.base import env
 
 DEVICE_TYPES = ("npu", "cuda", "cpu")
 _BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}

@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 
 
 class Rule:

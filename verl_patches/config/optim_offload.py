@@ -1,7 +1,7 @@
 """The optimizer-offload settings of verl's ``actor.optim`` (megatron-core's HybridDeviceOptimizer): read,
 checked and set on megatron-core's OptimizerConfig. The patch that hands them to the optimizer verl builds
 (verl_patches/patches/verl/patch_utils_megatron_utils_switch.py) and the launch-time validator
-(verl_patches/config/recipe_config.py) both use these rules; they import nothing of upstream.
+(verl_patches/checks/recipe_config.py) both use these rules; they import nothing of upstream.
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ under one stash key (``rollout_settings``, on vLLM's LLM).
 
 Three things are called "recipe" in this repository; they are different:
 - the *recipe section*: this YAML section (``actor_rollout_ref.rollout.recipe``), read here;
-- the *run configs*: the YAML files under configs/ that compose a run (verl_patches/config/recipe_config.py);
+- the *run configs*: the YAML files under configs/ that compose a run (verl_patches/checks/recipe_config.py);
 - the *recipe reshard method* (``reshard_method: recipe``): the published recipe's reference reshard,
-  kept for comparison (verl_patches/reshard/__init__.py).
+  kept for comparison (``METHOD_DOCS`` below).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Mapping, Optional
 
 from verl_patches.config.megatron_args import RecipeMegatron, RecipeMegatronError, parse as parse_megatron
-from verl_patches.reshard import METHODS
 
 SECTION = "actor_rollout_ref.rollout.recipe"  # in the trainer's config
 SECTION_IN_WORKER = "rollout.recipe"  # in a worker's config (verl gives it actor_rollout_ref)
@@ -44,8 +43,19 @@ class Key:
     maximum: Any = None  # numbers: the largest value allowed
 
 
+# The reshard methods (the ``reshard_method`` key): name -> what it is; the executors live in
+# verl_patches.reshard.executor (direct) and verl_patches.reshard.baselines (the two references, for comparison).
+METHOD_DOCS: dict[str, str] = {
+    "direct": "ours: direct slice routing, one all-to-all per bucket, no full tensor materialised",
+    "recipe": "the published recipe's reference: experts by a PP broadcast and one AlltoAllV in the expert group; "
+              "dense tensors by a TP all-gather to full size and a PP all-to-all of them to every stage",
+    "upstream": "verl 0.4.1's path: every parameter gathered to full size on every rank",
+}
+METHODS: tuple[str, ...] = tuple(METHOD_DOCS)
+
+
 KEYS: dict[str, Key] = {
-    "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (verl_patches/reshard/__init__.py)"),
+    "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (METHOD_DOCS above)"),
     "reshard_bucket_mb": Key(int, 256, "the reshard's transfer bucket in MiB per rank "
                                        "(verl_patches/reshard/planner.py); two are in flight, so the switch's "
                                        "peak extra device memory is 2 x this "

@@ -7,7 +7,7 @@ component and per patch; each is ok, missing, changed or version-mismatch.
 On the NPU platform one more finding, ``layer-spec``: the classes DeepSeek-V3's layer spec resolves to for a run's
 config, each a real implementation with its release. That needs MindSpeed-LLM's adaptor applied and Megatron's
 arguments built, which change the process for good, so it runs in a child process
-(``python -m verl_patches.launch.layer_spec``, its own module's docstring says how) and this one still imports
+(``python -m verl_patches.checks.layer_spec``, its own module's docstring says how) and this one still imports
 nothing upstream.
 """
 
@@ -30,7 +30,7 @@ from verl_patches.core.fingerprint import SourceUnreadable, TargetNotFound, fing
 from verl_patches.core.lock import Component, load_lock
 from verl_patches.core.record import Patch
 from verl_patches.core.upstream import locate, module_file
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 from verl_patches.core.sources import source_problem
 from packaging.specifiers import SpecifierSet
 
@@ -262,7 +262,7 @@ def layer_spec_finding(config_name: str, overrides: list[str] | tuple[str, ...] 
     env["PYTHONPATH"] = os.pathsep.join(path + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     with tempfile.TemporaryDirectory(prefix="layer_spec_") as tmp:
         out = Path(tmp) / "layer_spec.json"
-        cmd = [sys.executable, "-m", "verl_patches.launch.layer_spec", "--config-name", config_name, "--json", str(out),
+        cmd = [sys.executable, "-m", "verl_patches.checks.layer_spec", "--config-name", config_name, "--json", str(out),
                "--", *overrides]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LAYER_SPEC_TIMEOUT_S)

@@ -9,7 +9,7 @@ import multiprocessing
 import os
 
 from verl_patches.core.record import PHASES
-from verl_patches.config import env
+from verl_patches.base import env
 
 
 def current_phase() -> str:

@@ -2,7 +2,7 @@
 bring-up alike (scripts/cluster/launch.sh), so both reject the same things with the same message.
 
 ``python -m verl_patches.launch.cluster_checks env``: the values every node reads (ports, ranks, counts,
-timeouts, DEVICE, LAUNCH_CONSOLE and the overlay's own ``VERL_PATCHES_*`` variables, verl_patches/config/env.py);
+timeouts, DEVICE, LAUNCH_CONSOLE and the overlay's own ``VERL_PATCHES_*`` variables, verl_patches/base/env.py);
 a setting that weakens a check is refused (a timeout of 0, fault injection outside the test launcher) or,
 where it is the user's explicit choice (VERL_PATCHES_OFF, VERL_PATCHES_DISABLE), said as a warning.
 ``python -m verl_patches.launch.cluster_checks head [--ckpt DIR]``: what only the head reads: its Ray port
@@ -10,7 +10,7 @@ free, the model's config.json, the data files and, for a real-weight run, a comp
 the model that config.json describes (its embedding shape and its layer count).
 Each prints one ``error: ...`` line per problem on stderr and exits 2 when there is one.
 
-This module imports only the standard library and verl_patches.config.env at import time (the launcher
+This module imports only the standard library and verl_patches.base.env at import time (the launcher
 runs it before it knows whether its Python has anything else); the checkpoint check reads the
 torch_dist index, so it imports torch (the launcher has checked for it by then).
 """
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import Text
 from verl_patches.tools import check_ckpt

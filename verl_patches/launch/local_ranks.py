@@ -18,9 +18,9 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 from verl_patches.launch import procs, rank_boot
-from verl_patches.launch.ports import free_port_block
+from verl_patches.base.ports import free_port_block
 from verl_patches.base import accelerator
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 import os
 
-from verl_patches.config import env
+from verl_patches.base import env
 
 _BEFORE = dict(os.environ)
 

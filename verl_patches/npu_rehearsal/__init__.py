@@ -1,7 +1,7 @@
 """The NPU rehearsal platform: a declared stand-in, like the CPU platform, that takes the Ascend code path
 (torch_npu, MindSpeed's features applied as on an NPU, MindSpeed-LLM's modules) on a host without an NPU.
 
-Selected only explicitly: ``VERL_PATCHES_PLATFORM=npu-rehearsal`` (verl_patches/config/env.py). Then, and
+Selected only explicitly: ``VERL_PATCHES_PLATFORM=npu-rehearsal`` (verl_patches/base/env.py). Then, and
 only then, ``activate()`` puts ``site/`` in front of ``sys.path``, where two stand-in packages live:
 
 - ``torch_npu`` (``site/torch_npu``): the device API mapped onto the host (``torch.npu``: one device, the

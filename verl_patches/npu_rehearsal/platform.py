@@ -11,7 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from verl_patches.config import env
+from verl_patches.base import env
 
 PACKAGE = "verl_patches.npu_rehearsal"
 PLATFORM = "npu-rehearsal"

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from verl_patches.base import accelerator
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -24,7 +24,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 import torch
 
 from verl_patches.base import accelerator
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 
 ENV = "VERL_PATCHES_STABLE_MEMORY"
 CHOICES = ("auto", "torch_memory_saver", "vllm_cumem", "vllm_ascend_camem", "none")

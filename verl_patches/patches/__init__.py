@@ -11,7 +11,7 @@ its own order (:func:`in_application_order`). The catalogue hands its modules to
 
 from __future__ import annotations
 
-from verl_patches.config import env
+from verl_patches.base import env
 from verl_patches.core.registry import check_catalogue, load_registry, find_patch
 
 RECIPE_MODULES: tuple[str, ...] = (

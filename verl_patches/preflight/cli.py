@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from verl_patches.core.lock import REPO_ROOT
-from verl_patches.reshard import METHODS
+from verl_patches.config.settings import METHODS
 from verl_patches.base import atomic, accelerator
 from verl_patches.base.schema import Integer, Number, PathArg, Text, parse_args as schema_parse
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.launch.procs import Terminated
 from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 
 # Below this many elements the launch overhead dominates: plain copy_.
 _MIN_ELEMS = 1 << 16

@@ -19,7 +19,7 @@ from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import Box
 from verl_patches.reshard.placements import Part, Placements
 from verl_patches.reshard.baselines import ExecStats, execute_recipe, execute_upstream, zero_padding
-from verl_patches.reshard import METHODS
+from verl_patches.config.settings import METHODS
 from verl_patches.reshard.planner import Plan, RankProgram, Transfer, rank_program
 
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from verl_patches.config import env
+from verl_patches.base import env
 
 ENV = "VERL_PATCHES_INJECT_FAULT"
 KINDS = ("flip", "transpose")

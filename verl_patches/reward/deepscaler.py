@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from verl_patches.config import env as overlay_env
+from verl_patches.base import env as overlay_env
 
 # Responses are up to 3072 tokens (~12k characters); the cap only guards the checker
 # against pathological inputs (sympy can take minutes on a huge expression).
@@ -27,7 +27,7 @@ MAX_ANSWER_CHARS = 1000
 # timeout is a SIGALRM (main thread only; verl's reward managers call from other threads), and
 # sympy evaluating e.g. a power tower holds the GIL inside one C call, so no thread of this
 # process could interrupt it. A check that overruns scores 0 and the helper is replaced.
-# VERL_PATCHES_REWARD_TIMEOUT_S (verl_patches/config/env.py) sets it: a finite number of seconds in (0, 3600];
+# VERL_PATCHES_REWARD_TIMEOUT_S (verl_patches/base/env.py) sets it: a finite number of seconds in (0, 3600];
 # 0 would score every answer that needs math-verify 0.0 and is refused where it is read.
 CHECK_TIMEOUT_S = overlay_env.get("VERL_PATCHES_REWARD_TIMEOUT_S")
 

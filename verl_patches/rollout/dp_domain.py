@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Mapping, Sequence
 
 from verl_patches.config import settings
-from verl_patches.launch.ports import overlaps_ephemeral, taken_ports
+from verl_patches.base.ports import overlaps_ephemeral, taken_ports
 
 logger = logging.getLogger(__name__)
 

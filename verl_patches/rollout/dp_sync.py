@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from verl_patches.config import env
+from verl_patches.base import env
 
 # The switch, exported by the rollout patch from actor_rollout_ref.rollout.recipe.dp_sync_on_device:
 # vLLM's engine loop calls these functions without any config object that could carry it.

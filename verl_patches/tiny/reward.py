@@ -19,7 +19,7 @@ def digit_share(text: str) -> float:
 
 
 def correct_answer(data_source: str, ground_truth: Any) -> str | None:
-    """A full-score answer for the data check (python -m verl_patches.data.check); None: a boxed one."""
+    """A full-score answer for the data check (python -m verl_patches.checks.data_check); None: a boxed one."""
     return "1234567890" if data_source == TOY_SOURCE else None
 
 

@@ -13,7 +13,8 @@ import os
 
 import torch
 
-from verl_patches.config import settings, env
+from verl_patches.base import env
+from verl_patches.config import settings
 
 ENV = "VERL_PATCHES_FIXED_ROUTING"
 FLAG = "actor_rollout_ref.rollout.recipe.fixed_routing"

@@ -2,7 +2,7 @@
 (verl_patches/entry_points.py: apply_prelude), its features re-selected by the worker binding from the model's
 Megatron command line (``build_global_args``, which the worker binding,
 verl_patches/patches/verl/patch_single_controller_base_megatron_worker.py, calls before the model is built, and the
-layer-spec report, verl_patches/launch/layer_spec.py, calls as a rank would). docs/RECIPE.md, "The NPU path", says
+layer-spec report, verl_patches/checks/layer_spec.py, calls as a rank would). docs/RECIPE.md, "The NPU path", says
 why in this order.
 """
 

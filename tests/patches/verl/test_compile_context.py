@@ -92,11 +92,11 @@ def test_save_never_keeps_a_replacement_and_keeps_the_first_real_one(saved, monk
 
 
 def test_prelude_saves_the_real_compile_before_patching(saved, monkeypatch):
-    from verl_patches import entry_points
+    from verl_patches.launch import prelude
 
     order = []
-    monkeypatch.setattr(entry_points, "patches_for", lambda phase: [])
-    monkeypatch.setattr(entry_points, "apply_all", lambda ps: order.append(("apply", cc.saved_real_compile())) or [])
+    monkeypatch.setattr(prelude, "patches_for", lambda phase: [])
+    monkeypatch.setattr(prelude, "apply_all", lambda ps: order.append(("apply", cc.saved_real_compile())) or [])
     monkeypatch.delenv("VERL_PATCHES_OFF", raising=False)
-    entry_points.apply_prelude("worker")
+    prelude.apply_prelude("worker")
     assert order == [("apply", torch.compile)]

@@ -332,7 +332,7 @@ def test_worker_rejects_more_than_one_step(patched, mini, epochs, message):
 # -- driver -------------------------------------------------------------------------------------
 
 def _recipe(*overrides):
-    from verl_patches.config import recipe_config as RC
+    from verl_patches.checks import recipe_config as RC
 
     return RC.compose("deepseekv3_256die_random_init", list(overrides))
 

@@ -79,7 +79,7 @@ def recorder(model_dir, monkeypatch):
 
 
 def _rollout_config(*overrides):
-    from verl_patches.config.recipe_config import compose
+    from verl_patches.checks.recipe_config import compose
 
     return compose("deepseekv3_256die_true_weight", [*ONE_RANK, *overrides]).actor_rollout_ref.rollout
 

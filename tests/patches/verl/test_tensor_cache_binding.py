@@ -104,7 +104,7 @@ def stub_colocation(monkeypatch):
 
 
 def _recipe(*overrides):
-    from verl_patches.config import recipe_config as RC
+    from verl_patches.checks import recipe_config as RC
 
     return RC.compose("deepseekv3_256die_random_init", list(overrides))
 

@@ -7,8 +7,8 @@ decided by the installed MindSpeed / MindSpeed-LLM releases and by the arguments
 when they register). This command takes the same steps as the rank, in one process, without a device or a
 process group, and without building the model:
 
-1. the config composed as verl's main_ppo composes it (verl_patches/config/compose.py), with the user's overrides;
-2. the worker phase's prelude (verl_patches/entry_points.py ``apply_prelude``: on the NPU rehearsal platform the
+1. the config composed as verl's main_ppo composes it (verl_patches/checks/compose.py), with the user's overrides;
+2. the worker phase's prelude (verl_patches/launch/prelude.py ``apply_prelude``: on the NPU rehearsal platform the
    stand-in first, then MindSpeed's records, MindSpeed-LLM's adaptor, every other record);
 3. Megatron's global arguments from the model's config.json, the actor's layout and ``recipe.megatron``
    (verl_patches/train/mindspeed_adaptor.py ``build_global_args``, which the binding calls), for the run's world size
@@ -35,12 +35,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from verl_patches import entry_points, npu_rehearsal
+from verl_patches import npu_rehearsal
 from verl_patches.base import accelerator
 from verl_patches.base.schema import Integer, PathArg, Text
 from verl_patches.config import megatron_args, settings
 from verl_patches.core import apply
-from verl_patches.config.compose import CONFIG_DIR, compose, find_model_config, load_model_config
+from verl_patches.launch import prelude
+from verl_patches.checks.compose import CONFIG_DIR, compose, find_model_config, load_model_config
 from verl_patches.train import layer_classes
 from verl_patches.train.mindspeed_adaptor import build_global_args
 
@@ -84,7 +85,7 @@ def resolve(config_name: str, overrides: list[str], config_dir: Path = CONFIG_DI
     # (a value already set wins, as there).
     os.environ.update(WORLD_SIZE=str(world), RANK="0", LOCAL_RANK="0", VERL_PATCHES_PHASE="worker")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    entry_points.apply_prelude("worker")  # a no-op where verl's hooked worker module ran it already
+    prelude.apply_prelude("worker")  # a no-op where verl's hooked worker module ran it already
     missing = [r for r in RECORDS if r not in apply.applied()]
     if missing:
         raise LayerSpecReportError(

@@ -1,6 +1,6 @@
 """Compose the recipe's Hydra configs against the installed verl and check the 256-die layout arithmetic.
 
-``python -m verl_patches.config.recipe_config --config-name NAME [--model-config F] [overrides...]``; exit 1 on errors.
+``python -m verl_patches.checks.recipe_config --config-name NAME [--model-config F] [overrides...]``; exit 1 on errors.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from types import SimpleNamespace
 from typing import Any, Mapping
 
 from verl_patches.config import settings
-from verl_patches.config.compose import CONFIG_DIR, DEFAULT_MODEL_CONFIG, compose, find_model_config, load_model_config  # noqa: F401
+from verl_patches.checks.compose import CONFIG_DIR, DEFAULT_MODEL_CONFIG, compose, find_model_config, load_model_config  # noqa: F401
 from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.config.megatron_args import RecipeMegatronError, parse as parse_megatron
 from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
-from verl_patches.config.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT, estimate
-from verl_patches.data.check import check_files, recipe_scorer
+from verl_patches.checks.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT, estimate
+from verl_patches.checks.data_check import check_files, recipe_scorer
 from verl_patches.rollout.graph_safe import alloc_conf_conflict
 from verl_patches.train.checkpoint_commit import ASYNC_SAVE_WHY, RESUME_MODES, resume_path_problem
 
@@ -472,7 +472,7 @@ MEMORY_KEYS = ("hidden_size", "num_attention_heads", "qk_nope_head_dim", "qk_rop
 
 def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **layout) -> dict | None:
     """recipe.device_memory_gib set: the per-device training state and rollout weights must fit
-    (verl_patches/config/recipe_memory.py). None when it is not set or the model config lacks the sizes."""
+    (verl_patches/checks/recipe_memory.py). None when it is not set or the model config lacks the sizes."""
     device_gib = recipe.get("device_memory_gib", None)
     if device_gib is None or rep.errors:
         return None
@@ -601,7 +601,7 @@ def check_data(cfg, rep: Report) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_patches.config.recipe_config", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m verl_patches.checks.recipe_config", description=__doc__)
     p.add_argument("--config-name", type=Text(), required=True, help=f"one of {RUN_CONFIGS}")
     p.add_argument("--config-dir", type=PathArg("config directory"), default=CONFIG_DIR)
     p.add_argument("--model-config", type=PathArg("model config.json"), default=None, help="DeepSeek-V3 config.json (default: model.path, then configs/model/)")

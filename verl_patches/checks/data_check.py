@@ -270,7 +270,7 @@ def check_files(files: Iterable[Path], scorer: Callable[..., Any], prompt_key: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verl_patches.data.check", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m verl_patches.checks.data_check", description=__doc__)
     p.add_argument("files", nargs="+", type=PathArg("parquet file"), help="verl RL parquet files (train / val)")
     p.add_argument("--prompt-key", type=Text(), default=PROMPT_KEY, help="the prompt column (verl's data.prompt_key)")
     args = p.parse_args(argv)

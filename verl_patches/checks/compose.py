@@ -1,5 +1,5 @@
 """The recipe's Hydra config as verl's main_ppo composes it, and the model config.json a run reads: shared by the
-config checker (verl_patches/config/recipe_config.py) and the layer-spec report (verl_patches/launch/layer_spec.py)."""
+config checker (verl_patches/checks/recipe_config.py) and the layer-spec report (verl_patches/checks/layer_spec.py)."""
 
 from __future__ import annotations
 
