@@ -313,7 +313,7 @@ def test_data_check_refuses_a_ground_truth_no_response_can_match(tmp_path, capsy
              "reward_model": {"ground_truth": gt}, "extra_info": {"index": i}} for i, gt in enumerate(["2", "N/A"])]
     pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
     with pytest.raises(ValueError, match=r"row 2: column reward_model.ground_truth: ground truth 'N/A' is a placeholder"):
-        check.read_rows(tmp_path / "d.parquet")
+        data_check.read_rows(tmp_path / "d.parquet")
 
 
 def test_two_preparations_into_one_directory_at_once_the_second_is_refused(tmp_path, capsys):

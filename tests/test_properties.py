@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from tests.helpers import REPO
 from tests.tools.synth_dsv3 import random_bf16, tiny_config, write_hf
 from verl_patches.base import env
-from verl_patches.checks import data_check as data_check
+from verl_patches.checks import data_check
 from verl_patches.reshard import cli as plan_cli
 from verl_patches.rollout.long_tail import simulator as rollout_planner  # the name its derandomized tests hash
 from verl_patches.tools import fp8_to_bf16, hf_to_mcore, mcore_to_hf
