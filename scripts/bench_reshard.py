@@ -1,4 +1,4 @@
-"""Benchmark of the three reshard methods (direct, upstream A, recipe B) side by side on
+"""Benchmark of the three reshard methods (direct, upstream A, alltoallv B) side by side on
 DeepSeek-V3-shaped layers: time, bytes, peak device memory, bus bandwidth vs all_to_all.
 
 The all-to-all ceiling: before any layout, a plain all_to_all_single is timed over per-rank message
@@ -34,9 +34,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verl_patches.base import accelerator  # noqa: E402
-from verl_patches.reshard.baselines import recipe_stats, upstream_stats  # noqa: E402
+from verl_patches.reshard.alltoallv import alltoallv_stats  # noqa: E402
+from verl_patches.reshard.baselines import upstream_stats  # noqa: E402
 from verl_patches.config.settings import METHODS  # noqa: E402
-from verl_patches.reshard.executor import execute  # noqa: E402
+from verl_patches.reshard.weight_sync import execute  # noqa: E402
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout  # noqa: E402
 from verl_patches.reshard.model import ModelConfig  # noqa: E402
 from verl_patches.reshard.placements import build_placements  # noqa: E402
@@ -144,7 +145,7 @@ def a2a_curve(sizes_mb: list[float], dtype: torch.dtype, device: torch.device, w
 
 def phase_times(plan: Plan, rank: int, train: dict, roll: dict, device: torch.device) -> dict[str, float]:
     """Direct method run phase by phase with a sync after each (no overlap): where time goes."""
-    from verl_patches.reshard.executor import _program, copy_local, pack, unpack
+    from verl_patches.reshard.direct import _program, copy_local, pack, unpack
 
     prog = _program(plan, rank)
     out = {"local": 0.0, "pack": 0.0, "a2a": 0.0, "unpack": 0.0}
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
         roll = allocate(P.rollout_storage[rank], dt, device)
         reference = None
         modelled = {"direct": plan.ranks, "upstream": upstream_stats(P, plan.elem_size),
-                    "recipe": recipe_stats(P, plan.elem_size)}
+                    "alltoallv": alltoallv_stats(P, plan.elem_size)}
         for method in args.methods:
             times, peaks, st = [], [], None
             for i in range(args.warmup + args.repeats):
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--experts", type=Integer(low=1), default=16, help="routed experts per MoE layer")
     ap.add_argument("--bucket-mb", type=Number(low=0, low_open=True), default=256.0)
     ap.add_argument("--dtype", type=Text(), default="bfloat16")
-    ap.add_argument("--methods", type=Text(), default="direct,upstream,recipe",
+    ap.add_argument("--methods", type=Text(), default="direct,upstream,alltoallv",
                     help="methods to time; direct@N runs direct with N buckets in flight (direct: 2)")
     ap.add_argument("--warmup", type=Integer(low=0), default=1)
     ap.add_argument("--repeats", type=Integer(low=1), default=5)

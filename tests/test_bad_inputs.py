@@ -158,7 +158,7 @@ CASES = [
     ("config-unknown-nested-key", RECIPE, ["--config-name", RI, "+actor_rollout_ref.rollout.recipe.vllm_dp.instance=2"],
      "vllm_dp.instance: unknown key (did you mean 'instances'?)"),
     ("config-bad-method", RECIPE, ["--config-name", RI, "actor_rollout_ref.rollout.recipe.reshard_method=fast"],
-     "reshard_method must be one of ['direct', 'recipe', 'upstream'], got the string 'fast'"),
+     "reshard_method must be one of ['direct', 'alltoallv', 'upstream'], got the string 'fast'"),
     ("config-dp-string", RECIPE, ["--config-name", RI, "actor_rollout_ref.rollout.recipe.vllm_dp.dp_size='128'"],
      "vllm_dp.dp_size must be an integer, got the string '128'"),
     ("config-megatron-string-bool", RECIPE, ["--config-name", RI,

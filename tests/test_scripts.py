@@ -109,7 +109,7 @@ def test_bench_reshard_tiny(tmp_path):
                         "--model", str(REPO / "configs" / "model" / "tiny_deepseek_v3.json"),
                         "--train", "tp=1,pp=2,ep=1", "--rollout", "tp=2,dp=1", "--layers", "2", "--experts", "4",
                         "--warmup", "0", "--repeats", "1", "--a2a-sizes-mb", "0.25,0.0625", "--a2a-repeats", "1",
-                        "--methods", "direct,direct@3,upstream,recipe", "--json-out", str(out)],
+                        "--methods", "direct,direct@3,upstream,alltoallv", "--json-out", str(out)],
                        capture_output=True, text=True, timeout=300, cwd=str(REPO))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -33,7 +33,7 @@ def test_from_a_dictconfig_as_verl_builds_it():
     ("offload", "false", "actor_rollout_ref.rollout.recipe.offload must be true or false, got the string "
                          "'false' (write true or false without quotes)"),
     ("offload", 1, "must be true or false, got 1 (int)"),
-    ("reshard_method", "fast", "must be one of ['direct', 'recipe', 'upstream'], got the string 'fast'"),
+    ("reshard_method", "fast", "must be one of ['direct', 'alltoallv', 'upstream'], got the string 'fast'"),
     ("device_memory_gib", "64", "must be a positive number"),
     ("metrics_file", 3, "must be a string (a path), got 3 (int)"),
     # The validator's rule at run time too (they disagreed: the run-time reader took any number).

@@ -24,7 +24,7 @@ WORLD = 4
 
 # A valid value other than the default, for each key.
 OTHER = {
-    "reshard_method": "recipe",
+    "reshard_method": "alltoallv",
     "reshard_bucket_mb": 64,
     "tensor_cache": False,
     "dp_sync_on_device": False,
@@ -113,27 +113,27 @@ def _patch_reader(module: str, name: str):
 
 
 class _Built(Exception):
-    """Raised by the LiveReshard.build stand-in below, carrying what the sharding manager passed it."""
+    """Raised by the WeightSync.build stand-in below, carrying what the sharding manager passed it."""
 
 
 def _bucket_mb_the_plan_gets(cfg):
-    """The sharding manager's _build_session as the first switch runs it, up to LiveReshard.build: the
+    """The sharding manager's _build_session as the first switch runs it, up to WeightSync.build: the
     bucket it asks the plan for, in MiB (the plan's own bucket_bytes from that argument:
     tests/patches/verl/test_sharding_manager_reshard.py). Stand-ins: megatron's parallel state, the
-    rank, and LiveReshard.build itself (it stops there)."""
+    rank, and WeightSync.build itself (it stops there)."""
     from unittest import mock
 
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     from verl_patches.patches.verl.patch_workers_sharding_manager_megatron_vllm import _build_session
-    from verl_patches.reshard.binding import LiveReshard
+    from verl_patches.reshard.weight_sync import WeightSync
 
     def build(*args, **kwargs):
         raise _Built(kwargs)
 
     manager = types.SimpleNamespace(model_config=types.SimpleNamespace(to_dict=lambda: {}))
-    with mock.patch.object(LiveReshard, "build", build), mock.patch.object(dist, "get_rank", lambda: 0), \
+    with mock.patch.object(WeightSync, "build", classmethod(build)), mock.patch.object(dist, "get_rank", lambda: 0), \
             mock.patch.multiple(mpu, get_tensor_model_parallel_world_size=lambda: 1,
                                 get_pipeline_model_parallel_world_size=lambda: 1,
                                 get_pipeline_model_parallel_rank=lambda: 0):

@@ -1,7 +1,7 @@
 """Graph-safe switch on a GPU: real CUDA graphs (one per captured decode batch size, 1, 2, 4 and 8, as
 vLLM captures one per capture size) over a tiny DeepSeek-V3-shaped decode forward (MLA with
 W_UK_T / W_UV, dense and MoE MLPs, a KV cache write and read), all replayed after each of 100 switches
-through the real offload engine, switch schedule and reshard executor (one rank), with new weights
+through the real offload engine, switch schedule and weight sync (one rank), with new weights
 every cycle and training-phase allocations of varied sizes in between
 (verl_patches/testing/graph_switch.py). Skips without CUDA or torch_memory_saver.
 

@@ -29,16 +29,16 @@ def test_default_preflight_passes_and_ours_receives_least(tmp_path):
     assert "preflight passed" in r.stdout and "logit check" in r.stdout
     data = json.loads(out.read_text())
     m = data["report"]["methods"]
-    assert set(m) == {"direct", "recipe", "upstream"}
+    assert set(m) == {"direct", "alltoallv", "upstream"}
     assert all(not v["mismatches"] for v in m.values())
-    assert m["direct"]["max_recv_bytes"] < m["recipe"]["max_recv_bytes"] < m["upstream"]["max_recv_bytes"]
+    assert m["direct"]["max_recv_bytes"] < m["alltoallv"]["max_recv_bytes"] < m["upstream"]["max_recv_bytes"]
     assert data["world"] == 8 and not data["failures"]
     # The 256-die reference plans are printed too; ours receives the least in each. (The 3x /
     # 50x thresholds of the reshard issue are asserted in tests/reshard.)
     assert len(data["reference_plans"]) == 2
     for plan in data["reference_plans"]:
         s = {x["method"]: x["max_recv_bytes"] for x in plan["methods"]}
-        assert s["direct"] < s["recipe"] < s["upstream"]
+        assert s["direct"] < s["alltoallv"] < s["upstream"]
     manifest = json.loads((dump / "manifest.json").read_text())
     assert manifest["world"] == 8 and (dump / "reference_model.safetensors").is_file()
     assert len(list(dump.glob("rollout_rank*.safetensors"))) == 8
@@ -74,10 +74,10 @@ def test_dumped_shards_verify_independently(tmp_path):
 
 def test_corrupted_shard_fails_naming_rank_parameter_and_method(tmp_path):
     param = "model.layers.1.mlp.experts.w13_weight"
-    r = cli("preflight", "--nproc", "2", "--method", "recipe", "--no-plan", "--steps", "1",
+    r = cli("preflight", "--nproc", "2", "--method", "alltoallv", "--no-plan", "--steps", "1",
             "--corrupt", f"1:{param}:recipe")
     assert r.returncode == 1, r.stdout[-2000:]
-    assert f"rank 1, parameter {param}, method recipe" in r.stderr
+    assert f"rank 1, parameter {param}, method alltoallv" in r.stderr
 
 
 def test_bad_layout_is_named():

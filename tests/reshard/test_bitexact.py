@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches.reshard.baselines import recipe_stats, upstream_stats
+from verl_patches.reshard.alltoallv import alltoallv_stats
+from verl_patches.reshard.baselines import upstream_stats
 from verl_patches.testing.selfcheck import check_plans, make_plan
 from verl_patches.launch.local_ranks import run_distributed
 
@@ -43,7 +44,7 @@ def test_methods_bit_identical(results, case):
     plans, res = results
     for rank in range(W):
         out = res[rank][case]
-        methods = ("direct", "direct@3", "upstream", "recipe") if case in GROUPED else ("direct", "direct@3")
+        methods = ("direct", "direct@3", "upstream", "alltoallv") if case in GROUPED else ("direct", "direct@3")
         assert set(methods) <= set(out), (CASES[case], rank)
         for method in methods:
             assert out[method]["mismatch"] == [], (CASES[case], rank, method)
@@ -56,7 +57,7 @@ def test_executed_costs_equal_planned(results, case):
     plan = plans[case]
     grouped = case in GROUPED
     ups = upstream_stats(plan.placements, plan.elem_size) if grouped else None
-    rec = recipe_stats(plan.placements, plan.elem_size) if grouped else None
+    rec = alltoallv_stats(plan.placements, plan.elem_size) if grouped else None
     for rank in range(W):
         want = plan.ranks[rank]
         got = res[rank][case]["direct"]["stats"]
@@ -72,7 +73,7 @@ def test_executed_costs_equal_planned(results, case):
         assert (deep["recv_bytes"], deep["sent_bytes"], deep["collectives"]) == (want.recv_bytes, want.sent_bytes, nb)
         if nb:
             assert deep["peak_extra_bytes"] * min(2, nb) == want.peak_extra_bytes * min(3, nb), (CASES[case], rank)
-        for name, model in ((("upstream", ups), ("recipe", rec)) if grouped else ()):
+        for name, model in ((("upstream", ups), ("alltoallv", rec)) if grouped else ()):
             g = res[rank][case][name]["stats"]
             assert (g["recv_bytes"], g["collectives"], g["peak_extra_bytes"]) == (
                 model[rank].recv_bytes, model[rank].collectives, model[rank].peak_extra_bytes), (CASES[case], rank, name)

@@ -262,7 +262,7 @@ def test_fingerprint_on_8_ranks_accepts_every_method_and_names_faults():
         for rank in range(W):
             r = res[rank][case]
             assert r["truth"] == len(plan.placements.rollout_storage[rank]) > 0, (CASES[case], rank)
-            for method in ("direct", "upstream", "recipe"):
+            for method in ("direct", "upstream", "alltoallv"):
                 if method in r:
                     assert r[method] == r["truth"], (CASES[case], rank, method)
             for fault in ("flip", "transpose"):

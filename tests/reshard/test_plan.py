@@ -15,7 +15,7 @@ from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.box import split_box
 from verl_patches.reshard.planner import build_plan
-from verl_patches.reshard.baselines import plan_summaries
+from verl_patches.reshard.weight_sync import plan_summaries
 
 REPO = Path(__file__).resolve().parents[2]
 DSV3 = str(REPO / "configs/model/deepseek_v3.json")
@@ -127,7 +127,7 @@ def test_cli_json_and_table(capsys):
     assert plan_main(["--model", TINY, "--train", "tp=2,pp=2,ep=2,layers=1,3", "--rollout", "tp=4,dp=2",
                       "--bucket-mb", "0.01", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [m["method"] for m in out["methods"]] == ["direct", "upstream", "recipe"]
+    assert [m["method"] for m in out["methods"]] == ["direct", "upstream", "alltoallv"]
     for m in out["methods"]:
         assert set(m) == {"method", "max_recv_bytes", "mean_recv_bytes", "total_link_bytes", "collectives",
                           "peak_extra_bytes"}
@@ -136,7 +136,7 @@ def test_cli_json_and_table(capsys):
     assert out["direct_recv_is_shard_minus_local"] is True
     assert plan_main(["--model", TINY, "--train", "tp=2,pp=2,ep=2,layers=1,3", "--rollout", "tp=4,dp=2"]) == 0
     text = capsys.readouterr().out
-    assert "direct" in text and "upstream" in text and "recipe" in text
+    assert "direct" in text and "upstream" in text and "alltoallv" in text
     assert plan_main(["--model", TINY, "--train", "tp=1,pp=1,ep=1", "--rollout", "tp=3,dp=1"]) == 2
     assert "embed_tokens" in capsys.readouterr().err
 

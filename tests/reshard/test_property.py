@@ -12,7 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_patches.reshard.executor import copy_local, pack, unpack, zero_padding
+from verl_patches.reshard.direct import copy_local, pack, unpack
+from verl_patches.reshard.placements import zero_padding
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import ModelConfig
 from verl_patches.reshard.placements import build_placements

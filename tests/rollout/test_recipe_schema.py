@@ -34,7 +34,7 @@ def test_the_shipped_configs_match_the_schema(name):
     ({"vllm_dp": {"master_port_base": 70000}}, "master_port_base must be >= 1 and <= 65535, got 70000"),
     ({"vllm_dp": {"dp_sise": 8}}, "recipe.vllm_dp.dp_sise: unknown key (did you mean 'dp_size'?)"),
     ({"vllm_dp": 8}, "recipe.vllm_dp must be a mapping, got 8 (int)"),
-    ({"reshard_method": "Direct"}, "reshard_method must be one of ['direct', 'recipe', 'upstream']"),
+    ({"reshard_method": "Direct"}, "reshard_method must be one of ['direct', 'alltoallv', 'upstream']"),
     ({"reshard_bucket_mb": 0}, "recipe.reshard_bucket_mb must be >= 1 and <= 4096, got 0"),
     ({"reshard_bucket_mb": 8192}, "recipe.reshard_bucket_mb must be >= 1 and <= 4096, got 8192"),
     ({"reshard_bucket_mb": 0.5}, "recipe.reshard_bucket_mb must be an integer, got 0.5 (float)"),

@@ -489,7 +489,7 @@ def _check_memory(rep: Report, cfg, recipe, model: dict, hybrid: dict | None, **
     megatron = recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else {}
     swap = str(cfg.trainer.device) == "npu" and bool(megatron.get("swap_optimizer", False))
     fraction = hybrid["fraction"] if hybrid else (1.0 if swap else 0.0)
-    # The direct reshard's buckets are counted at the switch; the baselines' gather buffers (recipe, upstream)
+    # The direct reshard's buckets are counted at the switch; the baselines' gather buffers (alltoallv, upstream)
     # are not estimated (docs/benchmarks.md measures them per layout).
     method = recipe.get("reshard_method", settings.KEYS["reshard_method"].default)
     direct = method == "direct"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 GIB = 1024**3
 MIB = 1024**2
-# The direct reshard's staging buffers: verl_patches/reshard/executor.py keeps two buckets in flight, each
+# The direct reshard's staging buffers: verl_patches/reshard/direct.py keeps two buckets in flight, each
 # holding one bucket's send and receive parts (its stats report exactly this many buckets as peak extra).
 RESHARD_BUCKETS_IN_FLIGHT = 2
 

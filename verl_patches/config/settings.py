@@ -9,11 +9,11 @@ their default, every problem of the section named at once. The rollout's setting
 (verl_patches/rollout/settings.py) hold it, and travel to the sharding manager and the generation
 under one stash key (``rollout_settings``, on vLLM's LLM).
 
-Three things are called "recipe" in this repository; they are different:
+Two things are called "recipe" in this repository, and a third was; they are different:
 - the *recipe section*: this YAML section (``actor_rollout_ref.rollout.recipe``), read here;
 - the *run configs*: the YAML files under configs/ that compose a run (verl_patches/checks/recipe_config.py);
-- the *recipe reshard method* (``reshard_method: recipe``): the published recipe's reference reshard,
-  kept for comparison (``METHOD_DOCS`` below).
+- the *reference recipe's reshard* (``reshard_method: alltoallv``, called ``recipe`` before issue 49):
+  the published recipe's AlltoAllV, kept for comparison (``METHOD_DOCS`` below).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class Key:
     maximum: Any = None  # numbers: the largest value allowed
 
 
-# The reshard methods (the ``reshard_method`` key): name -> what it is; the executors live in
-# verl_patches.reshard.executor (direct) and verl_patches.reshard.baselines (the two references, for comparison).
+# The reshard methods (the ``reshard_method`` key): name -> what it is; one implementation each, chosen once by
+# verl_patches/reshard/weight_sync.py (``for_method``).
 METHOD_DOCS: dict[str, str] = {
     "direct": "ours: direct slice routing, one all-to-all per bucket, no full tensor materialised",
-    "recipe": "the published recipe's reference: experts by a PP broadcast and one AlltoAllV in the expert group; "
+    "alltoallv": "the published recipe's reference: experts by a PP broadcast and one AlltoAllV in the expert group; "
               "dense tensors by a TP all-gather to full size and a PP all-to-all of them to every stage",
     "upstream": "verl 0.4.1's path: every parameter gathered to full size on every rank",
 }

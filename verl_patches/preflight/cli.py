@@ -25,7 +25,7 @@ from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.launch.procs import Terminated
 from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
 from verl_patches.preflight.rehearse import Options, rehearse
-from verl_patches.reshard.baselines import plan_summaries
+from verl_patches.reshard.weight_sync import plan_summaries
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
@@ -46,7 +46,7 @@ DEFAULT_LAYOUTS = {
 }
 REFERENCE_LAYOUTS = [("tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7", "tp=2,dp=128"),
                      ("tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7", "tp=2,dp=64,instances=2")]
-METHOD_NAMES = {"direct": "ours (direct)", "recipe": "B (recipe)", "upstream": "A (upstream)"}
+METHOD_NAMES = {"direct": "ours (direct)", "alltoallv": "B (alltoallv)", "upstream": "A (upstream)"}
 # Device memory may differ by allocator rounding and collective bookkeeping between steps
 # (under 1 MiB seen on H200 with a 38 GB model, both signs); a leaked weight is far larger.
 LEAK_TOLERANCE = 2 << 20

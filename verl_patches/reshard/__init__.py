@@ -12,14 +12,15 @@ from __future__ import annotations
 from verl_patches import lazy_names
 
 _WHERE = {
-    "ExecStats": "verl_patches.reshard.baselines",
-    "execute": "verl_patches.reshard.executor",
+    "ExecStats": "verl_patches.reshard.stats",
+    "execute": "verl_patches.reshard.weight_sync",
+    **dict.fromkeys(["WeightSync", "for_method"], "verl_patches.reshard.weight_sync"),
     **dict.fromkeys(["LayoutError", "ModelConfig"], "verl_patches.reshard.model"),
     **dict.fromkeys(["RolloutLayout", "TrainLayout"], "verl_patches.reshard.layouts"),
     **dict.fromkeys(["Placements", "build_placements"], "verl_patches.reshard.placements"),
     **dict.fromkeys(["Plan", "RankStats", "build_plan"], "verl_patches.reshard.planner"),
     **dict.fromkeys(["full_state", "logical_state", "rollout_shards", "train_shards"], "verl_patches.reshard.shards"),
-    "plan_summaries": "verl_patches.reshard.baselines",
+    "plan_summaries": "verl_patches.reshard.weight_sync",
 }
 
 __all__, __getattr__, __dir__ = lazy_names(__name__, _WHERE)

@@ -1,16 +1,15 @@
 """The reshard engine on live models: Megatron's actor modules in, vLLM's model parameters out.
 
-Collects each side's parameters by name, derives the training layout from what this rank
-really stores (agreed by every rank, so all build the same plan), builds the plan once, and
-on every switch writes the new weights straight into vLLM's parameters (the sharding-manager
-patch then redoes MLA's post-load step, verl_patches.rollout.mla). Framework-light:
-torch.distributed only; megatron and vLLM objects are passed in by the binding patch.
+Collects each side's parameters by name and derives the training layout from what this rank
+really stores (agreed by every rank, so all build the same plan) and the rollout layout from
+vLLM's model; the weight sync (verl_patches/reshard/weight_sync.py) plans and moves with them.
+Framework-light: torch.distributed only; megatron and vLLM objects are passed in by the patch.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -18,18 +17,14 @@ import torch.distributed as dist
 
 from verl_patches.config.megatron_args import RecipeMegatron, check_layout
 from verl_patches.reshard import deepseek_v3_names as names
-from verl_patches.reshard.executor import METHODS, ExecStats, check_inputs, execute
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
-from verl_patches.reshard.placements import build_placements
-from verl_patches.reshard.planner import Plan, build_plan
-from verl_patches.reshard.checksum import verify
 
 _WRAPPER = "module."  # DDP and Float16Module both hold the model as .module
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 # fc2 of one local expert: TEGroupedMLP (linear_fc2.weight<j>) or SequentialMLP (local_experts.<j>.linear_fc2.weight)
 _PER_EXPERT = re.compile(r"mlp\.experts\.(linear_fc2\.weight(?P<te>\d+)|local_experts\.(?P<seq>\d+)\.linear_fc2\.weight)$")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 # megatron-core's local (non-Transformer-Engine) spec keeps the layer norms that the TE spec
@@ -228,58 +223,6 @@ def check_expert_placement(model: torch.nn.Module, P: Any, rank: int) -> int:
                               "additional_config?); the reshard needs vLLM's default expert placement")
         checked += 1
     return checked
-
-
-@dataclass
-class LiveReshard:
-    """One plan for the run (layouts do not change), executed on every switch."""
-
-    plan: Plan
-    rank: int
-    method: str = "direct"
-    switches: int = 0  # reshards run so far (the fingerprint's every-N count)
-
-    @classmethod
-    def build(cls, hf_config: Mapping[str, Any], *, rollout: RolloutLayout, tp: int, pp: int, pp_rank: int,
-              layers: Iterable[int] | None, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor],
-              rank: int, method: str = "direct", bucket_bytes: int = 256 << 20, group: Any = None) -> "LiveReshard":
-        if method not in METHODS:
-            raise ValueError(f"reshard method {method!r}: expected one of {METHODS}")
-        cfg = ModelConfig.from_hf(dict(hf_config))
-        tl = derive_train_layout(cfg, tp=tp, pp=pp, pp_rank=pp_rank, layers=layers, train=train, group=group)
-        if tl.expert_storage != "grouped" and method != "direct":
-            raise LayoutError(f"reshard method {method!r} emulates its reference on GroupedMLP storage; this model "
-                              f"stores experts as {tl.expert_storage!r}: use 'direct' (or verl's own path)")
-        dtypes = {t.dtype for t in roll.values()}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
-            counts = {d: sum(1 for t in roll.values() if t.dtype == d) for d in dtypes}
-            rare = min(counts, key=counts.get)
-            odd = [n for n, t in roll.items() if t.dtype == rare][:3]
-            raise LayoutError(f"vLLM parameters must share one dtype of {sorted(_DTYPE_NAMES.values())}, got "
-                              f"{ {str(d): c for d, c in counts.items()} } (e.g. {odd} are {rare}; vLLM-Ascend's "
-                              "enable_super_kernel keeps the router in fp32)")
-        dtype = _DTYPE_NAMES[next(iter(dtypes))]
-        rollout = derive_rollout_layout(cfg, rollout, roll)
-        P = build_placements(cfg, tl, rollout)
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
-        if P.world != world:
-            raise LayoutError(f"rollout layout {rollout} covers {P.world} ranks, the process group has {world}")
-        check_inputs(P, rank, dict(train), dict(roll))
-        plan = build_plan(cfg, tl, rollout, bucket_bytes=bucket_bytes, dtype=dtype, placements=P)
-        return cls(plan, rank, method)
-
-    def run(self, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor], group: Any = None) -> ExecStats:
-        """Fill ``roll`` (vLLM's parameters, allocated) from ``train`` (Megatron's). Every rank calls it."""
-        return execute(self.plan, self.rank, as_rollout_dtype(train, next(iter(roll.values())).dtype), dict(roll),
-                       group=group, method=self.method)
-
-
-    def verify(self, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor], *, step: Any = None,
-               group: Any = None) -> Any:
-        """The weight fingerprint (verl_patches/reshard/checksum.py) of ``roll`` against the training
-        tensors ``run`` read (cast as it cast them). Every rank calls it; WeightMismatchError on all."""
-        return verify(self.plan, self.rank, as_rollout_dtype(train, next(iter(roll.values())).dtype), roll,
-                      step=step, group=group)
 
 
 # Training tensors kept in another precision than the rest (megatron-core keeps the router's

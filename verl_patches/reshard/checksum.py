@@ -68,7 +68,7 @@ from verl_patches.reshard.box import Box
 from verl_patches.reshard.planner import Plan, Transfer
 from verl_patches.base import accelerator
 from verl_patches.base import env as overlay_env
-from verl_patches.reshard.executor import src_view
+from verl_patches.reshard.direct import src_view
 
 MASK = (1 << 32) - 1  # the checksum is an integer modulo 2**32, in [0, 2**32)
 _SHIFT = 22

@@ -14,7 +14,7 @@ from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
 from verl_patches.reshard.planner import DTYPE_BYTES, build_plan
-from verl_patches.reshard.baselines import plan_summaries
+from verl_patches.reshard.weight_sync import plan_summaries
 from verl_patches.base.schema import Number, Text
 
 

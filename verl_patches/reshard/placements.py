@@ -346,3 +346,9 @@ def build_placements(model: ModelConfig, train: TrainLayout, rollout: RolloutLay
     b.dense(X["final_norm"].hf, (H,), last, X["final_norm"].mcore, X["final_norm"].hf, None, None)
     b.vocab(X["output"].hf, X["output"].mcore, X["output"].hf, last)
     return b.placements()
+
+
+def zero_padding(P: Placements, rank: int, roll: dict[str, Any]) -> None:
+    """vLLM zero-fills the vocab rows past the real vocabulary; do the same (no traffic)."""
+    for slot in P.rollout_zero[rank]:
+        slot.view(roll[slot.name]).zero_()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from verl_patches.reshard.checksum import WeightMismatchError, verify
-from verl_patches.reshard.executor import execute
+from verl_patches.reshard.weight_sync import execute
 from verl_patches.reshard.shards import full_state, logical_state, rollout_shards, train_shards
 
 
@@ -36,7 +36,7 @@ def check_fingerprints(rank: int, world: int, plans: list) -> list[dict]:
         res: dict = {}
         truth = rollout_shards(P, rank, logical)
         res["truth"] = verify(plan, rank, train, truth, step=0).params
-        methods = ("direct", "upstream", "recipe") if P.train.expert_storage == "grouped" else ("direct",)
+        methods = ("direct", "upstream", "alltoallv") if P.train.expert_storage == "grouped" else ("direct",)
         for method in methods:
             roll = {n: torch.full_like(t, 7.0) for n, t in truth.items()}
             execute(plan, rank, train, roll, method=method)

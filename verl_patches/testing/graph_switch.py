@@ -1,6 +1,6 @@
 """Many train/rollout switches under a captured CUDA graph: a tiny DeepSeek-V3-shaped decode forward
 (MLA with W_UK_T / W_UV, dense and MoE MLPs) reads the rollout weights, MLA's derived tensors and a
-KV cache, driven by the real offload engine and switch schedule and the real reshard executor.
+KV cache, driven by the real offload engine and switch schedule and the real weight sync.
 
 Run as a child process (``python -m verl_patches.testing.graph_switch --mode stable|resize``): it
 writes its JSON result to --json and leaves with os._exit, because torch_memory_saver reports a
@@ -42,7 +42,8 @@ from verl_patches.offload.stable import stable_memory
 from verl_patches.preflight.graph_check import GraphCheck
 from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
 from verl_patches.reshard.checksum import verify
-from verl_patches.reshard.executor import execute, prepare
+from verl_patches.reshard.direct import prepare
+from verl_patches.reshard.weight_sync import execute
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import ModelConfig
 from verl_patches.reshard.placements import build_placements

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from verl_patches.reshard.executor import METHODS, execute
+from verl_patches.config.settings import METHODS
+from verl_patches.reshard.weight_sync import execute
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import ModelConfig
 from verl_patches.reshard.placements import build_placements

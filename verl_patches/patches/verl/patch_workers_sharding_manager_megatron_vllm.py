@@ -18,24 +18,24 @@ calls in backquotes are rows of the switch loop's call -> step table (verl_patch
 CALLS), listed in the loop's order with the steps each runs; ``sequence()`` renders this text from
 them and tests/offload/test_switch_calls.py checks that it is here.
 
-__enter__, recipe.reshard_method direct (default) or recipe:
+__enter__, recipe.reshard_method direct (default) or alltoallv:
 1. Training params on the device: without the switch loop (no actor attached) and with param_offload
    on, verl's load_megatron_model_to_gpu; under the loop they are there already.
-2. Plan, on the first switch only: every rank together builds the run's reshard plan
-   (recipe.reshard_method direct or recipe) and checks it against both models' shapes and the
-   experts' placement; it stays on the manager.
+2. Plan, on the first switch only: every rank together builds the run's weight sync for
+   recipe.reshard_method (direct or alltoallv; WeightSync.build) and checks its plan against both
+   models' shapes and the experts' placement; it stays on the manager.
 3. `LLM.wake_up(tags=['weights'])`, step `alloc_rollout_weights` (allocate(rollout_weights)): the
    engine's weights region comes back allocated, no copy (under the switch loop, through patch
    vllm.llm.wake_up_to_onload); the reshard fills every byte.
 4. `the sharding manager's weight sync`, steps `reshard` (call(reshard)), `offload_train_params`
-   (offload(train_params), empty_cache): the reshard runs the run's plan from the actor's live
-   parameters straight into vLLM's. Direct moves every byte once, one all-to-all per transfer
-   bucket; recipe runs the reference's expert AlltoAllV, dense TP all-gather and PP all-to-all.
-   MLA's post-load processing is redone (W_UK_T / W_UV from the new kv_b_proj). Every
-   recipe.fingerprint_every-th switch, the self-check fingerprints every rollout parameter against
-   what the trainer sent and re-derives one layer's MLA tensors; a difference stops the run. Then
-   the training params leave the device (without the switch loop: verl's
-   offload_megatron_model_to_cpu when param_offload is on).
+   (offload(train_params), empty_cache): the run's weight sync (verl_patches/reshard/weight_sync.py,
+   WeightSync.sync) moves the weights by its plan from the actor's live parameters straight into
+   vLLM's: direct moves every byte once, one all-to-all per transfer bucket; alltoallv runs the
+   reference's expert AlltoAllV, dense TP all-gather and PP all-to-all. It redoes MLA's post-load
+   processing (W_UK_T / W_UV from the new kv_b_proj) and, every recipe.fingerprint_every-th switch,
+   verifies: the fingerprint of every rollout parameter against what the trainer sent and one
+   layer's MLA tensors re-derived; a difference stops the run. Then the training params leave the
+   device (without the switch loop: verl's offload_megatron_model_to_cpu when param_offload is on).
 5. `LLM.wake_up(tags=['kv_cache'])`, step `init_kv_cache` (allocate(kv_cache)): the KV cache is
    allocated in the memory the training params freed.
 6. Report: the switch's figures go into the manager's timing dict
@@ -102,16 +102,16 @@ def _build_session(manager: Any, settings: Any, train: dict, roll: dict, method:
     # the patch runs.
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
-    from verl_patches.reshard.binding import LiveReshard, check_expert_placement
+    from verl_patches.reshard.binding import check_expert_placement
+    from verl_patches.reshard.weight_sync import for_method
 
     hf = manager.model_config.to_dict() if hasattr(manager.model_config, "to_dict") else dict(manager.model_config)
     dp = settings.dp
-    session = LiveReshard.build(
+    session = for_method(method or settings.recipe.reshard_method).build(
         hf, rollout=RolloutLayout(tp=dp.tp_size, dp=dp.dp_size, instances=dp.instances),
         tp=mpu.get_tensor_model_parallel_world_size(), pp=mpu.get_pipeline_model_parallel_world_size(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(), layers=settings.num_layer_list, train=train, roll=roll,
-        rank=dist.get_rank(), method=method or settings.recipe.reshard_method,
-        bucket_bytes=settings.recipe.reshard_bucket_mb << 20)
+        rank=dist.get_rank(), bucket_bytes=settings.recipe.reshard_bucket_mb << 20)
     check_expert_placement(_model(manager), session.plan.placements, session.rank)
     setattr(manager, SESSION_ATTR, session)
     s = session.plan.ranks[session.rank]
@@ -137,31 +137,10 @@ def _wake(manager: Any, tag: str) -> None:
 
 
 def self_check(manager: Any, session: Any, settings: Any, train: dict, model: Any) -> dict[str, float]:
-    """The run's per-switch proof that the rollout holds the trainer's weights (after the reshard and
-    MLA's redo, before the training params leave): the weight fingerprint of every rollout parameter
-    against what the training side sent (verl_patches/reshard/checksum.py), every
-    ``recipe.fingerprint_every`` switches, and MLA's derived tensors of one layer (a different one each
-    switch) re-derived from the new kv_b_proj. A difference stops the run with WeightMismatchError /
-    MLADerivedError naming the step, rank and tensor. ``VERL_PATCHES_INJECT_FAULT`` (tests only,
-    verl_patches/reshard/faults.py) corrupts one parameter first."""
-    # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when
-    # the patch runs.
-    from verl_patches.reshard import faults
-    from verl_patches.reshard.binding import vllm_params
-    from verl_patches.rollout.mla import check_mla_derived
-
-    step = stash.get(manager, "step")
-    roll = vllm_params(model)
-    faults.inject_after_reshard(step, session.rank, roll)
-    every = settings.recipe.fingerprint_every
-    out = {"fingerprint_passed": 0.0, "fingerprint_params": 0.0, "fingerprint_s": 0.0, "fingerprint_bytes": 0.0}
-    if every and session.switches % every == 0:
-        res = session.verify(train, roll, step=step)
-        out.update(fingerprint_passed=1.0, fingerprint_params=res.params, fingerprint_s=res.seconds,
-                   fingerprint_bytes=res.bytes_read)
-        out["mla_layers_checked"] = float(check_mla_derived(model, session.switches // every))
-    session.switches += 1
-    return out
+    """The weight sync's verify step (verl_patches/reshard/weight_sync.py ``WeightSync.check``) at this switch's
+    step, every ``recipe.fingerprint_every`` switches."""
+    return session.check(train, model, step=stash.get(manager, "step"),
+                         fingerprint_every=settings.recipe.fingerprint_every)
 
 
 def upstream_self_check(manager: Any, settings: Any, model: Any) -> dict[str, float]:
@@ -268,7 +247,6 @@ def recipe_enter(manager: Any, settings: Any) -> None:
     from verl.utils.megatron_utils import load_megatron_model_to_gpu
     from verl_patches.base import accelerator
     from verl_patches.reshard.binding import megatron_params, vllm_params
-    from verl_patches.rollout.mla import redo_mla_post_load
     from verl_patches.reporting.switch_report import addresses_checked, memory_figures, switch_figures
 
     manager.timing = {}
@@ -292,10 +270,9 @@ def recipe_enter(manager: Any, settings: Any) -> None:
         checks: dict[str, float] = {}
 
         def reshard():
-            roll = vllm_params(model)
-            stats = session.run(train, roll)
-            redo_mla_post_load(model, next(iter(roll.values())).dtype)
-            checks.update(self_check(manager, session, settings, train, model))
+            stats, figures = session.sync(train, model, step=stash.get(manager, "step"),
+                                          fingerprint_every=settings.recipe.fingerprint_every)
+            checks.update(figures)
             return stats
 
         stats = enter_calls(manager, functools.partial(weight_sync, manager, switch, reshard),
@@ -312,7 +289,11 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
         settings = _settings(self)
         if settings is None:  # a rollout not built by the recipe's constructor: upstream throughout
             return original(self)
-        if settings.recipe.reshard_method == "upstream":
+        # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported
+        # when the patch runs.
+        from verl_patches.reshard.weight_sync import for_method
+
+        if for_method(settings.recipe.reshard_method).runs_in_verl:
             out = upstream_enter(self, settings, original)
         else:
             out = recipe_enter(self, settings)
@@ -330,12 +311,13 @@ def wrap_enter(original: Callable[..., Any]) -> Callable[..., Any]:
 _ENTER_DOES = {
     "weights": "the engine's weights region comes back allocated, no copy (under the switch loop, through patch "
                "vllm.llm.wake_up_to_onload); the reshard fills every byte.",
-    "sync": "the reshard runs the run's plan from the actor's live parameters straight into vLLM's. Direct moves "
-            "every byte once, one all-to-all per transfer bucket; recipe runs the reference's expert AlltoAllV, "
-            "dense TP all-gather and PP all-to-all. MLA's post-load processing is redone (W_UK_T / W_UV from the "
-            "new kv_b_proj). Every recipe.fingerprint_every-th switch, the self-check fingerprints every rollout "
-            "parameter against what the trainer sent and re-derives one layer's MLA tensors; a difference stops "
-            "the run. Then the training params leave the device (without the switch loop: verl's "
+    "sync": "the run's weight sync (verl_patches/reshard/weight_sync.py, WeightSync.sync) moves the weights by "
+            "its plan from the actor's live parameters straight into vLLM's: direct moves every byte once, one "
+            "all-to-all per transfer bucket; alltoallv runs the reference's expert AlltoAllV, dense TP all-gather "
+            "and PP all-to-all. It redoes MLA's post-load processing (W_UK_T / W_UV from the new kv_b_proj) and, "
+            "every recipe.fingerprint_every-th switch, verifies: the fingerprint of every rollout parameter "
+            "against what the trainer sent and one layer's MLA tensors re-derived; a difference stops the run. "
+            "Then the training params leave the device (without the switch loop: verl's "
             "offload_megatron_model_to_cpu when param_offload is on).",
     "kv_cache": "the KV cache is allocated in the memory the training params freed.",
 }
@@ -371,9 +353,9 @@ def sequence(steps: Any = None) -> str:
     enter = [
         "Training params on the device: without the switch loop (no actor attached) and with param_offload on, "
         "verl's load_megatron_model_to_gpu; under the loop they are there already.",
-        "Plan, on the first switch only: every rank together builds the run's reshard plan "
-        "(recipe.reshard_method direct or recipe) and checks it against both models' shapes and the experts' "
-        "placement; it stays on the manager.",
+        "Plan, on the first switch only: every rank together builds the run's weight sync for "
+        "recipe.reshard_method (direct or alltoallv; WeightSync.build) and checks its plan against both models' "
+        "shapes and the experts' placement; it stays on the manager.",
         *(f"{row(c.name)}: {does[c.name]}" for c in calls_inside(SHARDING_ENTER, steps)),
         "Report: the switch's figures go into the manager's timing dict (verl_patches/reporting/switch_report.py): the "
         "reshard's bytes, the ledger's host-link bytes and peak, the self-check's figures, the captured-graph "
@@ -401,7 +383,7 @@ def sequence(steps: Any = None) -> str:
         "verl's: the actor's modules back to train mode, empty_cache, the training RNG state restored.",
     ]
     return "\n".join([
-        _numbered("__enter__, recipe.reshard_method direct (default) or recipe:", enter),
+        _numbered("__enter__, recipe.reshard_method direct (default) or alltoallv:", enter),
         _numbered("__enter__, recipe.reshard_method upstream (verl's own, for comparison):", upstream),
         _numbered("__exit__ (verl's, not wrapped):", leave),
     ])
@@ -418,7 +400,7 @@ PATCHES = [
         versions="==0.4.1",
         fingerprint=Fingerprint(signature="def __enter__(self)", source_sha="e074f2d0350cc042"),
         replacement=f"{__name__}:wrap_enter",
-        flag="actor_rollout_ref.rollout.recipe.reshard_method (direct | recipe | upstream), "
+        flag="actor_rollout_ref.rollout.recipe.reshard_method (direct | alltoallv | upstream), "
              "actor_rollout_ref.rollout.recipe.megatron.num_layer_list",
         why="Upstream gathers every parameter to full tensors on every rank (about the whole model per rank, "
             "14 GB transient for one layer's experts at EP256) and lets vLLM slice; ours routes each byte once "

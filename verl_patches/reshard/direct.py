@@ -1,4 +1,4 @@
-"""Runs a reshard plan on one rank over torch.distributed (gloo, NCCL or HCCL through the
+"""Ours, method ``direct``: runs a reshard plan on one rank over torch.distributed (gloo, NCCL or HCCL through the
 accelerator facade): one all_to_all_single per bucket, two buckets in flight, local copies.
 
 Senders pack boxes of their training storage straight into one flat send buffer; receivers
@@ -9,7 +9,7 @@ fusion happen in those two copies). Nothing is ever materialised as a full tenso
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,11 +17,9 @@ import torch.distributed as dist
 from verl_patches.base import accelerator
 from verl_patches.reshard.copyops import copy_into
 from verl_patches.reshard.box import Box
-from verl_patches.reshard.placements import Part, Placements
-from verl_patches.reshard.baselines import ExecStats, execute_recipe, execute_upstream, zero_padding
-from verl_patches.config.settings import METHODS
+from verl_patches.reshard.placements import Part, Placements, zero_padding
+from verl_patches.reshard.stats import ExecStats
 from verl_patches.reshard.planner import Plan, RankProgram, Transfer, rank_program
-
 
 
 def _rel(box: Box, part: Part) -> tuple[slice, ...]:
@@ -75,31 +73,6 @@ def check_inputs(P: Placements, rank: int, train: dict[str, torch.Tensor],
                                  f"the layout says {list(shp)}")
 
 
-def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor],
-            rollout_params: dict[str, torch.Tensor], group: Any = None, method: str = "direct",
-            check: bool = True, in_flight: int = 2) -> ExecStats:
-    """Fill ``rollout_params`` (this rank's vLLM parameters, preallocated) from
-    ``train_shards`` (its Megatron parameters). All ranks of the plan call it together with
-    the same method. ``group`` is the world group (None: the default group). ``in_flight``
-    (method direct only): how many buckets are on the links at once, each with its own staging
-    buffer, so the extra memory is ``in_flight`` buckets."""
-    if method not in METHODS:
-        raise ValueError(f"method {method!r}: expected one of {METHODS}")
-    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
-        raise ValueError(f"in_flight {in_flight!r}: expected an integer of at least 1 (buckets on the links at once)")
-    if method != "direct" and in_flight != 2:
-        raise ValueError(f"in_flight applies to method 'direct' only; method {method!r} runs its reference's schedule")
-    P = plan.placements
-    if check:
-        check_inputs(P, rank, train_shards, rollout_params)
-    if method != "direct" and P.train.expert_storage != "grouped":
-        raise ValueError(f"method {method!r} emulates its reference on GroupedMLP storage; this training "
-                         f"layout stores experts as {P.train.expert_storage!r}: use method 'direct'")
-    if method == "direct":
-        return _execute_direct(plan, rank, train_shards, rollout_params, group, in_flight)
-    return _RUNNERS[method](plan, rank, train_shards, rollout_params, group)
-
-
 def pack(plan: Plan, rank: int, bucket: int, train: dict[str, torch.Tensor], dtype: torch.dtype,
          device: Any, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
     """This rank's flat send buffer of one bucket (ordered by destination peer, then plan
@@ -151,9 +124,10 @@ def _local_chunks(local: list[Transfer], n: int) -> list[list[Transfer]]:
     return out
 
 
-def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
-                    roll: dict[str, torch.Tensor], group: Any, in_flight: int = 2) -> ExecStats:
-    """``in_flight`` buckets on the links (two by default): bucket b+1 is packed and its
+def execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
+                   roll: dict[str, torch.Tensor], group: Any = None, in_flight: int = 2) -> ExecStats:
+    """Fill ``roll`` (this rank's vLLM parameters, preallocated) from ``train`` (its Megatron parameters) by the
+    plan's direct slice routing; all ranks of the plan call it together. ``in_flight`` buckets on the links (two by default): bucket b+1 is packed and its
     all-to-all queued while bucket b is on the links; bucket b is unpacked once its all-to-all is
     done (work.wait() orders the device stream after the collective without blocking the host),
     and its staging buffer then takes bucket b + in_flight. Local copies are spread over the
@@ -205,12 +179,3 @@ def _execute_direct(plan: Plan, rank: int, train: dict[str, torch.Tensor],
     accelerator.synchronize()
     st.seconds = time.perf_counter() - t0
     return st
-
-
-# The method registry: names (and what each is) in verl_patches.reshard (its __init__), runners here.
-_RUNNERS: dict[str, Callable[..., ExecStats]] = {
-    "direct": _execute_direct,
-    "recipe": lambda plan, rank, train, roll, group: execute_recipe(plan, rank, train, roll),
-    "upstream": lambda plan, rank, train, roll, group: execute_upstream(plan, rank, train, roll),
-}
-assert tuple(_RUNNERS) == METHODS, "verl_patches.reshard.METHODS and the runners must agree"
