@@ -16,12 +16,13 @@ def _read(d, split):
     return pd.read_parquet(d / f"{split}.parquet")
 
 
-@pytest.mark.parametrize("kind", ["deepscaler", "gsm8k"])
+@pytest.mark.parametrize("kind", sorted(P.FORMATS))
 def test_sample_to_verl_schema(tmp_path, kind):
     summary = P.prepare(kind, None, tmp_path, test_size=0.25, seed=1)
     train, test = _read(tmp_path, "train"), _read(tmp_path, "test")
     n_raw = (len(json.loads(P.SAMPLES[kind].read_text())) if kind == "deepscaler"
              else len(P.SAMPLES[kind].read_text().splitlines()))
+    assert n_raw >= 12  # a sample large enough to split and to cover its format's cases
     assert len(train) + len(test) == n_raw == summary["train"] + summary["test"]
     assert len(test) == round(n_raw * 0.25)
     for df, split in ((train, "train"), (test, "test")):

@@ -27,7 +27,7 @@ def test_every_row_prepare_writes_is_scored_by_the_recipes_reward(tmp_path, scor
         assert rows
         for r in rows:
             gt = r["reward_model"]["ground_truth"]
-            assert r["prompt"][0]["content"].endswith(P.INSTRUCTION)
+            assert r["prompt"][-1]["content"].endswith(P.INSTRUCTION)
             assert scorer(r["data_source"], f"Thinking... so \\boxed{{{gt}}}.", gt, r["extra_info"]) == 1.0
             assert scorer(r["data_source"], "Thinking... so \\boxed{-123456.5}.", gt, r["extra_info"]) == 0.0
 

@@ -11,6 +11,11 @@ training step, one whose scorer expects another answer format scores every answe
 distinct source is tried with a correct ``\\boxed{}`` answer (what the prompts ask for), or with the
 answer a custom reward module names for it (``correct_answer(data_source, ground_truth)``, None for
 the boxed one). The recipe's reward patch is in place while probing, as in the trainer's driver.
+
+Rows scored by the boxed-answer rule are checked for what that rule needs in every row: a ground truth a boxed
+answer can match (by the rule of the data set named in ``extra_info.dataset``: a number for gsm8k), and no
+message asking for another answer format (DAPO-Math-17k's own prompts ask for a last line "Answer: ...", which
+that rule scores 0; ``prepare dapo_math`` replaces it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.core.apply import apply_all, undo
-from verl_patches.data.prepare import answer_problem
+from verl_patches.data.prepare import FORMATS, answer_format_problem, answer_problem
 from verl_patches.patches import get_patch
 from verl_patches.reward import DEEPSCALER_SOURCES
 
@@ -150,6 +155,11 @@ def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tupl
         else:
             if not any((m.get("content") or "").strip() for m in prompt):
                 out.append((prompt_key, "every message's content is empty"))
+            elif src in _boxed_sources():
+                # A prompt that asks for another answer format than the reward reads (DAPO's "Answer: ..." line,
+                # kept by a copy not made by prepare) trains on rewards that are 0 for every right answer.
+                out += [(f"{prompt_key}[{i}]", why) for i, m in enumerate(prompt)
+                        if (why := answer_format_problem(m.get("content") or ""))][:1]
     rm = row.get(REWARD_MODEL)
     gt = rm.get(GROUND_TRUTH) if isinstance(rm, dict) else None
     if rm is None:
@@ -161,7 +171,9 @@ def row_problems(row: dict[str, Any], prompt_key: str = PROMPT_KEY) -> list[tupl
     elif isinstance(gt, str) and src in _boxed_sources():
         # The recipe's boxed-answer rule scores these rows: a value no response can match is no ground truth
         # (the same rule as the data preparation's, verl_patches/data/prepare.py answer_problem).
-        why = answer_problem("deepscaler", gt)
+        # A row prepare wrote names its kind in extra_info.dataset; that kind's own rule applies (gsm8k: a number).
+        extra = row.get(EXTRA_INFO) if isinstance(row.get(EXTRA_INFO), dict) else {}
+        why = answer_problem(extra.get("dataset") if extra.get("dataset") in FORMATS else "deepscaler", gt)
         if why:
             out.append((f"{REWARD_MODEL}.{GROUND_TRUTH}", why))
     if EXTRA_INFO in row and row[EXTRA_INFO] is None:
