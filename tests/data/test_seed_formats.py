@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from verl_patches.data import check as C
+from verl_patches.checks import data_check as C
 from verl_patches.data import prepare as P
 
 SEED_KINDS = ("math_lighteval", "dapo_math")
