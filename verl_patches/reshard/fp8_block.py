@@ -19,7 +19,10 @@ amax >= 448 * 2**-126). SCALE_MIN matters only for FP32 inputs whose block amax 
 is at least 2**-133, so a bf16 block's amax / 448 rounds to at least 146 subnormal steps and is never clamped.
 
 The zero block's 1.0: any positive scale dequantises the block to exact zeros; 1.0 is exact, keeps 1 / scale_inv
-finite for kernels that take the reciprocal, and is not a subnormal a flush-to-zero kernel would turn into 0.
+finite for kernels that take the reciprocal, and is not a subnormal a flush-to-zero kernel would turn into 0. (The
+released checkpoint's own zero blocks, if any, were not read here. DeepGEMM's per_block_cast_to_fp8 test helper
+clamps amax to 1e-4, which gives a zero block 1e-4 / 448 and moves every block below 1e-4 too; this definition keeps
+amax / 448 for every non-zero bf16 block.)
 Refused, before anything is returned, with the tensor's name: a NaN or an infinity anywhere (NonFiniteWeightError,
 naming the first such block in row-major block order and the counts: a quantised NaN would be silent corruption),
 dtypes other than bfloat16 and float32, and shapes other than [N, K] and stacked experts [E, N, K] (blocked per
