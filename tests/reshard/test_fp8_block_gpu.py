@@ -80,12 +80,13 @@ def test_fp32_blocks_with_tiny_amax_on_both_paths():
     assert_bits_equal(w[:4096], block=16, backend="triton")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_the_fused_path_refuses_non_finite_values_by_name(bad):
+def test_both_paths_refuse_non_finite_values_by_name_on_the_device(bad, backend):
     w = random_weight((3, 257, 130), seed=3).cuda()
     w[1, 200, 129] = bad
     with pytest.raises(NonFiniteWeightError, match=r"layers\.3\.w13: .* the first is block \(1, 1, 1\)"):
-        quantize_block_fp8(w, name="layers.3.w13", backend="triton")
+        quantize_block_fp8(w, name="layers.3.w13", backend=backend)
 
 
 def test_the_compiled_kernel_divides_in_ieee_and_flushes_nothing():

@@ -110,7 +110,7 @@ def _nonfinite(w: torch.Tensor, bad_blocks: torch.Tensor, block: int, name: str)
     return NonFiniteWeightError(
         f"{name}: {nan} NaN and {inf} infinite value(s) in {tuple(w.shape)} {w.dtype}, in {int(bad_blocks.sum())} "
         f"of its {bad_blocks.numel()} {block}x{block} blocks; the first is block {first} "
-        f"(elements [{', '.join(f'{x}' for x in e)}{', ' if e else ''}{i * block}:{i * block + region.shape[0]}, "
+        f"(elements [{''.join(f'{x}, ' for x in e)}{i * block}:{i * block + region.shape[0]}, "
         f"{j * block}:{j * block + region.shape[1]}]), holding {in_block} of them; not quantised (FP8 would carry "
         f"them as NaN)")
 
@@ -120,11 +120,14 @@ def _nonfinite(w: torch.Tensor, bad_blocks: torch.Tensor, block: int, name: str)
 def _use_fused(w: torch.Tensor, block: int, backend: str, name: str) -> bool:
     if backend == "torch":
         return False
-    applies = w.device.type == "cuda" and block & (block - 1) == 0 and 16 <= block <= 256
+    # The grid is (column blocks, row blocks, experts): CUDA allows 65535 in its last two dimensions.
+    grid_ok = -(-w.shape[-2] // block) <= 65535 and (w.dim() == 2 or w.shape[0] <= 65535)
+    applies = w.device.type == "cuda" and block & (block - 1) == 0 and 16 <= block <= 256 and grid_ok
     if backend == "triton":
         if not applies or _kernel() is None:
-            raise ValueError(f"{name}: the fused FP8 quantisation needs a CUDA tensor, Triton and a power-of-two "
-                             f"block in [16, 256]; here: device {w.device}, block {block}, Triton "
+            raise ValueError(f"{name}: the fused FP8 quantisation needs a CUDA tensor, Triton, a power-of-two "
+                             f"block in [16, 256] and at most 65535 row blocks and experts; here: device {w.device}, "
+                             f"block {block}, shape {tuple(w.shape)}, Triton "
                              f"{'missing' if _kernel() is None else 'present'}")
         return True
     return applies and _kernel() is not None
@@ -152,9 +155,6 @@ def _fused(w: torch.Tensor, block: int, name: str) -> tuple[torch.Tensor, torch.
     x = w if w.dim() == 3 else w.unsqueeze(0)
     e, n, k = x.shape
     nb, kb = -(-n // block), -(-k // block)
-    if nb > 65535 or e > 65535:
-        raise ValueError(f"{name}: {tuple(w.shape)} has more than 65535 row blocks or experts (CUDA's grid limit "
-                         f"for the fused FP8 kernel); quantise it with backend='torch' or in pieces")
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w.device)
     scale = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
     bad = torch.empty((e, nb, kb), dtype=torch.int32, device=w.device)
