@@ -544,6 +544,9 @@ LAZY_OWN = {
     (f"{PACKAGE}.reshard.checksum", f"{PACKAGE}.reshard.fingerprint_kernel"):
         "the fused fingerprint kernel is written in Triton, which is optional (none on an NPU or a CPU-only "
         "build): the kernel's module is imported where Triton is tried",
+    (f"{PACKAGE}.reshard.fp8_block", f"{PACKAGE}.reshard.fp8_block_kernel"):
+        "the fused FP8 quantisation kernel is written in Triton, optional in the same way: its module is imported "
+        "where Triton is tried",
 }
 
 

@@ -8,6 +8,7 @@ the exceptions and why).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -26,6 +27,7 @@ SCRIPTS = {
     "scripts/bench_host_optimizer_step.py": "tests/test_scripts.py::test_bench_host_optimizer_step_tiny",
     "scripts/bench_reshard.py": "tests/test_scripts.py::test_bench_reshard_tiny",
     "scripts/bench_self_check.py": "tests/test_scripts.py::test_bench_self_check_tiny",
+    "scripts/bench_fp8_quant.py": "tests/test_scripts.py::test_bench_fp8_quant_tiny",
     "scripts/measure_tensorcache_bytes.py": "tests/test_scripts.py::test_measure_tensorcache_bytes_tiny",
     "scripts/fetch_sdist.py": "scripts/setup_test_env.sh (fetches vLLM's sdist for every CI run)",
     "scripts/setup_test_env.sh": "scripts/test.sh (CI's command)",
@@ -186,6 +188,32 @@ def test_bench_self_check_tiny(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_self_check.py"), "--gib", "0"],
                          capture_output=True, text=True, timeout=300, cwd=str(REPO))
     assert bad.returncode == 2 and "argument --gib: '0': expected a finite number > 0 and <= 64" in bad.stderr
+
+
+def test_bench_fp8_quant_tiny(tmp_path):
+    out = tmp_path / "fp8.json"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fp8_quant.py"), "--tiny", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=str(REPO))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {row["tensor"]: row for row in res["rows"]}
+    assert rows["experts w13"]["shape"] == [16 // 4, 2 * 32, 64] and rows["q_b_proj"]["shape"] == [8 * 24 // 2, 48]
+    assert all(row["copy_gb_s"] > 0 and row["torch_gb_s"] > 0 for row in rows.values())
+    assert all(row["fused_s"] is None and row["bit_equal"] is None for row in rows.values())  # a CPU: torch only
+    assert "| experts w2 | [4, 64, 32] |" in r.stdout and "fused not available here" in r.stdout
+    assert rows["q_b_proj"]["tp_on_block_grid"] is False  # 96 rows per TP rank: a cut inside the first block
+    # DeepSeek-V3 at the 128-GPU rollout layout (TP8, EP128): the per-GPU shapes the bench times by default.
+    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "scripts" / "bench_fp8_quant.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = json.loads((REPO / "configs" / "model" / "deepseek_v3.json").read_text())
+    assert bench.shapes(cfg, 8, 128) == {
+        "experts w13": (2, 4096, 7168), "experts w2": (2, 7168, 2048), "q_a_proj": (1536, 7168),
+        "q_b_proj": (3072, 1536), "kv_a_proj_with_mqa": (576, 7168), "kv_b_proj": (4096, 512),
+        "o_proj": (7168, 2048)}
+    bad = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_fp8_quant.py"), "--ep", "3"],
+                         capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    assert bad.returncode == 2 and "--ep 3 does not divide the model's 256 routed experts" in bad.stderr
 
 
 @pytest.mark.slow
