@@ -116,7 +116,7 @@ def test_bench_reshard_tiny(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert {row["method"] for row in rows} == {"direct", "direct@3", "upstream", "recipe"}
+    assert {row["method"] for row in rows} == {"direct", "direct@3", "upstream", "alltoallv"}
     # The all-to-all curve, smallest size first; each row against its own size and against the best.
     assert [c["mib_per_rank"] for c in res["a2a_curve"]] == [0.0625, 0.25]
     assert all(c["busbw"] > 0 for c in res["a2a_curve"]) and res["a2a_peak_busbw"] == max(c["busbw"] for c in res["a2a_curve"])

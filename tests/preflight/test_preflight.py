@@ -75,7 +75,7 @@ def test_dumped_shards_verify_independently(tmp_path):
 def test_corrupted_shard_fails_naming_rank_parameter_and_method(tmp_path):
     param = "model.layers.1.mlp.experts.w13_weight"
     r = cli("preflight", "--nproc", "2", "--method", "alltoallv", "--no-plan", "--steps", "1",
-            "--corrupt", f"1:{param}:recipe")
+            "--corrupt", f"1:{param}:alltoallv")
     assert r.returncode == 1, r.stdout[-2000:]
     assert f"rank 1, parameter {param}, method alltoallv" in r.stderr
 

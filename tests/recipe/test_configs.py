@@ -365,9 +365,9 @@ def test_the_estimate_counts_the_buckets_the_executor_keeps_in_flight():
     import inspect
 
     from verl_patches.checks.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT
-    from verl_patches.reshard import executor
+    from verl_patches.reshard import direct
 
-    default = inspect.signature(executor._execute_direct).parameters["in_flight"].default
+    default = inspect.signature(direct.execute_direct).parameters["in_flight"].default
     assert RESHARD_BUCKETS_IN_FLIGHT == default == 2
 
 

@@ -32,7 +32,7 @@ CASES = [
     dict(grouped=False, method="direct", dtype="float32"),                 # SequentialMLP experts
     dict(grouped=True, method="direct", dtype="bfloat16",                  # GroupedMLP (MindSpeed), fp32 expert bias,
          recipe={"reshard_bucket_mb": 1}),                                 # 1 MiB transfer buckets
-    dict(grouped=True, method="recipe", dtype="float32"),                  # method B in the same binding
+    dict(grouped=True, method="alltoallv", dtype="float32"),                  # method B in the same binding
     dict(grouped=True, method="direct", dtype="float32", recipe={"megatron": {"num_layer_list": [3, 1]}}),
     dict(grouped=True, method="direct", dtype="bfloat16", ddp=True),      # megatron DDP + the real ActorMemory
 ]
@@ -88,7 +88,7 @@ def test_a_wrong_layer_list_is_refused_before_anything_moves(results):
     assert r["events"] == []  # nothing allocated, nothing offloaded
 
 
-# The direct method here; B ("recipe") and A ("upstream") equal it bit for bit in
+# The direct method here; B ("alltoallv") and A ("upstream") equal it bit for bit in
 # tests/reshard/test_bitexact.py, and A runs through verl's trainer in tests/recipe/test_train_tiny.py.
 @pytest.mark.parametrize("method", ["direct"])
 def test_four_ranks_megatron_tp2_pp2_uneven_to_vllm_tp4_ep4(tmp_path, method):
