@@ -159,6 +159,18 @@ def test_special_blocks_equal_the_reference_bit_for_bit():
     assert torch.equal(fp8_to_bf16.dequantize(q[128:, :128], s[1:, :1]), w[128:, :128])  # 448 * k: exact
 
 
+def test_the_rounding_probe_holds_every_case_and_rounds_as_the_reference():
+    """The block the fused kernel's native cast is probed on (fp8_block.rounding_probe): scale exactly 1, every
+    e4m3fn value and every tie between neighbours with both signs; the torch path rounds it as the reference."""
+    probe = fp8_block.rounding_probe("cpu")
+    q, s = assert_bits_equal(probe)
+    assert float(s) == 1.0
+    codes = set(q.view(torch.uint8).flatten().tolist())
+    assert codes >= set(range(0, 0x7F)) | set(range(0x80, 0xFF)), "every finite e4m3fn pattern, both signs"
+    ties = probe.new_tensor([0.5 * (2.0 ** -9), 1.0625, 1.1875, 432.0])  # ties to even: 0, 1, 1.25, 448
+    assert all(bool((probe == t).any()) for t in ties)
+
+
 def test_fp32_blocks_with_tiny_amax_stay_finite_and_equal_the_reference():
     """The SCALE_MIN clamp: fp32 amax values of a few subnormal steps, where amax / 448 rounds coarsely: without it,
     k < 224 steps gives scale 0 (w / 0 = inf) and k in (464, 672) scale 1 step, a quotient above 464 (NaN)."""
@@ -304,6 +316,32 @@ def test_the_fused_kernel_keeps_subnormals_in_its_ptx():
     for dtype in ("*bf16", "*fp32"):
         sig = {"x": dtype, "q": "*u8", "scale": "*fp32", "bad": "*i32", "n": "i32", "k": "i32", "sx_e": "i64",
                "sx_n": "i64", "sx_k": "i64", "n_kblk": "i32", "scale_min": "fp32"}
-        src = ASTSource(fn=quantize_blocks, signature=sig, constants={"BLOCK": 128})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-        assert "div.rn.f32" in ptx and ".ftz" not in ptx, sorted(set(re.findall(r"\S+\.ftz\S*", ptx)))
+        for native in (True, False):
+            src = ASTSource(fn=quantize_blocks, signature=sig,
+                            constants={"BLOCK": 128, "ROWS": 32, "NATIVE_CAST": native})
+            ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+            assert "div.rn.f32" in ptx and ".ftz" not in ptx, sorted(set(re.findall(r"\S+\.ftz\S*", ptx)))
+
+
+def test_quantize_many_equals_each_alone_and_names_the_first_non_finite_weight():
+    weights = {f"layers.{i}.w": random_weight(shape, seed=i) for i, shape in enumerate(RANDOM_SHAPES)}
+    many = fp8_block.quantize_many(weights)
+    assert list(many) == list(weights)
+    for n, w in weights.items():
+        q, s = quantize_block_fp8(w)
+        assert torch.equal(many[n][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(many[n][1], s)
+    weights["layers.2.w"][0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeightError, match=r"^layers\.2\.w: 1 NaN"):
+        fp8_block.quantize_many(weights)
+
+
+def test_a_planned_quantizer_reuses_its_outputs_and_follows_its_inputs():
+    """BlockQuantizer: the same output tensors at every call, holding the inputs' values as they are at the call."""
+    weights = {"a": random_weight((130, 256), seed=1), "b": random_weight((2, 64, 128), seed=2)}
+    quant = fp8_block.BlockQuantizer(weights)
+    first = quant()
+    weights["a"].mul_(2)
+    again = quant()
+    q, s = quantize_block_fp8(weights["a"])
+    assert torch.equal(again["a"][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(again["a"][1], s)
+    assert first["b"][1].shape == (2, 1, 1)

@@ -95,6 +95,53 @@ def test_the_compiled_kernel_divides_in_ieee_and_flushes_nothing():
     q = torch.empty(1, 128, 128, dtype=torch.uint8, device="cuda")
     s = torch.empty(1, 1, 1, dtype=torch.float32, device="cuda")
     bad = torch.empty(1, 1, 1, dtype=torch.int32, device="cuda")
-    compiled = kern[(1, 1, 1)](w, q, s, bad, 128, 128, 0, 128, 1, 1, fp8_block.SCALE_MIN, BLOCK=128, num_warps=8)
-    ptx = compiled.asm["ptx"]
-    assert "div.rn.f32" in ptx and ".ftz" not in ptx
+    for native in (True, False):
+        ptx = fp8_block.launch(kern, w.unsqueeze(0), q, s, bad, 128, native_cast=native).asm["ptx"]
+        assert "div.rn.f32" in ptx and ".ftz" not in ptx, native
+
+
+def test_the_native_cast_is_probed_and_both_encodings_give_the_definition_s_bits():
+    """The kernel's two e4m3 encodings (Triton's cast where the probe finds it exact, integer arithmetic elsewhere)
+    against the torch path on the probe block, which holds every rounding case; the probe says which this GPU uses."""
+    probe = fp8_block.rounding_probe("cuda")
+    want, _ = quantize_block_fp8(probe, backend="torch")
+    _, kern = fp8_block._kernel()
+    for native in (True, False):
+        q = torch.empty(1, 128, 128, dtype=torch.uint8, device="cuda")
+        s = torch.empty(1, 1, 1, dtype=torch.float32, device="cuda")
+        bad = torch.empty(1, 1, 1, dtype=torch.int32, device="cuda")
+        fp8_block.launch(kern, probe.unsqueeze(0), q, s, bad, 128, native_cast=native)
+        same = torch.equal(q[0], want.view(torch.uint8))
+        assert same or (native and not fp8_block._native_cast_exact(probe.device)), native
+    print("native cast exact on this GPU:", fp8_block._native_cast_exact(probe.device))
+
+
+def test_quantize_many_on_the_device_checks_once_and_names_the_first_non_finite_weight():
+    # The ragged shapes take one launch each; the rest (aligned, K a multiple of 16: ragged N included) the grouped
+    # kernel, float32 in a group of its own.
+    shapes = RANDOM_SHAPES + [(2, 200, 256), (129, 7168), (1, 16)]
+    weights = {f"layers.{i}.w": random_weight(shape, seed=i).cuda() for i, shape in enumerate(shapes)}
+    weights["fp32.w"] = random_weight((300, 512), seed=9, dtype=torch.float32).cuda()
+    assert sum(fp8_block._groupable(w) for w in weights.values()) >= 5
+    many = fp8_block.quantize_many(weights, backend="triton")
+    for n, w in weights.items():
+        q, s = quantize_block_fp8(w, backend="torch")
+        assert torch.equal(many[n][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(many[n][1], s), n
+    weights["layers.3.w"][0, 0] = float("inf")
+    weights["layers.4.w"][0, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteWeightError, match=r"^layers\.3\.w: 0 NaN and 1 infinite"):
+        fp8_block.quantize_many(weights, backend="triton")
+
+
+def test_a_planned_quantizer_on_the_device_keeps_its_outputs_and_follows_moved_inputs():
+    weights = {f"w{i}": random_weight((2, 256, 512), seed=i).cuda() for i in range(3)}
+    quant = fp8_block.BlockQuantizer(weights, backend="triton")
+    out = quant()
+    ptrs = {n: out[n][0].data_ptr() for n in out}
+    weights["w1"] = random_weight((2, 256, 512), seed=7).cuda()  # a new storage: the table row follows it
+    quant.weights["w1"] = weights["w1"]
+    out = quant()
+    for n, w in weights.items():
+        q, s = quantize_block_fp8(w, backend="torch")
+        assert torch.equal(out[n][0].view(torch.uint8), q.view(torch.uint8)) and torch.equal(out[n][1], s), n
+        assert out[n][0].data_ptr() == ptrs[n]

@@ -33,7 +33,7 @@ not a slice of the whole tensor's). The fused path (CUDA, Triton: fp8_block_kern
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -151,18 +151,192 @@ def _kernel():
 
 
 def _fused(w: torch.Tensor, block: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    nb, kb = -(-w.shape[-2] // block), -(-w.shape[-1] // block)
+    bad = torch.empty(w.shape[:-2] + (nb, kb), dtype=torch.int32, device=w.device)
+    q, scale = _fused_into(w, block, bad)
+    if bool(bad.any()):
+        raise _nonfinite(w, bad != 0, block, name)
+    return q, scale
+
+
+def _fused_into(w: torch.Tensor, block: int, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch; the blocks' non-finite counts land in ``bad`` (shape [.., nb, kb]) for the caller to check."""
     _, kern = _kernel()
     x = w if w.dim() == 3 else w.unsqueeze(0)
     e, n, k = x.shape
     nb, kb = -(-n // block), -(-k // block)
     q = torch.empty((e, n, k), dtype=torch.uint8, device=w.device)
     scale = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
-    bad = torch.empty((e, nb, kb), dtype=torch.int32, device=w.device)
-    kern[(kb, nb, e)](x, q, scale, bad, n, k, *x.stride(), kb, SCALE_MIN, BLOCK=block, num_warps=8)
-    bad = bad.reshape(w.shape[:-2] + (nb, kb))
-    if bool(bad.any()):
-        raise _nonfinite(w, bad != 0, block, name)
+    launch(kern, x, q, scale, bad.view(e, nb, kb), block, native_cast=_native_cast_exact(w.device))
     return q.view(torch.float8_e4m3fn).reshape(w.shape), scale.reshape(w.shape[:-2] + (nb, kb))
+
+
+def quantize_many(weights: Mapping[str, torch.Tensor], block: int = BLOCK,
+                  backend: str = "auto") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``quantize_block_fp8`` of each named weight, refusing non-finite values as it does (naming the first such
+    weight) before anything is returned: ``BlockQuantizer(weights, block, backend)()``."""
+    return BlockQuantizer(weights, block, backend)()
+
+
+class BlockQuantizer:
+    """The FP8 quantisation of a fixed set of named weights, planned once and run at every switch (as the reshard
+    plan is): the outputs and, on the fused path, the launch tables are built here; each call is one launch per
+    input dtype (aligned tensors: ``_groupable``; any other takes a launch of its own) and one host synchronisation
+    for the finiteness check of all of them. A switch quantises hundreds of tensors: on an H200, a launch and a
+    check each, or rebuilding the tables each time, cost more than the kernels (docs/benchmarks.md). Where an
+    input's storage moved since the last call, its table row is rebuilt; its outputs stay where they are.
+
+    Example:
+        quant = BlockQuantizer(train_weights)      # once
+        fp8 = quant()                              # every switch: {name: (fp8, scale_inv)}, the same tensors
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], block: int = BLOCK, backend: str = "auto") -> None:
+        self.weights, self.block, self.backend = dict(weights), block, backend
+        self.fused = [n for n, w in self.weights.items() if w.numel() and w.dim() in (2, 3) and w.dtype in _DTYPES
+                      and _use_fused(w, block, backend, n)]
+        self.out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.flags: dict[str, torch.Tensor] = {}
+        self.groups: list[dict[str, Any]] = []
+        if not self.fused:
+            return
+        device = self.weights[self.fused[0]].device
+        grids = {n: _grid(self.weights[n], block) for n in self.fused}
+        self._flat = torch.zeros(sum(e * nb * kb for e, nb, kb in grids.values()), dtype=torch.int32, device=device)
+        off = 0
+        for n in self.fused:
+            w, (e, nb, kb) = self.weights[n], grids[n]
+            self.flags[n] = self._flat[off:off + e * nb * kb].view(w.shape[:-2] + (nb, kb))
+            off += e * nb * kb
+            q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=device)
+            self.out[n] = (q, torch.empty(w.shape[:-2] + (nb, kb), dtype=torch.float32, device=device))
+        for dtype in _DTYPES:
+            names = [n for n in self.fused if self.weights[n].dtype == dtype and _groupable(self.weights[n])]
+            if names:
+                self.groups.append(self._group(names, grids))
+        grouped = {n for g in self.groups for n in g["names"]}
+        self.alone = [n for n in self.fused if n not in grouped]
+
+    def _group(self, names: list[str], grids: dict[str, tuple[int, int, int]]) -> dict[str, Any]:
+        device = self.weights[names[0]].device
+        starts = [0]
+        for n in names:
+            e, nb, kb = grids[n]
+            starts.append(starts[-1] + e * nb * kb)
+        counts = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=device)
+        owner = torch.repeat_interleave(torch.arange(len(names), dtype=torch.int32, device=device), counts,
+                                        output_size=starts[-1])
+        group = {"names": names, "starts": torch.tensor(starts, dtype=torch.int64, device=device), "owner": owner,
+                 "blocks": starts[-1], "grids": grids, "ptrs": None}
+        self._table(group)
+        return group
+
+    def _operands(self, n: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        w, (q, scale) = self.weights[n], self.out[n]
+        x = w if w.dim() == 3 else w.unsqueeze(0)
+        return x, q.view(torch.uint8).view(x.shape), scale.view(x.shape[0], *scale.shape[-2:]), self.flags[n]
+
+    def _table(self, group: dict[str, Any]) -> None:
+        """The launch table's rows (offsets in elements from the group's first tensors: the caching allocator aligns
+        every block far beyond an element, and _groupable checks each input), rebuilt where an input moved."""
+        ptrs = tuple(self.weights[n].data_ptr() for n in group["names"])
+        if ptrs == group["ptrs"]:
+            return
+        ops = [self._operands(n) for n in group["names"]]
+        bases = ops[0]
+        rows = [[(t.data_ptr() - b.data_ptr()) // t.element_size() for t, b in zip(o, bases)]
+                + [o[0].shape[1], o[0].shape[2], *o[0].stride(), group["grids"][n][2]]
+                for n, o in zip(group["names"], ops)]
+        group.update(meta=torch.tensor(rows, dtype=torch.int64).to(bases[0].device), bases=bases, ptrs=ptrs)
+
+    def __call__(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Quantise every weight as it is now; NonFiniteWeightError (the first such weight named) before returning."""
+        if self.fused:
+            _, kern = _group_kernel()
+            for group in self.groups:
+                self._table(group)
+                device = group["bases"][0].device
+                kern[(group["blocks"],)](*group["bases"], group["meta"], group["owner"], group["starts"], SCALE_MIN,
+                                         BLOCK=self.block, ROWS=min(FUSED_ROWS, self.block),
+                                         NATIVE_CAST=_native_cast_exact(device), num_warps=FUSED_WARPS)
+            _, kern = _kernel()
+            for n in self.alone:
+                x, q, scale, bad = self._operands(n)
+                launch(kern, x, q, scale, bad.view(scale.shape), self.block,
+                       native_cast=_native_cast_exact(x.device))
+            if bool(self._flat.any()):
+                first = next(n for n in self.fused if bool(self.flags[n].any()))
+                raise _nonfinite(self.weights[first], self.flags[first] != 0, self.block, first)
+        rest = {n: quantize_block_fp8(w, block=self.block, name=n,
+                                      backend="torch" if self.backend == "auto" else self.backend)
+                for n, w in self.weights.items() if n not in self.out}
+        return {n: self.out[n] if n in self.out else rest[n] for n in self.weights}
+
+
+def _groupable(w: torch.Tensor) -> bool:
+    """What the grouped kernel assumes of a tensor: it starts 16 elements aligned, is contiguous in its last
+    dimension, and K and the other strides are multiples of 16 elements (DeepSeek-V3's weights all are)."""
+    x = w if w.dim() == 3 else w.unsqueeze(0)
+    return x.data_ptr() % (16 * x.element_size()) == 0 and x.stride(2) == 1 and x.shape[2] % 16 == 0 \
+        and x.stride(1) % 16 == 0 and (x.stride(0) % 16 == 0 or x.shape[0] == 1)
+
+
+def _grid(w: torch.Tensor, block: int) -> tuple[int, int, int]:
+    return (w.shape[0] if w.dim() == 3 else 1), -(-w.shape[-2] // block), -(-w.shape[-1] // block)
+
+
+@functools.lru_cache(maxsize=1)
+def _group_kernel():
+    # Lazy, as _kernel: Triton is optional.
+    from verl_patches.reshard.fp8_block_kernel import quantize_groups
+
+    return _kernel()[0], quantize_groups
+
+
+# Rows per pass of the fused kernel and its warps: the fastest of 8/16/32 rows x 4/8 warps on an H200 (0.79 of the
+# copy rate on the expert shapes; docs/benchmarks.md).
+FUSED_ROWS, FUSED_WARPS = 32, 8
+
+
+def launch(kern, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bad: torch.Tensor, block: int,
+           native_cast: bool) -> Any:
+    """One launch of the fused kernel on x [E, N, K]; returns Triton's compiled-kernel handle."""
+    e, n, k = x.shape
+    kb = -(-k // block)
+    return kern[(kb, -(-n // block), e)](x, q, scale, bad, n, k, *x.stride(), kb, SCALE_MIN, BLOCK=block,
+                                         ROWS=min(FUSED_ROWS, block), NATIVE_CAST=native_cast,
+                                         num_warps=FUSED_WARPS)
+
+
+def rounding_probe(device: torch.device | str) -> torch.Tensor:
+    """A float32 block whose amax is 448 (so the scale is exactly 1 and each quotient is the value itself) holding
+    every e4m3fn value, every midpoint between two neighbours (the ties), one float32 step either side of each
+    midpoint, the subnormal range's edges and both zeros: every way a float32 -> e4m3fn cast can round."""
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # the finite non-negative patterns, 0 .. 448
+    vals = codes.view(torch.float8_e4m3fn).float()
+    mids = (vals[:-1] + vals[1:]) / 2  # exact in float32
+    near = torch.cat([mids.nextafter(torch.zeros_like(mids)), mids.nextafter(torch.full_like(mids, 1e9))])
+    tiny = torch.tensor([2.0 ** -10, 2.0 ** -11, 3 * 2.0 ** -11, 2.0 ** -149, 0.0])
+    pos = torch.cat([torch.tensor([448.0]), vals, mids, near, tiny])
+    flat = torch.cat([pos, -pos, torch.tensor([-0.0])])
+    block = torch.zeros(BLOCK * BLOCK, dtype=torch.float32)
+    block[:flat.numel()] = flat
+    return block.view(BLOCK, BLOCK).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _native_cast_exact(device: torch.device) -> bool:
+    """Whether Triton's float32 -> e4m3fn cast on this device rounds as the definition does (to nearest, ties to
+    even, subnormals kept), checked once per device on ``rounding_probe`` against the torch path; where it does not,
+    the kernel encodes in integer arithmetic (the same bits, slower)."""
+    _, kern = _kernel()
+    x = rounding_probe(device).unsqueeze(0)
+    want, _ = quantize_block_fp8(x[0], backend="torch")
+    q = torch.empty(x.shape, dtype=torch.uint8, device=device)
+    scale = torch.empty(1, 1, 1, dtype=torch.float32, device=device)
+    bad = torch.empty(1, 1, 1, dtype=torch.int32, device=device)
+    launch(kern, x, q, scale, bad, BLOCK, native_cast=True)
+    return bool(torch.equal(q[0], want.view(torch.uint8))) and float(scale) == 1.0
 
 
 # ---- layouts: does a sharding cut a block? ----
