@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from verl_patches.config.settings import BUCKET_BYTES, METHODS
+from verl_patches.config.settings import BUCKET_BYTES, KEYS, METHODS
 from verl_patches.reshard import faults
 from verl_patches.reshard.alltoallv import alltoallv_stats, execute_alltoallv
 from verl_patches.reshard.baselines import execute_upstream, upstream_stats
@@ -208,7 +208,8 @@ def for_method(name: str) -> type[WeightSync]:
 
 
 def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor], rollout_params: dict[str, torch.Tensor],
-            group: Any = None, method: str = "direct", check: bool = True, in_flight: int = 2) -> ExecStats:
+            group: Any = None, method: str = KEYS["reshard_method"].default, check: bool = True,
+            in_flight: int = 2) -> ExecStats:
     """One move without a run's session (the preflight, the tests, the benchmarks): fill ``rollout_params`` (this
     rank's vLLM parameters, preallocated) from ``train_shards`` (its Megatron parameters). All ranks of the plan
     call it together with the same method. ``group`` is the world group (None: the default group). ``in_flight``
