@@ -122,6 +122,7 @@ class TrainingSettings:
     overlap_grad_reduce: bool = setting(
         False, "megatron-core's DDP launches each DDP bucket's gradient reduce from the backward hooks "
                "(verl_patches/train/ddp_overlap.py); false: verl's DDP")
+    # Every shipped config sets True; false by default for overlap_grad_reduce's reason.
     overlap_param_gather: bool = setting(
         False, "megatron-core's DDP gathers the distributed optimizer's updated shards in the next forward's "
                "pre-hooks, finished when the update returns (verl_patches/train/ddp_overlap.py); false: in the "
@@ -151,11 +152,12 @@ class RebalanceSettings:
 
 @dataclass(frozen=True)
 class MachineSettings:
-    """What the run's machines hold, for the launch-time memory check and the per-card throughput. No default
-    fits every machine (the configs set 60 for an Ascend die, 139 for an H200, 79 for an H100): null skips
-    the check."""
+    """What the run's machines hold, for the launch-time memory check and the per-card throughput: no default
+    fits every machine, and null skips the check."""
 
+    # The machine's: the configs set 60 (an Ascend die), 139 (an H200), 79 (an H100).
     device_memory_gib: Optional[float] = setting(None, "the device's memory, to check the memory estimate against")
+    # The machine's: the H100 configs set 1700, the others leave it null (unchecked).
     host_memory_gib: Optional[float] = setting(
         None, "the host memory of one node, to check the host side of the memory estimate against (the optimizer "
               "on the host and the switch's pinned copies)")
