@@ -65,7 +65,8 @@ def test_the_readers_own_objects_default_as_the_declarations():
     """The readers' own dataclasses and defaults, built without a recipe section, mean the declared defaults."""
     keys = settings.KEYS
     assert DdpOverlap() == DdpOverlap(keys["overlap_grad_reduce"].default, keys["overlap_param_gather"].default)
-    assert RebalancePolicy() == RebalancePolicy(keys["rebalance"].default, keys["rebalance_min_graph_size_drop"].default,
+    assert RebalancePolicy() == RebalancePolicy(keys["rebalance"].default,
+                                                keys["rebalance_min_graph_size_drop"].default,
                                                 keys["rebalance_max_imbalance"].default)
     vllm_dp = settings.VllmDpSettings()
     spec = DPSpec(tp_size=1, dp_size=1)
@@ -165,7 +166,8 @@ def test_fingerprint_every_defaults_to_what_every_config_sets():
 # --- the reshard bucket: one default, one set of tool bounds ---
 
 def test_every_tool_and_caller_takes_the_declared_bucket(capsys):
-    assert settings.BUCKET_MB == settings.KEYS["reshard_bucket_mb"].default == settings.RecipeSettings().reshard_bucket_mb
+    assert settings.BUCKET_MB == settings.KEYS["reshard_bucket_mb"].default \
+        == settings.RecipeSettings().reshard_bucket_mb
     assert settings.BUCKET_BYTES == settings.BUCKET_MB << 20
     assert preflight_parser().get_default("bucket_mb") == settings.BUCKET_MB
     assert Options.__dataclass_fields__["bucket_mb"].default == settings.BUCKET_MB
@@ -188,8 +190,9 @@ OWN_BUCKETS = {
 
 def _written_out(node: Optional[ast.AST]) -> bool:
     """A number written out (a literal or arithmetic of literals), not a name."""
+    arithmetic = (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)
     return node is not None and not (isinstance(node, ast.Constant) and node.value is None) \
-        and all(isinstance(n, (ast.Constant, ast.BinOp, ast.UnaryOp, ast.operator, ast.unaryop)) for n in ast.walk(node))
+        and all(isinstance(n, arithmetic) for n in ast.walk(node))
 
 
 def _bucket_literals(tree: ast.AST) -> list[tuple[int, str]]:
