@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verl_patches.base import accelerator  # noqa: E402
 from verl_patches.reshard.alltoallv import alltoallv_stats  # noqa: E402
 from verl_patches.reshard.baselines import upstream_stats  # noqa: E402
-from verl_patches.config.settings import METHODS  # noqa: E402
+from verl_patches.config.settings import (BUCKET_MB, METHODS, TOOL_BUCKET_MB_HIGH,  # noqa: E402
+                                          TOOL_BUCKET_MB_LOW)
 from verl_patches.reshard.weight_sync import execute  # noqa: E402
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout  # noqa: E402
 from verl_patches.reshard.model import ModelConfig  # noqa: E402
@@ -355,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="HF config whose sizes are used (default: DeepSeek-V3)")
     ap.add_argument("--layers", type=Integer(low=1), default=4, help="decoder layers (first one dense)")
     ap.add_argument("--experts", type=Integer(low=1), default=16, help="routed experts per MoE layer")
-    ap.add_argument("--bucket-mb", type=Number(low=0, low_open=True), default=256.0)
+    ap.add_argument("--bucket-mb", type=Number(low=TOOL_BUCKET_MB_LOW, high=TOOL_BUCKET_MB_HIGH),
+                    default=float(BUCKET_MB))
     ap.add_argument("--dtype", type=Text(), default="bfloat16")
     ap.add_argument("--methods", type=Text(), default="direct,upstream,alltoallv",
                     help="methods to time; direct@N runs direct with N buckets in flight (direct: 2)")

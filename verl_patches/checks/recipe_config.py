@@ -245,9 +245,10 @@ def setting_warnings(rep: Report, recipe: dict) -> None:
     """An allowed value that switches a check off: said (a warning), so a weakened run is not taken for a
     checked one."""
     if recipe.get("fingerprint_every") == 0:
+        every = settings.KEYS["fingerprint_every"].default
         rep.warnings.append(f"{RECIPE_SECTION}.fingerprint_every=0 switches the weight fingerprint check off: rollout "
-                            "weights that differ from what training sent would go unnoticed (the recipe checks every "
-                            f"{settings.KEYS['fingerprint_every'].default} switches)")
+                            "weights that differ from what training sent would go unnoticed (the recipe checks "
+                            + ("every switch)" if every == 1 else f"every {every} switches)"))
 
 
 def world_rules(rep: Report, cfg) -> tuple[int | None, int | None, int | None]:

@@ -1,13 +1,17 @@
-"""The recipe's own settings: every key of ``actor_rollout_ref.rollout.recipe`` with its type, its
-default and its rules, written once (``KEYS``, ``VLLM_DP``), and one reader that every patch, the
-launchers' checks and the config composition use. Booleans are read one way: a real true/false,
-anything else is an error naming the key (a quoted "false" in YAML is a string, and truthy).
+"""The recipe's own settings: every key of ``actor_rollout_ref.rollout.recipe`` declared once, as a typed,
+documented field of a frozen dataclass per feature group (``ReshardSettings``, ``SwitchSettings``,
+``TrainingSettings``, ``RebalanceSettings``, ``MachineSettings``, ``ReportSettings``; the nested sections
+``VllmDpSettings`` and ``ProfileSettings``), its default and rules beside it (``setting``); and one reader
+that every patch, the launchers' checks and the config composition use. The tables the validator reads
+(``KEYS``, ``VLLM_DP``, ``PROFILE``, ``SCHEMA``) and the tools' bucket default (``BUCKET_MB``) are derived
+from those fields, never written twice. Booleans are read one way: a real true/false, anything else is an
+error naming the key (a quoted "false" in YAML is a string, and truthy).
 
 A patch reads the section once, as the run's typed, frozen ``RecipeSettings`` (``build``,
-``from_worker``, ``from_trainer``, ``from_rollout``): every key an attribute of that name, absent keys
-their default, every problem of the section named at once. The rollout's settings
-(verl_patches/rollout/settings.py) hold it, and travel to the sharding manager and the generation
-under one stash key (``rollout_settings``, on vLLM's LLM).
+``from_worker``, ``from_trainer``, ``from_rollout``): the groups' fields are its own, flat, as the YAML
+keys are (``settings.recipe.reshard_bucket_mb``), absent keys their default, every problem of the section
+named at once. The rollout's settings (verl_patches/rollout/settings.py) hold it, and travel to the
+sharding manager and the generation under one stash key (``rollout_settings``, on vLLM's LLM).
 
 Two things are called "recipe" in this repository, and a third was; they are different:
 - the *recipe section*: this YAML section (``actor_rollout_ref.rollout.recipe``), read here;
@@ -20,7 +24,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from dataclasses import dataclass, field, make_dataclass
+import typing
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Mapping, Optional
 
 from verl_patches.config.megatron_args import RecipeMegatron, RecipeMegatronError, parse as parse_megatron
@@ -36,11 +41,29 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class Key:
-    kind: Any  # bool, int, float, str, a tuple of allowed values, or "section" (checked elsewhere)
+    """One key as the readers and the validator judge it, derived from its field below (``KEYS``, ``VLLM_DP``,
+    ``PROFILE``): never written by hand."""
+
+    kind: Any  # bool, int, float, str, a tuple of allowed values, a section's own rule by name, or "section"
     default: Any
     doc: str
     minimum: Any = None  # numbers: the smallest value allowed (an int key without one: 0)
     maximum: Any = None  # numbers: the largest value allowed
+
+
+def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, minimum: Any = None,
+            maximum: Any = None, rule: str | None = None) -> Any:
+    """A recipe key, declared as a field of its group: ``default`` is what an absent key (or null, or '???')
+    means, ``doc`` what the key does. Its type is the field's annotation (Optional: null allowed); its rules
+    sit beside it: ``choices`` (a string key's allowed values), ``minimum`` / ``maximum`` (a number's bounds;
+    an int key without a minimum: 0), ``rule`` (a value its section's own reader checks, by name)."""
+    return field(default=default, metadata={"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum,
+                                            "rule": rule})
+
+
+def subsection(factory: Any, doc: str) -> Any:
+    """A nested section of the recipe (``vllm_dp``, ``profile``, ``megatron``), read by its own rules."""
+    return field(default_factory=factory, metadata={"doc": doc, "section": True})
 
 
 # The reshard methods (the ``reshard_method`` key): name -> what it is; one implementation each, chosen once by
@@ -53,61 +76,118 @@ METHOD_DOCS: dict[str, str] = {
 }
 METHODS: tuple[str, ...] = tuple(METHOD_DOCS)
 
-
-KEYS: dict[str, Key] = {
-    "reshard_method": Key(METHODS, "direct", "how the trained weights reach vLLM (METHOD_DOCS above)"),
-    "reshard_bucket_mb": Key(int, 256, "the reshard's transfer bucket in MiB per rank "
-                                       "(verl_patches/reshard/planner.py); two are in flight, so the switch's "
-                                       "peak extra device memory is 2 x this "
-                                       "(docs/benchmarks.md, issue 37: larger buckets bring the direct reshard "
-                                       "closer to the all-to-all's large-message ceiling)", minimum=1, maximum=4096),
-    "tensor_cache": Key(bool, True, "keep stage outputs on the workers; the driver sends row ids"),
-    "dp_sync_on_device": Key(bool, True, "vLLM's DP all-reduces on the device group instead of gloo"),
-    "offload": Key(bool, True, "the recipe's switch schedule instead of verl's offload and vLLM's sleep mode"),
-    "rollout_torch_compile": Key(bool, True, "the real torch.compile for the rollout under MindSpeed"),
-    "fixed_routing": Key(bool, False, "load-balanced expert routing (random-init benchmarks)"),
-    "overlap_grad_reduce": Key(bool, False, "megatron-core's DDP launches each DDP bucket's gradient reduce from the "
-                                            "backward hooks (verl_patches/train/ddp_overlap.py); false: verl's DDP"),
-    "overlap_param_gather": Key(bool, False, "megatron-core's DDP gathers the distributed optimizer's updated "
-                                             "shards in the next forward's pre-hooks, finished when the update "
-                                             "returns (verl_patches/train/ddp_overlap.py); false: in the optimizer step"),
-    "vllm_dp": Key("section", None, "vLLM data parallelism: dp_size, instances, master_port_base, port_stride"),
-    "megatron": Key("section", None, "Megatron / MindSpeed settings (verl_patches/config/megatron_args.py)"),
-    "device_memory_gib": Key(float, None, "the device's memory, to check the memory estimate against"),
-    "host_memory_gib": Key(float, None, "the host memory of one node, to check the host side of the memory estimate "
-                                        "against (the optimizer on the host and the switch's pinned copies)"),
-    "metrics_file": Key(str, None, "the run's JSONL record (verl_patches/reporting/report.py)"),
-    "fingerprint_every": Key(int, 10, "check every N switches that each rollout parameter holds exactly what the "
-                                     "training side sent (verl_patches/reshard/checksum.py); 0: never", minimum=0),
-    "tensorboard_dir": Key(str, None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's "
-                                      "default, tensorboard_log/<project>/<experiment> under the driver's directory"),
-    # The rollout's long-tail rebalance (docs/ROLLOUT.md): the policy (verl_patches/rollout/long_tail/rebalance.py, also
-    # read by the planner) and the mechanism (verl_patches/rollout/long_tail/migrate.py), which only the CPU
-    # generation stand-in runs yet: on vLLM's engine (NPU, GPU) the rollout refuses rebalance: True.
-    "rebalance": Key(bool, False, "move unfinished requests between DP ranks so the DP group drops to a smaller "
-                                  "graph size, one of the captured graph_batch_sizes (the CPU generation stand-in "
-                                  "only: vLLM's engine on a device does not implement the move yet and refuses it)"),
-    "rebalance_min_graph_size_drop": Key(int, 1, "rebalance only when it lowers the group's graph size by at least "
-                                                 "this many steps of graph_batch_sizes", minimum=1),
-    "rebalance_max_imbalance": Key(float, None, "or, for a smaller drop, when the fullest DP rank holds more than "
-                                                "this many times the mean; null: only the drop counts", minimum=1.0),
-    "rebalance_cpu_stagger": Key(int, 0, "tests only, CPU generation stand-in: DP rank r admits its requests r x N "
-                                         "decode steps late, forcing an uneven tail for rebalance to move (the "
-                                         "outputs do not change); 0: off", minimum=0),
-    "profile": Key("section", None, "profile chosen stages for a step range on chosen ranks: stages, steps, ranks, "
-                                    "level, dir (PROFILE below; verl_patches/base/profile.py); no stages: off"),
-    "devices_per_card": Key(int, None, "devices (verl's GPUs: dies on Ascend) per card, for perf/tps_per_card; "
-                                       "null: by trainer.device (npu 2, cuda 1; the CPU platform 1)"),
-}
+# Each default below is what the shipped run configs (configs/*.yaml) mean; where one differs, or the configs
+# differ among themselves, its comment says why (tests/test_settings.py holds the list).
 
 
-# The keys of the ``vllm_dp`` section (verl_patches/rollout/dp_domain.py turns them into the DP domain).
-VLLM_DP: dict[str, Key] = {
-    "dp_size": Key(int, None, "vLLM DP ranks per instance; null: every rank of an instance", minimum=1),
-    "instances": Key(int, 1, "independent vLLM instances", minimum=1),
-    "master_port_base": Key(int, 29600, "the first instance's DP master port", minimum=1, maximum=65535),
-    "port_stride": Key(int, 4, "port distance between instances", minimum=1),
-}
+@dataclass(frozen=True)
+class ReshardSettings:
+    """The switch's weight transfer: how the trained weights reach vLLM, in what buckets, and how often the
+    rollout's copy is proven equal to what was sent."""
+
+    reshard_method: str = setting("direct", "how the trained weights reach vLLM (METHOD_DOCS above)", choices=METHODS)
+    # The Ascend configs' value; the NVIDIA configs set 512, measured on H200 (docs/benchmarks.md, issue 37), while
+    # no HCCL curve is measured yet. The planning tools take this default too (BUCKET_MB below).
+    reshard_bucket_mb: int = setting(
+        256, "the reshard's transfer bucket in MiB per rank (verl_patches/reshard/planner.py); two are in flight, so "
+             "the switch's peak extra device memory is 2 x this (docs/benchmarks.md, issue 37: larger buckets bring "
+             "the direct reshard closer to the all-to-all's large-message ceiling)", minimum=1, maximum=4096)
+    # Every shipped config checks every switch (a check is under 1% of the reference switch, docs/benchmarks.md,
+    # issue 37); before issue 49 the default was 10, from the older 6% figure.
+    fingerprint_every: int = setting(
+        1, "check every N switches that each rollout parameter holds exactly what the training side sent "
+           "(verl_patches/reshard/checksum.py); 0: never", minimum=0)
+
+
+@dataclass(frozen=True)
+class SwitchSettings:
+    """The train/rollout switch and the rollout engine: the recipe's behaviour by default, each one a key the
+    YAML can turn off (a plain verl config gets the recipe's behaviour)."""
+
+    tensor_cache: bool = setting(True, "keep stage outputs on the workers; the driver sends row ids")
+    dp_sync_on_device: bool = setting(True, "vLLM's DP all-reduces on the device group instead of gloo")
+    offload: bool = setting(True, "the recipe's switch schedule instead of verl's offload and vLLM's sleep mode")
+    rollout_torch_compile: bool = setting(True, "the real torch.compile for the rollout under MindSpeed")
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """The training side: megatron-core's DDP overlap and the benchmarks' forced routing."""
+
+    # A real model's routing; the random-init configs set True (throughput benchmarks), the true-weight ones do not.
+    fixed_routing: bool = setting(False, "load-balanced expert routing (random-init benchmarks)")
+    # Every shipped config sets both True. The default stays verl's own DDP: the parameter gather's overlap needs
+    # actor.megatron.use_distributed_optimizer (refused without it, verl_patches/train/ddp_overlap.py), which a verl
+    # config without the recipe's section need not have.
+    overlap_grad_reduce: bool = setting(
+        False, "megatron-core's DDP launches each DDP bucket's gradient reduce from the backward hooks "
+               "(verl_patches/train/ddp_overlap.py); false: verl's DDP")
+    # Every shipped config sets True; false by default for overlap_grad_reduce's reason.
+    overlap_param_gather: bool = setting(
+        False, "megatron-core's DDP gathers the distributed optimizer's updated shards in the next forward's "
+               "pre-hooks, finished when the update returns (verl_patches/train/ddp_overlap.py); false: in the "
+               "optimizer step")
+
+
+@dataclass(frozen=True)
+class RebalanceSettings:
+    """The rollout's long-tail rebalance (docs/ROLLOUT.md): the policy (verl_patches/rollout/long_tail/rebalance.py,
+    also read by the planner) and the mechanism (verl_patches/rollout/long_tail/migrate.py), which only the CPU
+    generation stand-in runs yet: on vLLM's engine (NPU, GPU) the rollout refuses rebalance: True."""
+
+    rebalance: bool = setting(
+        False, "move unfinished requests between DP ranks so the DP group drops to a smaller graph size, one of "
+               "the captured graph_batch_sizes (the CPU generation stand-in only: vLLM's engine on a device does "
+               "not implement the move yet and refuses it)")
+    rebalance_min_graph_size_drop: int = setting(
+        1, "rebalance only when it lowers the group's graph size by at least this many steps of graph_batch_sizes",
+        minimum=1)
+    rebalance_max_imbalance: Optional[float] = setting(
+        None, "or, for a smaller drop, when the fullest DP rank holds more than this many times the mean; null: "
+              "only the drop counts", minimum=1.0)
+    rebalance_cpu_stagger: int = setting(
+        0, "tests only, CPU generation stand-in: DP rank r admits its requests r x N decode steps late, forcing an "
+           "uneven tail for rebalance to move (the outputs do not change); 0: off", minimum=0)
+
+
+@dataclass(frozen=True)
+class MachineSettings:
+    """What the run's machines hold, for the launch-time memory check and the per-card throughput: no default
+    fits every machine, and null skips the check."""
+
+    # The machine's: the configs set 60 (an Ascend die), 139 (an H200), 79 (an H100).
+    device_memory_gib: Optional[float] = setting(None, "the device's memory, to check the memory estimate against")
+    # The machine's: the H100 configs set 1700, the others leave it null (unchecked).
+    host_memory_gib: Optional[float] = setting(
+        None, "the host memory of one node, to check the host side of the memory estimate against (the optimizer "
+              "on the host and the switch's pinned copies)")
+    devices_per_card: Optional[int] = setting(
+        None, "devices (verl's GPUs: dies on Ascend) per card, for perf/tps_per_card; null: by trainer.device "
+              "(npu 2, cuda 1; the CPU platform 1)")
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """Where the run's records go (verl_patches/reporting/)."""
+
+    metrics_file: Optional[str] = setting(None, "the run's JSONL record (verl_patches/reporting/report.py)")
+    tensorboard_dir: Optional[str] = setting(
+        None, "where verl's tensorboard logger writes (its TENSORBOARD_DIR); null: verl's default, "
+              "tensorboard_log/<project>/<experiment> under the driver's directory")
+
+
+@dataclass(frozen=True)
+class VllmDpSettings:
+    """recipe.vllm_dp: vLLM data parallelism (verl_patches/rollout/dp_domain.py turns it into the DP domain)."""
+
+    # The layout decides it: the common config leaves '???' and each run config sets its own.
+    dp_size: Optional[int] = setting(None, "vLLM DP ranks per instance; null: every rank of an instance", minimum=1)
+    # The run configs set 1, the 256-die true-weight one 2 (the common config leaves '???').
+    instances: int = setting(1, "independent vLLM instances", minimum=1)
+    master_port_base: int = setting(29600, "the first instance's DP master port", minimum=1, maximum=65535)
+    port_stride: int = setting(4, "port distance between instances", minimum=1)
+
+
 # The stages ``profile.stages`` may name: verl's worker calls (the rollout's generate_sequences, the old and the
 # reference log-prob forwards, the actor's update) and the switch's phases (verl_patches/offload/live.py: every step
 # of the switch loop that is not a stage's own work: the moves, the reshard).
@@ -115,18 +195,103 @@ PROFILE_STAGES = ("rollout", "old_log_prob", "ref_log_prob", "update", "switch")
 # torch_npu's profiler levels (torch_npu.profiler.ProfilerLevel.Level0/1/2); on CUDA and the CPU the same names choose
 # how much torch's profiler records (verl_patches/base/accelerator.py: profiler).
 PROFILE_LEVELS = ("level0", "level1", "level2")
-# The keys of the ``profile`` section. ``steps`` is [first, last] of the trainer's global steps (both included);
-# ``ranks`` a list of global ranks or "all"; ``dir`` where the traces go (the recipe's configs: the run's
-# checkpoint directory's profiles/, ${trainer.default_local_dir}/profiles).
-PROFILE: dict[str, Key] = {
-    "stages": Key("stages", (), f"the stages to profile, of {list(PROFILE_STAGES)}; []: profiling off"),
-    "steps": Key("steps", (1, 1), "[first, last] global step profiled (both included; steps count from 1)"),
-    "ranks": Key("ranks", (0,), "the global ranks that profile: a list of ranks, or \"all\""),
-    "level": Key(PROFILE_LEVELS, "level0", "how much the profiler records: torch_npu's ProfilerLevel on NPU; on "
-                                           "CUDA and CPU level0 the ops, level1 also their shapes, level2 also "
-                                           "stacks and memory"),
-    "dir": Key(str, None, "the traces' root: <dir>/step<N>/<stage>/rank<R>/ (needed when stages are named)"),
-}
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """recipe.profile, typed: ``stages`` and ``steps`` as tuples, ``ranks`` a tuple or "all" (the section's own
+    rules: ``_profile_problems``). ``wants(stage, step, rank)``: whether that stage of that step is profiled on
+    that rank."""
+
+    stages: tuple[str, ...] = setting((), f"the stages to profile, of {list(PROFILE_STAGES)}; []: profiling off",
+                                      rule="stages")
+    # [first, last] of the trainer's global steps, both included.
+    steps: tuple[int, int] = setting((1, 1), "[first, last] global step profiled (both included; steps count from 1)",
+                                     rule="steps")
+    ranks: tuple[int, ...] | str = setting((0,), "the global ranks that profile: a list of ranks, or \"all\"",
+                                           rule="ranks")
+    level: str = setting("level0", "how much the profiler records: torch_npu's ProfilerLevel on NPU; on CUDA and CPU "
+                                   "level0 the ops, level1 also their shapes, level2 also stacks and memory",
+                         choices=PROFILE_LEVELS)
+    # The configs set ${trainer.default_local_dir}/profiles, the run's checkpoint directory: an interpolation of the
+    # trainer's config, which no default here can name; null is refused only once stages are named.
+    dir: Optional[str] = setting(None, "the traces' root: <dir>/step<N>/<stage>/rank<R>/ (needed when stages are "
+                                       "named)")
+
+    @classmethod
+    def of(cls, section: Mapping[str, Any] | None) -> "ProfileSettings":
+        values = _with_defaults(PROFILE, section or {})
+        ranks = values["ranks"]
+        return cls(stages=tuple(values["stages"]), steps=tuple(values["steps"]),
+                   ranks=ranks if ranks == "all" else tuple(ranks), level=values["level"], dir=values["dir"])
+
+    @property
+    def on(self) -> bool:
+        return bool(self.stages)
+
+    def wants(self, stage: str, step: Any, rank: int) -> bool:
+        return (stage in self.stages and isinstance(step, int) and self.steps[0] <= step <= self.steps[1]
+                and (self.ranks == "all" or rank in self.ranks))
+
+
+# The recipe section's groups, in reading order. The YAML keys stay flat (recipe.reshard_bucket_mb): the groups
+# organise the code, RecipeSettings carries their fields as its own.
+GROUPS: tuple[type, ...] = (ReshardSettings, SwitchSettings, TrainingSettings, RebalanceSettings, MachineSettings,
+                            ReportSettings)
+
+
+# A dataclass takes its bases' fields last base first: the bases are listed from the last group to the first so the
+# fields read in GROUPS' order (checked below).
+@dataclass(frozen=True)
+class RecipeSettings(ReportSettings, MachineSettings, RebalanceSettings, TrainingSettings, SwitchSettings,
+                     ReshardSettings):
+    """The recipe section of one run, typed and frozen: every key of the groups above an attribute of its name
+    (its default where the section has none), and the nested sections. Built by ``build``."""
+
+    vllm_dp: VllmDpSettings = subsection(VllmDpSettings, "vLLM data parallelism: dp_size, instances, "
+                                                         "master_port_base, port_stride")
+    profile: ProfileSettings = subsection(ProfileSettings, "profile chosen stages for a step range on chosen ranks: "
+                                                           "stages, steps, ranks, level, dir (PROFILE below; "
+                                                           "verl_patches/base/profile.py); no stages: off")
+    # MindSpeed's switches default false, as a machine without MindSpeed needs; the Ascend configs turn them on.
+    megatron: RecipeMegatron = subsection(RecipeMegatron, "Megatron / MindSpeed settings "
+                                                          "(verl_patches/config/megatron_args.py)")
+
+
+def _key(spec: Field, hint: Any) -> Key:
+    meta = spec.metadata
+    if meta.get("section"):
+        return Key("section", None, meta["doc"])
+    if meta["rule"]:
+        return Key(meta["rule"], spec.default, meta["doc"])
+    args = typing.get_args(hint)
+    nullable = type(None) in args
+    kind = next(a for a in args if a is not type(None)) if nullable else hint
+    if kind not in (bool, int, float, str) or (spec.default is None and not nullable) \
+            or (meta["choices"] is not None and kind is not str):
+        raise TypeError(f"recipe key {spec.name}: annotation {hint} does not fit its default {spec.default!r} "
+                        f"and choices {meta['choices']}")
+    return Key(meta["choices"] or kind, spec.default, meta["doc"], meta["minimum"], meta["maximum"])
+
+
+def _table(cls: type) -> dict[str, Key]:
+    hints = typing.get_type_hints(cls)
+    return {spec.name: _key(spec, hints[spec.name]) for spec in fields(cls)}
+
+
+def _check_groups() -> None:
+    grouped = [spec.name for group in GROUPS for spec in fields(group)]
+    own = [spec.name for spec in fields(RecipeSettings)]
+    if len(set(grouped)) != len(grouped) or own[:len(grouped)] != grouped:
+        raise TypeError(f"RecipeSettings' fields {own} are not the groups' {grouped} in order, each once")
+
+
+_check_groups()
+
+# The tables the readers, the validator and the docs take, derived from the declarations above.
+KEYS: dict[str, Key] = _table(RecipeSettings)
+VLLM_DP: dict[str, Key] = _table(VllmDpSettings)
+PROFILE: dict[str, Key] = _table(ProfileSettings)
 # The type of each key: a type, a tuple of allowed values, a nested section, or "megatron"
 # (checked by verl_patches.config.megatron_args.parse).
 SCHEMA: dict[str, Any] = {
@@ -135,6 +300,15 @@ SCHEMA: dict[str, Any] = {
     "profile": {name: key.kind for name, key in PROFILE.items()},
     "megatron": "megatron",
 }
+
+# The reshard's bucket where a tool sizes it (``plan``, ``preflight``, scripts/bench_reshard.py) or a caller leaves it
+# out (the planner's build_plan, WeightSync.build): the run's default, one declaration. The tools' --bucket-mb takes
+# MiB in [TOOL_BUCKET_MB_LOW, TOOL_BUCKET_MB_HIGH], wider than the run's whole 1..4096: a bucket of a few KiB splits a
+# tiny model into many buckets (tests/reshard/test_plan.py), and planning a larger one costs metadata only.
+BUCKET_MB: int = KEYS["reshard_bucket_mb"].default
+BUCKET_BYTES: int = BUCKET_MB << 20
+TOOL_BUCKET_MB_LOW = 1 / 1024
+TOOL_BUCKET_MB_HIGH = float(1 << 20)
 
 
 def _describe(value: Any) -> str:
@@ -361,60 +535,11 @@ def problem(key: str, value: Any, here: str) -> Optional[str]:
     return _problem(KEYS[key], value, here)
 
 
-def _annotation(key: Key) -> Any:
-    kind = key.kind if key.kind in (bool, int, float, str) else (str if isinstance(key.kind, tuple) else Any)
-    return kind if key.default is not None else Optional[kind]
-
-
 def _with_defaults(table: Mapping[str, Key], values: Mapping[str, Any]) -> dict[str, Any]:
     return {name: spec.default if values.get(name) in (None, "???") else values[name] for name, spec in table.items()}
 
 
-@dataclass(frozen=True)
-class ProfileSettings:
-    """recipe.profile, typed, with PROFILE's defaults: ``stages`` and ``steps`` as tuples, ``ranks`` a tuple or
-    "all". ``wants(stage, step, rank)``: whether that stage of that step is profiled on that rank."""
-
-    stages: tuple[str, ...] = PROFILE["stages"].default
-    steps: tuple[int, int] = PROFILE["steps"].default
-    ranks: Any = PROFILE["ranks"].default
-    level: str = PROFILE["level"].default
-    dir: Optional[str] = PROFILE["dir"].default
-
-    @classmethod
-    def of(cls, section: Mapping[str, Any] | None) -> "ProfileSettings":
-        values = _with_defaults(PROFILE, section or {})
-        ranks = values["ranks"]
-        return cls(stages=tuple(values["stages"]), steps=tuple(values["steps"]),
-                   ranks=ranks if ranks == "all" else tuple(ranks), level=values["level"], dir=values["dir"])
-
-    @property
-    def on(self) -> bool:
-        return bool(self.stages)
-
-    def wants(self, stage: str, step: Any, rank: int) -> bool:
-        return (stage in self.stages and isinstance(step, int) and self.steps[0] <= step <= self.steps[1]
-                and (self.ranks == "all" or rank in self.ranks))
-
-
-VllmDp = make_dataclass(
-    "VllmDp", [(name, _annotation(spec), field(default=spec.default)) for name, spec in VLLM_DP.items()],
-    frozen=True, namespace={"__doc__": "recipe.vllm_dp, typed, with VLLM_DP's defaults."})
-
-RecipeSettings = make_dataclass(
-    "RecipeSettings",
-    [(name, _annotation(spec), field(default=spec.default)) for name, spec in KEYS.items() if spec.kind != "section"]
-    + [("vllm_dp", VllmDp, field(default_factory=VllmDp)),
-       ("profile", ProfileSettings, field(default_factory=ProfileSettings)),
-       ("megatron", RecipeMegatron, field(default_factory=RecipeMegatron))],
-    frozen=True,
-    namespace={"__doc__": "The recipe section of one run, typed and frozen: one attribute per key of KEYS (its "
-                          "default where the section has none), ``vllm_dp`` (VllmDp), ``profile`` "
-                          "(ProfileSettings) and ``megatron`` (the parsed RecipeMegatron, "
-                          "verl_patches/config/megatron_args.py). Built by ``build``."})
-
-
-def build(section: Any, where: str = SECTION) -> Any:
+def build(section: Any, where: str = SECTION) -> RecipeSettings:
     """The recipe section ``section`` (a DictConfig, a mapping or None) as the run's RecipeSettings; every
     problem of the section in one SettingsError, each named by its key path under ``where``."""
     found = problems(section, where)
@@ -423,7 +548,7 @@ def build(section: Any, where: str = SECTION) -> Any:
     section = plain(section) or {}
     scalars = _with_defaults({k: v for k, v in KEYS.items() if v.kind != "section"}, section)
     megatron = section.get("megatron")
-    return RecipeSettings(**scalars, vllm_dp=VllmDp(**_with_defaults(VLLM_DP, section.get("vllm_dp") or {})),
+    return RecipeSettings(**scalars, vllm_dp=VllmDpSettings(**_with_defaults(VLLM_DP, section.get("vllm_dp") or {})),
                           profile=ProfileSettings.of(section.get("profile")),
                           megatron=parse_megatron(None if megatron in (None, "???") else dict(megatron)))
 
@@ -433,16 +558,16 @@ def trainer_section(config: Any) -> Any:
     return _lookup(config, SECTION)
 
 
-def from_worker(worker_config: Any) -> Any:
+def from_worker(worker_config: Any) -> RecipeSettings:
     """The RecipeSettings of a worker's config (verl's actor_rollout_ref section)."""
     return build(_lookup(worker_config, SECTION_IN_WORKER))
 
 
-def from_trainer(config: Any) -> Any:
+def from_trainer(config: Any) -> RecipeSettings:
     """The RecipeSettings of the trainer's whole config."""
     return build(trainer_section(config))
 
 
-def from_rollout(rollout_config: Any) -> Any:
+def from_rollout(rollout_config: Any) -> RecipeSettings:
     """The RecipeSettings of the rollout's config (actor_rollout_ref.rollout)."""
     return build(_lookup(rollout_config, SECTION_IN_ROLLOUT))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_patches.core.lock import REPO_ROOT
-from verl_patches.config.settings import METHODS
+from verl_patches.config.settings import BUCKET_MB, METHODS, TOOL_BUCKET_MB_HIGH, TOOL_BUCKET_MB_LOW
 from verl_patches.base import atomic, accelerator
 from verl_patches.base.schema import Integer, Number, PathArg, Text, parse_args as schema_parse
 from verl_patches.base import env as overlay_env
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="switch iterations per method (>= 2 to check leaks)")
     p.add_argument("--seed", type=Integer(low=0, high=2 ** 32 - 1), default=0)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    p.add_argument("--bucket-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0,
+    p.add_argument("--bucket-mb", type=Number(low=TOOL_BUCKET_MB_LOW, high=TOOL_BUCKET_MB_HIGH),
+                   default=float(BUCKET_MB),
                    help="the reshard's transfer bucket, MiB: what one rank sends plus receives in one collective")
     p.add_argument("--copy-chunk-mb", type=Number(low=0, low_open=True, high=1 << 20), default=64.0,
                    help="the offload engine's copy chunk, MiB (before issue 38 --bucket-mb set it too)")

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from verl_patches.base import accelerator
+from verl_patches.config.settings import BUCKET_MB
 from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
     rollout_weights_group, train_params_group, Region)
 from verl_patches.offload.stable import stable_memory, install_hint
@@ -36,7 +37,7 @@ class Options:
     steps: int = 2
     seed: int = 0
     dtype: str = "bfloat16"
-    bucket_mb: float = 64.0  # the reshard's transfer bucket
+    bucket_mb: float = float(BUCKET_MB)  # the reshard's transfer bucket: the run's default
     copy_chunk_mb: float = 64.0  # the offload engine's copy chunk
     kv_mb: float = 16.0
     corrupt: tuple[int, str, str] | None = None  # (rank, vLLM parameter, method): fault injection

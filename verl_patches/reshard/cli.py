@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
+from verl_patches.config.settings import BUCKET_MB, TOOL_BUCKET_MB_HIGH, TOOL_BUCKET_MB_LOW
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
 from verl_patches.reshard.placements import build_placements
@@ -21,7 +21,6 @@ from verl_patches.base.schema import Number, Text
 # Input bounds: far above any DeepSeek-V3 layout (the recipe's world is 256 ranks), low enough that
 # a mistyped number is an error at once and never hours of planning or an exhausted host.
 MAX_WORLD = 8192
-MAX_BUCKET_MB = 1 << 20
 # HF config keys that decide shapes: (minimum, maximum); None: may be absent or null.
 MODEL_INTS = {
     "hidden_size": (1, 1 << 17), "num_hidden_layers": (1, 1024), "first_k_dense_replace": (0, 1024),
@@ -91,16 +90,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="Megatron layout, e.g. tp=4,pp=8,ep=8,layers=7,7,8,8,8,8,8,7 "
                          "[,vocab_div=128][,mla_down=split|replicated]")
     ap.add_argument("--rollout", type=Text(), required=True, help="vLLM layout, e.g. tp=2,dp=128[,instances=1]")
-    ap.add_argument("--bucket-mb", type=Number(low=1 / 1024, high=1 << 20), default=256.0, help="transfer bucket bound, MiB (default 256): what one rank sends plus receives in one "
+    ap.add_argument("--bucket-mb", type=Number(low=TOOL_BUCKET_MB_LOW, high=TOOL_BUCKET_MB_HIGH),
+                    default=float(BUCKET_MB),
+                    help=f"transfer bucket bound, MiB (default {BUCKET_MB}): what one rank sends plus receives in one "
                          "collective; the executor keeps two buckets in flight")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     try:
-        if not (math.isfinite(args.bucket_mb) and 0 < args.bucket_mb and 1 / 1024 <= args.bucket_mb <= MAX_BUCKET_MB):
-            raise LayoutError(f"--bucket-mb must be positive, finite, at least 1/1024 (1 KiB) and at most "
-                              f"{MAX_BUCKET_MB}, got {args.bucket_mb}")
         model = load_model(args.model)
         train, rollout = TrainLayout.parse(args.train), RolloutLayout.parse(args.rollout)
         check_sizes(train, rollout)

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from verl_patches.config.settings import BUCKET_BYTES
 from verl_patches.reshard.box import Box, box_numel, intersect, split_box
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import LayoutError, ModelConfig
@@ -79,7 +80,7 @@ def as_model(model: ModelConfig | dict | str) -> ModelConfig:
 
 
 def build_plan(model: ModelConfig | dict | str, train: TrainLayout | str, rollout: RolloutLayout | str,
-               bucket_bytes: int = 256 << 20, dtype: str = "bfloat16",
+               bucket_bytes: int = BUCKET_BYTES, dtype: str = "bfloat16",
                placements: Placements | None = None) -> Plan:
     """Route every rollout element from one training holder; bucket by bucket_bytes per rank
     (each rank's send plus receive volume in one bucket stays within it)."""

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from verl_patches.config.settings import METHODS
+from verl_patches.config.settings import BUCKET_BYTES, KEYS, METHODS
 from verl_patches.reshard import faults
 from verl_patches.reshard.alltoallv import alltoallv_stats, execute_alltoallv
 from verl_patches.reshard.baselines import execute_upstream, upstream_stats
@@ -73,7 +73,7 @@ class WeightSync:
     @classmethod
     def build(cls, hf_config: Mapping[str, Any], *, rollout: RolloutLayout, tp: int, pp: int, pp_rank: int,
               layers: Iterable[int] | None, train: Mapping[str, torch.Tensor], roll: Mapping[str, torch.Tensor],
-              rank: int, bucket_bytes: int = 256 << 20, group: Any = None) -> "WeightSync":
+              rank: int, bucket_bytes: int = BUCKET_BYTES, group: Any = None) -> "WeightSync":
         """Step 1, the plan: every rank calls it together (the training layout is agreed over ``group``)."""
         cfg = ModelConfig.from_hf(dict(hf_config))
         tl = derive_train_layout(cfg, tp=tp, pp=pp, pp_rank=pp_rank, layers=layers, train=train, group=group)
@@ -208,7 +208,8 @@ def for_method(name: str) -> type[WeightSync]:
 
 
 def execute(plan: Plan, rank: int, train_shards: dict[str, torch.Tensor], rollout_params: dict[str, torch.Tensor],
-            group: Any = None, method: str = "direct", check: bool = True, in_flight: int = 2) -> ExecStats:
+            group: Any = None, method: str = KEYS["reshard_method"].default, check: bool = True,
+            in_flight: int = 2) -> ExecStats:
     """One move without a run's session (the preflight, the tests, the benchmarks): fill ``rollout_params`` (this
     rank's vLLM parameters, preallocated) from ``train_shards`` (its Megatron parameters). All ranks of the plan
     call it together with the same method. ``group`` is the world group (None: the default group). ``in_flight``

@@ -41,7 +41,7 @@ class DPSpec:
 
     tp_size: int
     dp_size: int
-    instances: int = 1
+    instances: int = settings.VLLM_DP["instances"].default
     master_port_base: int = DEFAULT_MASTER_PORT_BASE
     port_stride: int = DEFAULT_PORT_STRIDE
 

@@ -32,7 +32,7 @@ class RolloutSettings:
     recipe key is read from there, nothing is restated here), the DP domain derived from it and the
     world, and the two verl rollout keys the recipe's engine checks."""
 
-    recipe: Any  # settings.RecipeSettings
+    recipe: settings.RecipeSettings
     dp: DPSpec
     max_num_batched_tokens: int
     enable_chunked_prefill: bool

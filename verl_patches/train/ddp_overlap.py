@@ -54,8 +54,8 @@ class DdpOverlapError(ValueError):
 
 @dataclass(frozen=True)
 class DdpOverlap:
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
+    overlap_grad_reduce: bool = settings.KEYS["overlap_grad_reduce"].default
+    overlap_param_gather: bool = settings.KEYS["overlap_param_gather"].default
 
     @property
     def on(self) -> bool:
