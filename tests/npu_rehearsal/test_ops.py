@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from verl_patches.npu_rehearsal import ops
+from verl_patches.rigs.npu_rehearsal import ops
 
 EXERCISED: set = set()
 """What the tests below exercise: torch_npu names and "builder:function" MindSpeed kernels."""

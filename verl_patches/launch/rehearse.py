@@ -203,7 +203,7 @@ def run(out: Path, nodes: int, overrides: list[str], fault: str | None, fault_st
     if WORKERS % nodes:
         raise RehearsalError(f"--nodes {nodes}: the tiny config's {WORKERS} workers must spread evenly over the nodes")
     assets = out / "assets"
-    r = subprocess.run([python, "-m", "verl_patches.tiny.assets", str(assets)], cwd=REPO, capture_output=True,
+    r = subprocess.run([python, "-m", "verl_patches.rigs.tiny.assets", str(assets)], cwd=REPO, capture_output=True,
                        text=True, env=dict(os.environ, PYTHONPATH=_pythonpath()))
     if r.returncode:
         raise RehearsalError(f"building the tiny assets failed: {r.stderr[-2000:]}")
