@@ -4,10 +4,11 @@ Upstream: mindspeed/op_builder/builder.py:MindSpeedOpBuilder.load(self, verbose=
 builder's C++ sources against CANN and torch_npu (torch.utils.cpp_extension.load) and returns the extension
 module, cached per builder ``name``. On the host there is neither CANN nor an NPU to run the result. While the
 torch_npu stand-in is active, the wrapper returns a module holding the host implementations the rehearsal
-registers for that builder name (``MINDSPEED_KERNELS`` of ops.py / ops_extra.py); a builder it has none for
+registers for that builder name (``MINDSPEED_KERNELS`` of the ``ops`` package); a builder it has none for
 raises, naming the builder and the table to add it to. Where the stand-in is not active (an NPU) the original
 runs. The ATB builders (mindspeed/op_builder/atb_builder.py:AtbOpBuilder.load, which first needs the CANN NNAL
-package's ``ATB_HOME_PATH``) are answered the same way. Applied by verl_patches.rigs.npu_rehearsal.activate_mindspeed_kernels(), on the rehearsal platform only.
+package's ``ATB_HOME_PATH``) are answered the same way. Applied by
+verl_patches.rigs.npu_rehearsal.activate_mindspeed_kernels(), on the rehearsal platform only.
 
 MindSpeed also defines its own operators in the ``mindspeed`` torch library (``torch.ops.mindspeed.npu_gmm``,
 ...) and registers their Python implementations (which call the builders' kernels) for the NPU's dispatch
@@ -36,8 +37,8 @@ def host_kernels(name: str) -> types.ModuleType:
     table = mindspeed_kernels()
     if name not in table:
         raise MissingKernel(f"MindSpeed op builder {name!r} has no host implementation on the NPU rehearsal platform "
-                            f"(known: {sorted(table)}); add it to MINDSPEED_KERNELS in verl_patches/rigs/npu_rehearsal/ops.py "
-                            "with a reference test")
+                            f"(known: {sorted(table)}); add it to MINDSPEED_KERNELS in "
+                            "verl_patches/rigs/npu_rehearsal/ops/__init__.py with a reference test")
     module = types.ModuleType(f"npu_rehearsal_kernels.{name}", f"host implementations of MindSpeed's {name} kernels "
                               "(NPU rehearsal platform)")
     for fn_name, fn in table[name].items():

@@ -90,27 +90,25 @@ def describe() -> str:
     return "torch_npu: none (not installed; the NPU rehearsal platform is not selected)"
 
 
+# The package whose tables the stand-in answers from (ops/__init__.py assembles them from its modules). It imports
+# torch, so it is imported when a table is first read, not here: this module is read by the doctor without torch.
+OPS = f"{PACKAGE}.ops"
+
+
 def _tables() -> tuple[dict[str, Callable[..., Any]], dict[str, dict[str, Callable[..., Any]]]]:
-    operators: dict[str, Callable[..., Any]] = {}
-    kernels: dict[str, dict[str, Callable[..., Any]]] = {}
-    for name in ("ops", "ops_extra"):
-        try:
-            mod = importlib.import_module(f"{PACKAGE}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{PACKAGE}.{name}":
-                raise
-            continue
-        for table, into in ((getattr(mod, "OPERATORS", {}), operators), (getattr(mod, "MINDSPEED_KERNELS", {}), kernels)):
-            both = sorted(set(table) & set(into))
-            if both:
-                raise RehearsalError(f"{PACKAGE}.{name} defines {both} again; each operator lives in one module")
-            into.update(table)
-    return operators, kernels
+    try:
+        mod = importlib.import_module(OPS)
+    except ModuleNotFoundError as e:
+        if e.name != OPS:
+            raise
+        raise RehearsalError(f"the NPU rehearsal platform's operator tables ({OPS}) are missing: the stand-in has "
+                             "no operator to answer with (a broken install?)") from e
+    return mod.OPERATORS, mod.MINDSPEED_KERNELS
 
 
 def operators() -> Mapping[str, Callable[..., Any]]:
-    """torch_npu attribute name -> host implementation (ops.OPERATORS and ops_extra.OPERATORS), read at each
-    call so that an operator removed from a table is missing at once."""
+    """torch_npu attribute name -> host implementation (``OPERATORS`` of the ops package), read at each call so
+    that an operator removed from the table is missing at once."""
     return MappingProxyType(_tables()[0])
 
 
@@ -123,5 +121,5 @@ def missing_operator(qualified: str) -> AttributeError:
     """The error for a torch_npu name the stand-in does not implement."""
     return AttributeError(f"{qualified} is not implemented by the torch_npu stand-in of the NPU rehearsal platform "
                           f"({ENV}={PLATFORM}); add a host implementation with torch_npu's documented signature and "
-                          f"a reference test to verl_patches/rigs/npu_rehearsal/ops.py (OPERATORS), or a device-API name to the "
-                          f"stand-in package ({SITE})")
+                          f"a reference test to verl_patches/rigs/npu_rehearsal/ops/ (listed in OPERATORS of its "
+                          f"__init__.py), or a device-API name to the stand-in package ({SITE})")

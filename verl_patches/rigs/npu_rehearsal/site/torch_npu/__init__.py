@@ -8,7 +8,7 @@ where a real torch_npu is installed. What it does, as the real package does on i
 - answers ``Tensor.type()`` for the device's (host) tensors as ``torch.npu.<Scalar>Tensor`` (see _tensor_type.py);
 - exposes ``torch_npu.profiler`` (the profiler API the accelerator facade calls, onto torch's: see that package);
 - exposes torch_npu's operators (``torch_npu.npu_*``) as attributes: here the host implementations of
-  verl_patches/rigs/npu_rehearsal (ops.OPERATORS, ops_extra.OPERATORS), looked up at each access; a name that
+  verl_patches/rigs/npu_rehearsal (``OPERATORS`` of its ``ops`` package), looked up at each access; a name that
   is not there raises AttributeError naming it.
 """
 
