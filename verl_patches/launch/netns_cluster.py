@@ -1,6 +1,6 @@
 """A multi-node rehearsal on one machine: separate network hosts made with ``ip netns`` (root only).
 
-``python -m verl_patches.launch.rehearse OUT [--nodes 2] [--fault kill-ray|partition] [HYDRA_OVERRIDE ...]``
+``python -m verl_patches.launch.netns_cluster OUT [--nodes 2] [--fault kill-ray|partition] [HYDRA_OVERRIDE ...]``
 (scripts/rehearse_multinode.sh) makes one network namespace per node and one for the switch, joins
 them by veth pairs to a bridge in the switch's namespace, gives the nodes the addresses
 ``SUBNET.1`` (the head), ``SUBNET.2``, ... inside their namespaces only (nothing is added to this
