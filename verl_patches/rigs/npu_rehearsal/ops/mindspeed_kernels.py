@@ -152,63 +152,84 @@ def npu_groupmatmul_add_fp32(x: torch.Tensor, dy: torch.Tensor, grouplist: torch
 def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens=None,
                           padded_mode: bool = False):
     """MindSpeed kernel ``npu_moe_token_permute(tokens, indices, num_out_tokens, padded_mode) ->
-    (permuted_tokens, sorted_indices)`` (``MoeTokenPermuteOpBuilder``), the index-based permute
-    of Megatron's ``moe_utils.permute``: ``indices`` [T, topK] expert ids, ``sorted_indices =
-    stable argsort(indices.flatten())``, ``permuted_tokens = tokens[sorted_indices // topK]``, the
-    first ``num_out_tokens`` rows (all when None or 0). ``padded_mode`` is not implemented.
+    (permuted_tokens, sorted_indices)`` (``MoeTokenPermuteOpBuilder``; CANN aclnnMoeTokenPermute), the
+    index-based permute of Megatron's ``moe_utils.permute``: ``indices`` [T, topK] (or [T]) expert ids; the
+    forward order ``order = stable argsort(indices.flatten())`` (Megatron's ``sorted_indices``);
+    ``permuted_tokens = tokens[order[:n] // topK]`` with ``n = min(num_out_tokens, T * topK)`` when
+    ``num_out_tokens > 0``, else ``T * topK + num_out_tokens`` (None is 0: every slot).
+
+    ``sorted_indices`` is not Megatron's: MindSpeed's own C++ (mindspeed/ops/csrc/cann/npu_moe_token_permute.cpp)
+    says the aclnn operator's index differs from Megatron's and is not sliced. It is the inverse of the forward
+    order, int32, one entry per flat (token, k) slot: ``sorted_indices[order[i]] = i``, the row of
+    ``permuted_tokens`` slot ``t * topK + k`` lands in (>= n for a slot dropped by ``num_out_tokens``);
+    ``npu_moe_token_unpermute`` reads it so. ``padded_mode`` is not implemented (the C++ refuses it too).
     Differentiable by autograd (the compiled op carries its backward)."""
     op = "npu_moe_token_permute"
     _tensor(op, "tokens", tokens, dims=(2,))
     _tensor(op, "indices", indices, dims=(1, 2))
     if padded_mode:
-        _fail(op, "padded_mode=True is not implemented by the rehearsal stand-in")
+        _fail(op, "padded_mode=True is not implemented by the rehearsal stand-in (nor by MindSpeed's kernel)")
     if indices.is_floating_point():
         _fail(op, f"indices must be an integer tensor, got {indices.dtype}")
     if indices.shape[0] != tokens.shape[0]:
         _fail(op, f"indices has {indices.shape[0]} rows for {tokens.shape[0]} tokens")
     topk = 1 if indices.dim() == 1 else indices.shape[1]
     flat = indices.reshape(-1)
-    if num_out_tokens is None or num_out_tokens == 0:
-        num_out_tokens = flat.numel()
-    if not isinstance(num_out_tokens, int) or not 0 < num_out_tokens <= flat.numel():
-        _fail(op, f"num_out_tokens must be in [1, {flat.numel()}] or None, got {num_out_tokens!r}")
-    sorted_indices = torch.argsort(flat, stable=True)[:num_out_tokens]
-    permuted = tokens.index_select(0, sorted_indices // topk)
+    if num_out_tokens is None:
+        num_out_tokens = 0
+    if not isinstance(num_out_tokens, int):
+        _fail(op, f"num_out_tokens must be an int or None, got {num_out_tokens!r}")
+    # The kernel's own rule (npu_moe_token_permute.cpp): a positive count is capped at the slots, zero or a
+    # negative one counts back from them.
+    rows = min(num_out_tokens, flat.numel()) if num_out_tokens > 0 else flat.numel() + num_out_tokens
+    if rows < 0:
+        _fail(op, f"num_out_tokens {num_out_tokens} leaves {rows} rows of the {flat.numel()} slots")
+    order = torch.argsort(flat, stable=True)
+    permuted = tokens.index_select(0, order[:rows] // topk)
+    sorted_indices = torch.empty_like(order)
+    sorted_indices[order] = torch.arange(order.numel(), device=order.device)
     return permuted, sorted_indices.to(torch.int32)
 
 
 def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
                             probs=None, padded_mode: bool = False, restore_shape=None):
     """MindSpeed kernel ``npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs,
-    padded_mode, restore_shape) -> Tensor`` (``MoeTokenUnpermuteOpBuilder``), the inverse of
-    ``npu_moe_token_permute``: row i of ``permuted_tokens`` goes back to flat slot
-    ``sorted_indices[i]`` of [T * topK, H] (unfilled slots are 0), each slot is weighted by
-    ``probs.flatten()`` (topK = ``probs.shape[1]``, else 1) and the topK slots of a token are
-    summed (fp32). ``padded_mode`` is not implemented; differentiable by autograd."""
+    padded_mode, restore_shape) -> Tensor`` (``MoeTokenUnpermuteOpBuilder``; CANN aclnnMoeTokenUnpermute), the
+    inverse of ``npu_moe_token_permute``: ``sorted_indices`` is the permute's, one entry per flat (token, k)
+    slot (unsliced: the C++ takes the token count as ``sorted_indices.size(0) / topK``, topK =
+    ``probs.shape[1]``, else 1), and ``out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t * topK +
+    k]]`` (factor 1 without ``probs``; summed in fp32). Reading chosen: a slot whose row is past
+    ``permuted_tokens`` (dropped by the permute's ``num_out_tokens``) adds nothing, as Megatron's unpermute
+    leaves a dropped slot zero. ``padded_mode`` is not implemented; differentiable by autograd."""
     op = "npu_moe_token_unpermute"
     _tensor(op, "permuted_tokens", permuted_tokens, dims=(2,))
     _tensor(op, "sorted_indices", sorted_indices, dims=(1,))
     if padded_mode:
-        _fail(op, "padded_mode=True is not implemented by the rehearsal stand-in")
-    if sorted_indices.numel() != permuted_tokens.shape[0]:
-        _fail(op, f"sorted_indices ({sorted_indices.numel()}) must have one entry per permuted row "
-              f"({permuted_tokens.shape[0]})")
+        _fail(op, "padded_mode=True is not implemented by the rehearsal stand-in (nor by MindSpeed's kernel)")
+    if sorted_indices.is_floating_point():
+        _fail(op, f"sorted_indices must be an integer tensor, got {sorted_indices.dtype}")
+    slots = sorted_indices.numel()
     topk = 1
     if probs is not None:
         _tensor(op, "probs", probs, dims=(2,), floating=True)
         topk = probs.shape[1]
-        num_tokens = probs.shape[0]
-    else:
-        num_tokens = sorted_indices.numel()
+    if topk == 0 or slots % topk:
+        _fail(op, f"sorted_indices ({slots}) must have one entry per (token, k) slot: a multiple of topK {topk}")
+    num_tokens = slots // topk
+    if probs is not None and probs.shape[0] != num_tokens:
+        _fail(op, f"probs has {probs.shape[0]} rows; sorted_indices holds {num_tokens} tokens of topK {topk}")
     if restore_shape is not None and tuple(restore_shape)[0] != num_tokens:
         _fail(op, f"restore_shape {tuple(restore_shape)} does not match {num_tokens} tokens")
-    slots = num_tokens * topk
+    rows = permuted_tokens.shape[0]
+    if rows > slots:
+        _fail(op, f"permuted_tokens has {rows} rows for {slots} slots (sorted_indices is the permute's, unsliced)")
     index = sorted_indices.long()
     if index.numel() and (int(index.min()) < 0 or int(index.max()) >= slots):
-        _fail(op, f"sorted_indices must lie in [0, {slots}), the flat (token, k) slots")
-    flat = torch.zeros(slots, permuted_tokens.shape[1], dtype=_acc_dtype(permuted_tokens.dtype),
-                       device=permuted_tokens.device)
-    flat = flat.index_copy(0, index, _f32(permuted_tokens))
+        _fail(op, f"sorted_indices must lie in [0, {slots}), the permuted rows of the (token, k) slots")
+    # Rows rows..slots-1 stand for the dropped slots: zero, so they add nothing to their token.
+    padded = torch.cat([_f32(permuted_tokens), permuted_tokens.new_zeros(slots - rows, permuted_tokens.shape[1],
+                                                                         dtype=_acc_dtype(permuted_tokens.dtype))])
+    flat = padded.index_select(0, index)
     if probs is not None:
         flat = flat * _f32(probs).reshape(-1, 1)
     return flat.view(num_tokens, topk, -1).sum(dim=1).to(permuted_tokens.dtype)
