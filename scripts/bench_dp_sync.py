@@ -103,7 +103,7 @@ def run(a: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from verl_patches import npu_rehearsal
+    from verl_patches.rigs import npu_rehearsal
     from verl_patches.base import accelerator
     from verl_patches.rollout import dp_sync
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The optimizer on the device against megatron-core's own CPU offload (HybridDeviceOptimizer, the recipe's
 patch verl.optim.cpu_offload): step time, device memory and host memory of each, trained through the
-recipe's switch loop on a small DeepSeek-V3-shaped model (verl_patches/testing/optimizer_offload.py).
+recipe's switch loop on a small DeepSeek-V3-shaped model (verl_patches/rigs/testing/optimizer_offload.py).
 
     python scripts/bench_optimizer_offload.py                                  # the GPU here, tiny model
     python scripts/bench_optimizer_offload.py --set hidden_size=1024 --set moe_intermediate_size=512 \\
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     import torch
 
-    from verl_patches.testing import optimizer_offload as oo
+    from verl_patches.rigs.testing import optimizer_offload as oo
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     oo.setup(device)

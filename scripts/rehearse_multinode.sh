@@ -11,7 +11,7 @@
 #   sudo bash scripts/rehearse_multinode.sh OUT --fault kill-ray --fault-step 3 trainer.total_training_steps=3 trainer.save_freq=2
 #   sudo bash scripts/rehearse_multinode.sh OUT trainer.total_training_steps=3 trainer.save_freq=2
 #
-# Options and outputs: python -m verl_patches.launch.rehearse --help (verl_patches/launch/rehearse.py).
+# Options and outputs: python -m verl_patches.launch.netns_cluster --help (verl_patches/launch/netns_cluster.py).
 # The namespaces, their links and addresses exist only while it runs; it removes them on any exit.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -25,4 +25,4 @@ export VENV="${VENV:-$ROOT/.venv}"
 # The environment once, for every node (each node's train_tiny.sh runs with SETUP_TEST_ENV=0).
 if [[ "${SETUP_TEST_ENV:-1}" != 0 ]]; then bash "$ROOT/scripts/setup_test_env.sh"; fi
 cd "$ROOT"
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV/bin/python" -m verl_patches.launch.rehearse "$@"
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" exec "$VENV/bin/python" -m verl_patches.launch.netns_cluster "$@"

@@ -8,12 +8,12 @@
 #   bash scripts/train_tiny.sh trainer.total_training_steps=4 trainer.save_freq=2
 #   bash scripts/train_tiny.sh --dry-run             # print and validate, start nothing
 #
-# DEVICE=cpu (default) runs on the host with the CPU platform's stand-ins (verl_patches/cpu/: vLLM's
+# DEVICE=cpu (default) runs on the host with the CPU platform's stand-ins (verl_patches/rigs/cpu/: vLLM's
 # model receives the reshard and transformers generates from it); DEVICE=cuda needs 4 GPUs and an
 # environment with vLLM's CUDA build (VENV=...); DEVICE=npu-rehearsal trains the NPU path (MindSpeed,
 # MindSpeed-LLM's DeepSeek layers) on the host through the NPU rehearsal platform's torch_npu stand-in
-# (verl_patches/npu_rehearsal/), generation staying the CPU platform's stand-in. Outputs under TINY_OUT (default out/tiny): the
-# generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/, and profiles/ when
+# (verl_patches/rigs/npu_rehearsal/), generation staying the CPU platform's stand-in. Outputs under TINY_OUT
+# (default out/tiny): the generated model and data, checkpoints, logs/, metrics.jsonl, tensorboard/ and plots/, and profiles/ when
 # actor_rollout_ref.rollout.recipe.profile.stages names stages (docs/TINY_RUN.md, "Profiles").
 #
 # The console after the environment build: a banner (what runs, where everything goes), one line
@@ -49,14 +49,14 @@ case "${DEVICE:-cpu}" in
   npu|npu-rehearsal) TINY_SPEC=mindspeed_llm; TINY_ASSETS="${TINY_ASSETS:-$TINY_OUT/assets_mindspeed_llm}" ;;
   *) TINY_SPEC=te; TINY_ASSETS="${TINY_ASSETS:-$TINY_OUT/assets}" ;;
 esac
-"$PY" -m verl_patches.tiny.assets "$TINY_ASSETS" --spec "$TINY_SPEC" >>"$SETUP_LOG" 2>&1 \
+"$PY" -m verl_patches.rigs.tiny.assets "$TINY_ASSETS" --spec "$TINY_SPEC" >>"$SETUP_LOG" 2>&1 \
   || { echo "error: building the tiny assets failed; see $SETUP_LOG" >&2; tail -n 20 "$SETUP_LOG" >&2; exit 1; }
 
 # The one line, as on the cluster: verl's worker module imports the overlay's prelude. The venv's
 # verl is left as installed; a copy of it with the hook line goes first on PYTHONPATH
 # (README, "copy their packages next to verl_patches").
 UPSTREAM_ROOT="$TINY_OUT/upstream"
-"$PY" -m verl_patches.tiny.upstream "$UPSTREAM_ROOT" >>"$SETUP_LOG" 2>&1 \
+"$PY" -m verl_patches.rigs.tiny.upstream "$UPSTREAM_ROOT" >>"$SETUP_LOG" 2>&1 \
   || { echo "error: copying verl with the prelude line failed; see $SETUP_LOG" >&2; tail -n 20 "$SETUP_LOG" >&2; exit 1; }
 
 export RECIPE_ROOT="$ROOT" UPSTREAM_ROOT PYTHON="$PY" RAY_BIN="$VENV/bin/ray"
@@ -103,7 +103,7 @@ LAUNCH_ALLOW_FAULT_INJECTION=1
 launch_run_hook() {
   # shellcheck disable=SC2034  # appended to the trainer command by launch_build_trainer_cmd
   LAUNCH_RUN_OVERRIDES=(
-    "custom_reward_function.path=${ROOT}/verl_patches/tiny/reward.py"
+    "custom_reward_function.path=${ROOT}/verl_patches/rigs/tiny/reward.py"
     "actor_rollout_ref.actor.megatron.dist_checkpointing_path=${TINY_ASSETS}/dist_ckpt"
     "actor_rollout_ref.rollout.recipe.vllm_dp.master_port_base=${VLLM_DP_PORT}"
     "actor_rollout_ref.rollout.recipe.metrics_file=${TINY_OUT}/metrics.jsonl"

@@ -1,4 +1,4 @@
-"""Shared test setup: the real upstream stack on CPU (see verl_patches/testing/upstream_env.py)."""
+"""Shared test setup: the real upstream stack on CPU (see verl_patches/rigs/testing/upstream_env.py)."""
 
 import os
 import sys
@@ -39,7 +39,7 @@ if _accelerator.device_type() == "cpu":
     os.environ.setdefault("VERL_PATCHES_RANK_PRELOAD", ",".join(
         m for m in ("torch", "torch.distributed", "megatron.core", "vllm") if _installed(m)))
 
-from verl_patches.testing.upstream_env import prepare_cpu_upstream  # noqa: E402
+from verl_patches.rigs.testing.upstream_env import prepare_cpu_upstream  # noqa: E402
 
 prepare_cpu_upstream()
 

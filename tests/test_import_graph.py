@@ -1,12 +1,13 @@
 """The package's import graph: no cycles inside `verl_patches`, production code never imports
-`verl_patches.testing` (the test-only helpers depend on production code, not the other way round),
-every edge points down (core/ is handed the patch records, nothing outside patches/ imports a patch
+`verl_patches.rigs.testing` (the test-only helpers depend on production code, not the other way round),
+every edge points down (core/ is handed the patch records, nothing outside the record folders imports a patch
 module), the recipe's settings are read through one module, the recipe's patch folders hold no CPU
-platform record (those live under patches/cpu/), the rollout's long tail is a wing of its own
-(rollout/long_tail/, reached by its named users only), and the import map's floors. The root holds its five
+platform record (those live under rigs/cpu/patches/), the rollout's long tail is a wing of its own
+(rollout/long_tail/, reached by its named users only), the rigs are one wing on the top floor that the recipe
+reaches through one door only (rigs/), and the import map's floors. The root holds its five
 entry modules only; the rest lives in engines (one part each) or wings (folders by purpose: base/, config/,
-launch/, reporting/), whose layers are pinned here: the floor imports nothing above it, no module imports a
-command, launch/ has named users, no engine imports reporting/, and README's layout table names every folder.
+launch/, reporting/, checks/, rigs/), whose layers are pinned here: the floor imports nothing above it, no module
+imports a command, launch/ has named users, no engine imports reporting/, and README's layout table names every folder.
 Dependencies at the head (issue 38): the package imports itself at module level, a function-level import says
 why it waits, and what the catalogue and the CLI load imports no upstream package (the doctor runs without torch).
 
@@ -173,8 +174,10 @@ def test_no_import_cycle_inside_the_package():
 
 def test_production_modules_do_not_import_the_testing_helpers():
     bad = sorted(f"{mod} imports {t}" for mod, edges in import_graph().items()
-                 if not mod.startswith(f"{PACKAGE}.testing") for t in edges if t.startswith(f"{PACKAGE}.testing"))
-    assert not bad, "production code imports verl_patches.testing (move the helper out of testing/):\n" + "\n".join(bad)
+                 if not mod.startswith(f"{PACKAGE}.rigs.testing") for t in edges
+                 if t.startswith(f"{PACKAGE}.rigs.testing"))
+    assert not bad, "production code imports verl_patches.rigs.testing (move the helper out of rigs/testing/):\n" + \
+        "\n".join(bad)
 
 
 def floors(graph: dict[str, set[str]]) -> dict[str, int]:
@@ -207,7 +210,7 @@ def test_floors_of_a_small_graph_and_the_import_time_graph_skips_function_bodies
 
 # The import map's height (import-time graph): 11 floors since issue 38 moved the package's own imports to the
 # module heads (before, 8: the lazy imports hid three floors without removing an edge). Since the weight sync got
-# one owner (issue 49) it has 10; the top chain is the preflight's (preflight.cli -> preflight.rehearse ->
+# one owner (issue 49) it has 10; the top chain is the preflight's (preflight.cli -> preflight.switch_rehearsal ->
 # reshard.weight_sync -> reshard.alltoallv -> reshard.baselines -> reshard.planner -> reshard.placements ->
 # reshard.deepseek_v3_names -> reshard.layouts -> reshard.model). A new module above the top is a design change:
 # raise it here with the reason.
@@ -227,8 +230,10 @@ def test_the_import_map_has_its_floors():
 # The wings: folders that group modules by what they are for (the ground every part stands on; settings; local
 # processes and the prelude; reporting, plots and the console; the launch-time checks and commands). A wing's
 # __init__ imports nothing, and each of its modules is a part of the package map on its own. Every other folder
-# (core/, patches/, reshard/, rollout/, ...) is one part. Each wing is also one floor of the folder map below.
-WINGS = ("base", "config", "launch", "reporting", "checks")
+# and the rigs (the CPU platform and its records, the NPU rehearsal, the tiny assets, the test helpers: what lets the
+# recipe run and be tested without its accelerator). Every other folder (core/, patches/, reshard/, rollout/, ...) is
+# one part. Each wing is also one floor of the folder map below.
+WINGS = ("base", "config", "launch", "reporting", "checks", "rigs")
 
 
 def _part(m: str) -> str:
@@ -249,7 +254,7 @@ def _package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_the_package_map_has_no_cycle():
     """Every edge between the package's parts points down: before issue 28 core/ (the registry, which
-    imported the catalogue), patches/, cpu/, preflight/ and rollout/ formed one cycle."""
+    imported the catalogue), patches/, the CPU platform (rigs/cpu/ now), preflight/ and rollout/ formed one cycle."""
     cycles = find_cycles(_package_graph(import_graph()))
     assert not cycles, "cycles between the parts of verl_patches:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
@@ -290,20 +295,20 @@ def test_no_module_imports_a_command():
 # The folder map (issue 49): every folder is one floor, and a module imports only modules of folders on its own
 # floor or below it (no folder imports a folder above it), and no two folders are tied (each folder can be learnt
 # before the ones above it). A folder is its package path; a subfolder sits on the floor of the longest listed
-# prefix (patches/verl/ on patches', rollout/long_tail/ on rollout's, patches/cpu/vllm/ on the CPU rig's); "" is
-# the root with its entry modules. The rigs (the NPU rehearsal's stand-in and the tiny assets, the CPU platform and
-# the test helpers) sit on two floors of their own until they share one wing (issue 49 item 5).
+# prefix (patches/verl/ on patches', rollout/long_tail/ on rollout's, rigs/cpu/patches/vllm/ on the rigs'); "" is
+# the root with its entry modules. The rigs are one wing on the top floor: the recipe below them reaches them
+# through their one door only (RIG_DOOR below), so the recipe reads and runs without them.
 FOLDER_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ground: the accelerator facade, the environment table, the schema of inputs, the recipe's settings",
      ("base", "config")),
     ("registry: patch records, the lock, the doctor, the stash", ("core",)),
     ("engines and their reports", ("reshard", "reward", "tensor_cache", "train", "offload", "rollout", "tools", "data",
                                    "reporting")),
-    ("rig platforms: the torch_npu stand-in, the tiny assets", ("npu_rehearsal", "tiny")),
     ("patches: the catalogue and the recipe's changes to each upstream", ("patches",)),
     ("processes: local ranks, the prelude, the cluster launchers' checks", ("launch",)),
     ("commands: launch-time checks, the preflight, the entry modules", ("checks", "preflight", "")),
-    ("the CPU rig: the CPU platform, its patch records, the test helpers", ("cpu", "patches.cpu", "testing")),
+    ("the rigs: the CPU platform and its patch records, the NPU rehearsal, the tiny assets, the test helpers",
+     ("rigs",)),
 )
 
 
@@ -345,7 +350,7 @@ def test_every_folder_is_on_a_floor():
 
 
 def test_the_floor_finder_and_the_folder_graph(tmp_path):
-    assert floor_of("patches.verl") == floor_of("patches") != floor_of("patches.cpu.vllm") == floor_of("cpu")
+    assert floor_of("patches.verl") == floor_of("patches") != floor_of("rigs.cpu.patches.vllm") == floor_of("rigs.tiny")
     assert floor_of("rollout.long_tail") == floor_of("rollout") and floor_of("") == floor_of("checks")
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
@@ -357,9 +362,11 @@ def test_the_floor_finder_and_the_folder_graph(tmp_path):
 
 
 def test_no_folder_imports_a_folder_above_it():
+    """Every edge points to its own floor or below, but the rig door's (RIG_DOOR_USERS: the platform's selection)."""
     bad = sorted(f"{mod} (floor {floor_of(folder_of(mod))}) imports {t} (floor {floor_of(folder_of(t))})"
                  for mod, edges in import_graph().items() for t in edges
-                 if floor_of(folder_of(t)) > floor_of(folder_of(mod)))
+                 if floor_of(folder_of(t)) > floor_of(folder_of(mod))
+                 and not (t in DOOR_EDGES and mod in RIG_DOOR_USERS))
     assert not bad, "imports from a folder to a folder above it (move the module to the floor it needs, or the " \
                     "name it imports below both):\n" + "\n".join(bad)
 
@@ -371,12 +378,47 @@ def test_no_two_folders_are_tied():
     assert not cycles, "folders tied by imports both ways:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+RIGS = f"{PACKAGE}.rigs"
+# The rig wing's one door: the NPU rehearsal platform's package (its selection, activation, banner line and which
+# records apply there), imported by the modules that choose the process's platform. Nothing else of the recipe
+# imports the rigs: the CPU platform's records are named by string in the catalogue (patches/__init__.py:
+# CPU_MODULES, loaded by the registry like every record), vLLM finds the CPU platform through its entry point
+# (pyproject.toml), and the tiny run's assets and the test helpers are run by scripts and tests.
+RIG_DOOR = f"{RIGS}.npu_rehearsal"
+# An import of the door names its wing too (``from verl_patches.rigs import npu_rehearsal``): the wing's __init__ is
+# its docstring only (test_a_wing_is_a_folder_that_imports_nothing).
+DOOR_EDGES = {RIGS, RIG_DOOR}
+RIG_DOOR_USERS = {
+    f"{PACKAGE}.launch.prelude": "boot_rehearsal activates the stand-in when VERL_PATCHES_PLATFORM=npu-rehearsal "
+                                 "is selected, and patches_for asks which records apply on it",
+    f"{PACKAGE}.prelude_patch": "the process's banner names the torch_npu in use when the rehearsal is selected",
+    f"{PACKAGE}.cli": "the doctor names the torch_npu in use, and the stand-in's site joins the upstream lock's "
+                      "search path when the rehearsal is selected",
+    f"{PACKAGE}.checks.layer_spec": "the layer-spec check runs on an NPU or on the rehearsal, selected by "
+                                    "npu_rehearsal.selected(), and names the stand-in's site in its refusal",
+}
+
+
+def test_no_recipe_module_imports_the_rig_wing():
+    """The rigs sit above the recipe: a module outside rigs/ imports only the rig door, and only its named users
+    do (RIG_DOOR_USERS, each with its reason); the door imports nothing of the recipe above the registry."""
+    graph = import_graph()
+    edges = {(mod, t) for mod, out in graph.items() if not mod.startswith(RIGS + ".") for t in out
+             if t == RIGS or t.startswith(RIGS + ".")}
+    bad = sorted(f"{mod} imports {t}" for mod, t in edges if t not in DOOR_EDGES or mod not in RIG_DOOR_USERS)
+    assert not bad, f"recipe modules that import the rig wing other than through its door ({RIG_DOOR}, by " \
+                    f"RIG_DOOR_USERS):\n" + "\n".join(bad)
+    assert {mod for mod, _ in edges} == set(RIG_DOOR_USERS), "RIG_DOOR_USERS names a module that no longer imports it"
+    door = {t for t in graph[RIG_DOOR] if not t.startswith(RIGS + ".")}
+    assert {folder_of(t) for t in door} <= {"base", "core"}, f"the rig door imports the recipe above core/: {door}"
+
+
 LAUNCH = f"{PACKAGE}.launch"
 # Who starts local processes: the preflight (its ranks, its process tree) and the test helpers; who runs the prelude:
 # the entry modules and the layer-spec check. No engine spawns ranks.
-LAUNCH_USERS = {f"{PACKAGE}.{m}" for m in ("preflight.cli", "testing.graph_switch", "testing.optimizer_offload",
-                                           "testing.stop_on_sigterm", "checks.layer_spec", "entry_points",
-                                           "prelude_patch")}
+LAUNCH_USERS = {f"{PACKAGE}.{m}" for m in ("preflight.cli", "rigs.testing.graph_switch",
+                                           "rigs.testing.optimizer_offload", "rigs.testing.stop_on_sigterm",
+                                           "checks.layer_spec", "entry_points", "prelude_patch")}
 
 
 def test_the_launch_wing_is_reached_by_its_named_users():
@@ -385,14 +427,14 @@ def test_the_launch_wing_is_reached_by_its_named_users():
     assert users == LAUNCH_USERS, f"modules outside {LAUNCH} that import it: {sorted(users)}"
 
 
-ENGINES = ("core", "cpu", "offload", "reshard", "rollout", "tensor_cache", "train")
+ENGINES = ("core", "rigs.cpu", "offload", "reshard", "rollout", "tensor_cache", "train")
 
 
 def test_no_engine_imports_the_reporting_wing():
     """The engines return figures; the patches hand them to the report (reporting/) and the checking commands
     print their findings with it."""
     bad = sorted(f"{mod} imports {t}" for mod, edges in import_graph().items()
-                 if mod.count(".") and mod.split(".")[1] in ENGINES for t in edges
+                 if any(mod == f"{PACKAGE}.{e}" or mod.startswith(f"{PACKAGE}.{e}.") for e in ENGINES) for t in edges
                  if t.startswith(f"{PACKAGE}.reporting"))
     assert not bad, "an engine imports the reporting wing:\n" + "\n".join(bad)
 
@@ -401,8 +443,11 @@ def test_the_readme_layout_table_names_every_folder_and_root_module():
     text = (REPO / "README.md").read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     cells = " ".join(line.split("|")[1] for line in section.splitlines() if line.startswith("| `"))
-    folders = sorted(p.parent.relative_to(REPO / PACKAGE).as_posix() for p in (REPO / PACKAGE).rglob("__init__.py")
-                     if p.parent != REPO / PACKAGE and "patches" not in p.parent.relative_to(REPO / PACKAGE).parts[:1])
+    # The record folders (one per upstream) are named by their parent's row: patches/ and rigs/cpu/patches/.
+    records = ("patches", CPU_RECORDS.removeprefix(PACKAGE + ".").replace(".", "/"))
+    folders = sorted(f for f in (p.parent.relative_to(REPO / PACKAGE).as_posix()
+                                 for p in (REPO / PACKAGE).rglob("__init__.py") if p.parent != REPO / PACKAGE)
+                     if not any(f.startswith(r + "/") for r in records))
     missing = [f for f in folders if f"`{PACKAGE}/{f}/`" not in cells]
     missing += [f"{m}.py" for m in sorted(ROOT_MODULES) if f"`{PACKAGE}/{m}.py`" not in cells]
     if f"`{PACKAGE}/patches/`" not in cells:
@@ -410,8 +455,16 @@ def test_the_readme_layout_table_names_every_folder_and_root_module():
     assert not missing, f"README.md's layout table does not name: {missing}"
 
 
+# The CPU platform's patch records live in the rig wing (the catalogue names them by string: CPU_MODULES).
+CPU_RECORDS = f"{PACKAGE}.rigs.cpu.patches"
+
+
+def _is_record_module(m: str) -> bool:
+    return m.startswith(f"{PACKAGE}.patches.") or m.startswith(CPU_RECORDS + ".")
+
+
 def _patch_modules() -> set[str]:
-    return {m for m in import_graph() if m.startswith(f"{PACKAGE}.patches.")}
+    return {m for m in import_graph() if _is_record_module(m)}
 
 
 def test_core_is_handed_the_patch_records():
@@ -429,7 +482,7 @@ def test_nothing_outside_patches_imports_a_patch_module():
     bad = []
     for path in sorted((REPO / PACKAGE).rglob("*.py")):
         mod = _module_name(path, REPO)
-        if mod.startswith(f"{PACKAGE}.patches"):
+        if mod.startswith(f"{PACKAGE}.patches") or mod == CPU_RECORDS or _is_record_module(mod):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
@@ -459,14 +512,15 @@ RECIPE_FOLDERS = ("megatron", "mindspeed", "verl", "vllm", "vllm_ascend")
 
 def test_the_recipe_folders_hold_the_recipe_changes_only():
     """patches/<upstream>/ shows the recipe's changes: a record that applies only on the CPU platform lives
-    under patches/cpu/<upstream>/ (and only such records do), and every module of either is in the catalogue."""
+    under rigs/cpu/patches/<upstream>/ (and only such records do), and every module of either is in the catalogue."""
     from verl_patches.core.registry import load_registry
     from verl_patches.patches import CPU_MODULES, CPU_PACKAGE, PATCH_MODULES, RECIPE_MODULES
 
     bad = sorted(f"{p.id} ({p.replacement.split(':')[0]})" for p in load_registry(PATCH_MODULES)
                  if p.replacement.startswith(CPU_PACKAGE + ".") != (p.platforms == ("cpu",)))
-    assert not bad, "CPU-only records outside patches/cpu/, or others inside it:\n" + "\n".join(bad)
-    listed = _patch_modules() - {f"{PACKAGE}.patches.{f}" for f in RECIPE_FOLDERS + ("cpu",)} \
+    assert not bad, "CPU-only records outside rigs/cpu/patches/, or others inside it:\n" + "\n".join(bad)
+    assert CPU_PACKAGE == CPU_RECORDS
+    listed = _patch_modules() - {f"{PACKAGE}.patches.{f}" for f in RECIPE_FOLDERS} \
         - {f"{CPU_PACKAGE}.{f}" for f in RECIPE_FOLDERS + ("torch",)}
     assert listed == set(PATCH_MODULES)
     assert all(m.split(".")[2] in RECIPE_FOLDERS for m in RECIPE_MODULES)
@@ -477,7 +531,7 @@ LONG_TAIL = f"{PACKAGE}.rollout.long_tail"
 # Who imports the long tail's wing: the CPU generation stand-in that runs the rebalance, and the rollout
 # patch that reads recipe.rebalance (and refuses it on a device). The rollout-plan verb names
 # rollout.long_tail.simulator:main in verl_patches/cli.py, a string, not an import.
-LONG_TAIL_USERS = {f"{PACKAGE}.cpu.engine", f"{PACKAGE}.patches.verl.patch_workers_rollout_vllm_rollout_spmd"}
+LONG_TAIL_USERS = {f"{PACKAGE}.rigs.cpu.engine", f"{PACKAGE}.patches.verl.patch_workers_rollout_vllm_rollout_spmd"}
 
 
 def test_the_long_tail_is_a_wing_of_its_own():
@@ -536,7 +590,7 @@ def test_one_settings_module_is_imported_by_every_reader():
 # at import time: the doctor reads the catalogue in a Python without the stack, tests/core/test_doctor_cli.py)
 # imports lazily a module of the package that imports an upstream package at its head. Any other lazy import of the
 # package is named in LAZY_OWN.
-LIGHT = (f"{PACKAGE}.cli", f"{PACKAGE}.core", f"{PACKAGE}.patches")
+LIGHT = (f"{PACKAGE}.cli", f"{PACKAGE}.core", f"{PACKAGE}.patches", f"{PACKAGE}.rigs.cpu.patches")
 # The overlay's one dependency besides the standard library (pyproject.toml): a light module may import it.
 OVERLAY_DEPENDENCIES = {"packaging"}
 # importer -> module of the package it imports in a function, and why.

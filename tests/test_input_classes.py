@@ -219,7 +219,7 @@ def test_two_conversions_into_one_directory_at_once_the_second_is_refused(conver
 def test_two_asset_builds_into_one_directory_are_serialised(tmp_path, monkeypatch):
     """Two builds at once: the second deleted the first's temporary files (FileNotFoundError). Now the
     second waits for the first's lock and reuses its finished build."""
-    from verl_patches.tiny import assets
+    from verl_patches.rigs.tiny import assets
 
     inside, go, calls = threading.Event(), threading.Event(), []
 
@@ -266,7 +266,7 @@ def test_two_asset_builds_into_one_directory_are_serialised(tmp_path, monkeypatc
 def test_asset_build_follows_the_platforms_layer_spec(tmp_path, monkeypatch):
     """The checkpoint's names follow the training model's layer spec: MindSpeed-LLM's on the NPU rehearsal
     platform, TE's elsewhere (the CPU build's index as before); a build for one spec is not reused for another."""
-    from verl_patches.tiny import assets
+    from verl_patches.rigs.tiny import assets
 
     specs = []
     monkeypatch.setattr(assets, "write_model", lambda o: (o.mkdir(parents=True), (o / "config.json").write_text("{}")))
@@ -292,7 +292,7 @@ def test_asset_build_follows_the_platforms_layer_spec(tmp_path, monkeypatch):
 
 def test_asset_build_into_an_unwritable_place_is_named(tmp_path, capsys):
     """Beyond the ten: the asset build under a path that cannot be created ended in a FileExistsError traceback."""
-    from verl_patches.tiny import assets
+    from verl_patches.rigs.tiny import assets
 
     (tmp_path / "f").write_text("a file\n")
     assert assets.main([str(tmp_path / "f" / "assets")]) == 2

@@ -46,7 +46,8 @@ def test_the_walk_names_every_class_with_its_release():
     (torch.nn.Module, "resolves to torch.nn.Module itself"),
     (type("LayerNormLinear", (torch.nn.Module,), {"__module__": "transformer_engine.pytorch"}),
      "is Transformer Engine's"),
-    (type("HostLinear", (torch.nn.Module,), {"__module__": "verl_patches.cpu.layers"}), "CPU platform's host module"),
+    (type("HostLinear", (torch.nn.Module,), {"__module__": "verl_patches.rigs.cpu.layers"}),
+     "CPU platform's host module"),
 ])
 def test_a_dummy_or_foreign_class_is_refused_naming_its_place(core, expected):
     with pytest.raises(LayerSpecError, match=rf"layer\.self_attention\.core_attention: .*{expected}"):

@@ -14,7 +14,7 @@ from tests.helpers import REPO
 from verl_patches.base import schema
 from verl_patches.config import settings
 from verl_patches.rollout.long_tail import simulator
-from verl_patches.testing import graph_switch
+from verl_patches.rigs.testing import graph_switch
 
 
 def test_the_old_recipe_key_is_refused_naming_the_new_one():

@@ -18,7 +18,7 @@ from tests.helpers import REPO
 from verl_patches.config import settings
 from verl_patches.config.megatron_args import RecipeMegatron
 from verl_patches.preflight.cli import build_parser as preflight_parser
-from verl_patches.preflight.rehearse import Options
+from verl_patches.preflight.switch_rehearsal import Options
 from verl_patches.reshard.cli import main as plan_main
 from verl_patches.reshard.planner import build_plan
 from verl_patches.reshard.weight_sync import WeightSync, execute
@@ -184,7 +184,7 @@ def test_every_tool_and_caller_takes_the_declared_bucket(capsys):
 BUCKET_NAMES = ("bucket_mb", "bucket_bytes")
 # A bucket written out on purpose, with its reason.
 OWN_BUCKETS = {
-    ("verl_patches/testing/selfcheck.py", "bucket_bytes"): "4 KiB, to split the rig's tiny models into many buckets",
+    ("verl_patches/rigs/testing/selfcheck.py", "bucket_bytes"): "4 KiB, to split the rig's tiny models into many buckets",
 }
 
 

@@ -89,7 +89,7 @@ def _policy(cfg):
 
 
 def _generation(cfg):
-    from verl_patches.cpu.engine import rebalance_setup
+    from verl_patches.rigs.cpu.engine import rebalance_setup
 
     return rebalance_setup(_llm(cfg))
 

@@ -1,7 +1,7 @@
 """Issue 29, item 4: SIGTERM to the test command (scripts/test.sh, which execs pytest) stops the whole run
 with a non-zero exit. It used to fail the one test that was inside procs.stop_on_signals (every
 run_distributed call) and run on; elsewhere it killed pytest before any teardown. The plugin is
-verl_patches/testing/stop_on_sigterm.py, loaded by pyproject.toml's addopts."""
+verl_patches/rigs/testing/stop_on_sigterm.py, loaded by pyproject.toml's addopts."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import json
 import sys
 from dataclasses import asdict
 
-from verl_patches import npu_rehearsal
+from verl_patches.rigs import npu_rehearsal
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.core import hook
 from verl_patches.core.docs import upstream_lines, PATCHES_MD, render_patches_md

@@ -18,7 +18,7 @@ if APPLIED:
     print(f"verl_patches: applied {len(APPLIED)} patch(es) for the {current_phase()} phase on the "
           f"{accelerator.device_type()} platform (python -m verl_patches patches lists them)",
           file=sys.stderr, flush=True)
-    from verl_patches import npu_rehearsal
+    from verl_patches.rigs import npu_rehearsal
 
     if npu_rehearsal.selected():
         print(f"verl_patches: {npu_rehearsal.describe()}", file=sys.stderr, flush=True)

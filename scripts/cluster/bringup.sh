@@ -96,8 +96,8 @@ bringup_check_env() {
 
 # Ray's name for the accelerator: verl asks Ray for "NPU" on Ascend and "GPU" otherwise. On the
 # host (DEVICE=cpu) Ray is told the node has DEVICES_PER_NODE "GPU" slots: verl places one worker
-# per slot, and each worker runs on the CPU (the CPU platform's patches, verl_patches/cpu/).
-# DEVICE=npu-rehearsal (the NPU rehearsal platform, verl_patches/npu_rehearsal/: torch_npu's stand-in on the
+# per slot, and each worker runs on the CPU (the CPU platform's patches, verl_patches/rigs/cpu/).
+# DEVICE=npu-rehearsal (the NPU rehearsal platform, verl_patches/rigs/npu_rehearsal/: torch_npu's stand-in on the
 # host) is the NPU's to verl and Ray: "NPU" slots, trainer.device=npu, one worker per slot, on the CPU.
 bringup_resource_name() {
   if [[ "$DEVICE" == npu || "$DEVICE" == npu-rehearsal ]]; then echo NPU; else echo GPU; fi
@@ -184,10 +184,10 @@ bringup_export_env() {
 
 # DEVICE=npu-rehearsal: every process (the checks, the trainer, Ray's workers) imports the stand-in's torch_npu
 # before verl, which decides its device once at import; the platform is selected by this variable only
-# (verl_patches/npu_rehearsal/). Idempotent.
+# (verl_patches/rigs/npu_rehearsal/). Idempotent.
 bringup_rehearsal_env() {
   [[ "$DEVICE" == npu-rehearsal ]] || return 0
-  local site="${RECIPE_ROOT}/verl_patches/npu_rehearsal/site"
+  local site="${RECIPE_ROOT}/verl_patches/rigs/npu_rehearsal/site"
   case ":${PYTHONPATH:-}:" in
     *":${site}:"*) ;;
     *) export PYTHONPATH="${site}${PYTHONPATH:+:${PYTHONPATH}}" ;;

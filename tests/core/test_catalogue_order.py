@@ -38,7 +38,7 @@ def test_the_real_catalogue_is_consistent_and_every_record_has_a_feature():
 
 
 def test_the_catalogue_lists_the_recipe_first_and_the_prelude_applies_the_cpu_platform_first():
-    """The CPU platform's records (patches/cpu/) come after the recipe's in the catalogue and before them
+    """The CPU platform's records (rigs/cpu/patches/) come after the recipe's in the catalogue and before them
     in the application order; each group keeps its order, and requires / after hold in both orders."""
     patches = load_catalogue()
     cpu = [p.id for p in patches if p.platforms == ("cpu",)]

@@ -18,7 +18,7 @@ def _installed(monkeypatch, *values):
 
 def test_a_stale_plugin_entry_point_fails_the_doctor(monkeypatch):
     _installed(monkeypatch, ("verl_patches.prelude:vllm_plugin", "vllm.general_plugins"),
-               ("verl_patches.cpu.vllm_platform:register", "vllm.platform_plugins"))
+               ("verl_patches.rigs.cpu.vllm_platform:register", "vllm.platform_plugins"))
     found = doctor.install_findings()
     assert [f.id for f in found] == ["install:vllm.general_plugins"]
     assert found[0].failed and doctor.is_failing(found[0], strict=False)
@@ -27,7 +27,7 @@ def test_a_stale_plugin_entry_point_fails_the_doctor(monkeypatch):
 
 def test_entry_points_that_resolve_add_nothing(monkeypatch):
     _installed(monkeypatch, ("verl_patches.entry_points:vllm_plugin", "vllm.general_plugins"),
-               ("verl_patches.cpu.vllm_platform:register", "vllm.platform_plugins"),
+               ("verl_patches.rigs.cpu.vllm_platform:register", "vllm.platform_plugins"),
                ("verl_patches.entry_points:no_such_function", "console_scripts"))  # not a plugin group
     assert doctor.install_findings() == []
 

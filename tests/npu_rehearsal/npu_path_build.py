@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
-    from verl_patches import npu_rehearsal
+    from verl_patches.rigs import npu_rehearsal
 
     drop = os.environ.get("DROP_OPERATOR")
     if drop:
-        from verl_patches.npu_rehearsal import ops
+        from verl_patches.rigs.npu_rehearsal import ops
 
         del ops.OPERATORS[drop]
     import tempfile

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from verl_patches.npu_rehearsal import ops
+from verl_patches.rigs.npu_rehearsal import ops
 
 EXERCISED: set = set()
 """What the tests below exercise: torch_npu names and "builder:function" MindSpeed kernels."""
@@ -780,35 +780,73 @@ def test_routing_map_permute_rejects_bad_input():
 
 # --------------------------------------------------------------------------- MindSpeed index permute
 
+def index_permute_reference(indices, num_out_tokens):
+    """MindSpeed's npu_moe_token_permute as its C++ documents it (mindspeed/ops/csrc/cann/npu_moe_token_permute.cpp):
+    the forward order is Megatron's, the flat (token, k) slots sorted by expert, stably; the rows kept are the
+    first n (n = min(num_out_tokens, slots) when positive, else slots + num_out_tokens); sorted_indices is the
+    aclnn operator's, not Megatron's: unsliced, one entry per slot, the row that slot lands in."""
+    flat = indices.reshape(-1).tolist()
+    slots = len(flat)
+    forward = sorted(range(slots), key=lambda slot: flat[slot])  # Python's sort is stable
+    rows = min(num_out_tokens, slots) if num_out_tokens > 0 else slots + num_out_tokens
+    landing = [forward.index(slot) for slot in range(slots)]
+    return forward[:rows], landing
+
+
+def index_unpermute_reference(rows, landing, probs):
+    """Token t sums, over its k, probs[t, k] times the row its slot t * topK + k landed in; a slot dropped by the
+    permute (its row past the rows kept) adds nothing."""
+    topk = probs.shape[1]
+    out = []
+    for t in range(len(landing) // topk):
+        acc = torch.zeros(rows.shape[1], dtype=rows.dtype)
+        for k in range(topk):
+            row = landing[t * topk + k]
+            if row < rows.shape[0]:
+                acc = acc + probs[t, k] * rows[row]
+        out.append(acc)
+    return torch.stack(out)
+
+
 @exercises("npu_moe_token_permute:npu_moe_token_permute",
            "npu_moe_token_unpermute:npu_moe_token_unpermute")
-def test_index_permute_and_unpermute_match_reference():
+@pytest.mark.parametrize("num_out_tokens", [None, 0, 5, -3, 9])
+def test_index_permute_and_unpermute_match_reference(num_out_tokens):
     permute = ops.MINDSPEED_KERNELS["npu_moe_token_permute"]["npu_moe_token_permute"]
     unpermute = ops.MINDSPEED_KERNELS["npu_moe_token_unpermute"]["npu_moe_token_unpermute"]
     tokens = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     indices = torch.tensor([[2, 0], [1, 2], [0, 1], [2, 1]])
-    slots = sorted(range(8), key=lambda slot: int(indices.view(-1)[slot]))  # stable by expert
-    permuted, sorted_indices = permute(tokens, indices)
-    close(permuted, torch.stack([tokens[slot // 2] for slot in slots]), torch.float64)
-    assert sorted_indices.tolist() == slots
+    kept, landing = index_permute_reference(indices, num_out_tokens or 0)
+    permuted, sorted_indices = permute(tokens, indices, num_out_tokens)
+    close(permuted, torch.stack([tokens[slot // 2] for slot in kept]), torch.float64)
+    assert sorted_indices.dtype == torch.int32 and sorted_indices.tolist() == landing  # unsliced: 8 slots
     probs = torch.rand(4, 2, dtype=torch.float64, requires_grad=True)
-    rows = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
-    out = unpermute(rows, sorted_indices, probs, False, None)
-    expected = torch.stack([sum(probs[t, k] * rows[slots.index(2 * t + k)] for k in range(2))
-                            for t in range(4)])
-    close(out, expected, torch.float64)
-    close(unpermute(permuted, sorted_indices, torch.full((4, 2), 0.5, dtype=torch.float64)),
-          tokens, torch.float64)  # round trip with weights summing to 1
-    assert gradcheck(lambda t: permute(t, indices)[0], (tokens,))
+    rows = torch.randn(len(kept), 3, dtype=torch.float64, requires_grad=True)
+    close(unpermute(rows, sorted_indices, probs, False, None), index_unpermute_reference(rows, landing, probs),
+          torch.float64)
+    assert gradcheck(lambda t: permute(t, indices, num_out_tokens)[0], (tokens,))
     assert gradcheck(lambda r, p: unpermute(r, sorted_indices, p), (rows, probs))
-    dropped, kept = permute(tokens, indices, 5)
-    assert kept.tolist() == slots[:5] and dropped.shape == (5, 3)
+    if len(kept) == 8:  # round trip with weights summing to 1
+        close(unpermute(permuted, sorted_indices, torch.full((4, 2), 0.5, dtype=torch.float64)), tokens,
+              torch.float64)
+
+
+def test_index_permute_and_unpermute_refuse_what_they_do_not_take():
+    permute = ops.MINDSPEED_KERNELS["npu_moe_token_permute"]["npu_moe_token_permute"]
+    unpermute = ops.MINDSPEED_KERNELS["npu_moe_token_unpermute"]["npu_moe_token_unpermute"]
+    tokens, indices = torch.randn(4, 3), torch.tensor([[2, 0], [1, 2], [0, 1], [2, 1]])
+    permuted, sorted_indices = permute(tokens, indices)
+    probs = torch.rand(4, 2)
     with pytest.raises(ValueError, match="num_out_tokens"):
-        permute(tokens, indices, 9)
+        permute(tokens, indices, -9)
     with pytest.raises(ValueError, match="padded_mode"):
         permute(tokens, indices, None, True)
-    with pytest.raises(ValueError, match="one entry per permuted row"):
-        unpermute(rows[:7], sorted_indices, probs)
+    with pytest.raises(ValueError, match="rows for 8 slots"):
+        unpermute(torch.randn(9, 3), sorted_indices, probs)
+    with pytest.raises(ValueError, match="multiple of topK"):
+        unpermute(permuted, sorted_indices[:7], probs)
+    with pytest.raises(ValueError, match="probs has 3 rows"):
+        unpermute(permuted, sorted_indices, probs[:3])
 
 
 # --------------------------------------------------------------------------- fused AdamW

@@ -1,4 +1,4 @@
-"""The NPU rehearsal platform (verl_patches/npu_rehearsal): selection, refusal beside a real torch_npu, the
+"""The NPU rehearsal platform (verl_patches/rigs/npu_rehearsal): selection, refusal beside a real torch_npu, the
 stand-in's device mapping and loud failures, and the NPU path it exists for (tests/npu_rehearsal/npu_path_build.py).
 
 Activation renames torch's PrivateUse1 backend and MindSpeed patches megatron-core in place, so everything that
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import needs_npu_stack
-from verl_patches import npu_rehearsal
+from verl_patches.rigs import npu_rehearsal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def test_a_forced_host_device_contradicts_the_rehearsal_naming_both(monkeypatch,
 
 DEVICE_API = """
 import json, tempfile, torch, torch.distributed as dist
-from verl_patches import npu_rehearsal
+from verl_patches.rigs import npu_rehearsal
 npu_rehearsal.activate()
 from torch_npu.contrib import transfer_to_npu
 out = {"describe": npu_rehearsal.describe(), "npu_is_stand_in": torch.npu.__name__ == "torch_npu.npu"}
@@ -102,7 +102,7 @@ try:
 except ImportError:
     out["builder"] = "mindspeed not installed"
 else:
-    from verl_patches.npu_rehearsal import ops
+    from verl_patches.rigs.npu_rehearsal import ops
     npu_rehearsal.activate_mindspeed_kernels()
     builder = GMMOpBuilder()  # one instance: its constructor defines the torch-library schema
     out["builder_known"] = sorted(vars(builder.load()))
@@ -150,7 +150,7 @@ def test_verls_initializer_builds_the_npu_model_with_no_dummy_module_and_it_trai
     assert "core_attention: mindspeed_llm.tasks.models.transformer.mla_dot_product_attention.MlaDotProductAttention" in table
     assert ("layer.mlp.experts: mindspeed.core.transformer.moe.moe_feature.adaptor.MindSpeedGmmExperts "
             "[mindspeed v2.2.0_core_r0.12.1") in table
-    assert ": transformer_engine." not in table and ": verl_patches.cpu." not in table and "[?]" not in table
+    assert ": transformer_engine." not in table and ": verl_patches.rigs.cpu." not in table and "[?]" not in table
     assert out["dummies"] == []
     assert not any(c.startswith("megatron.core.extensions.transformer_engine") for c in out["classes"])
     assert {"mindspeed_llm.tasks.models.transformer.multi_latent_attention.CustomMLASelfAttention",
@@ -196,7 +196,7 @@ def test_the_npu_model_loads_the_tiny_assets_mindspeed_llm_checkpoint(tmp_path):
     """Names end to end: the tiny assets' checkpoint for the NPU path (hf_to_mcore --spec mindspeed_llm, chunked
     for TP2 x PP2 x EP2) holds every key MindSpeed-LLM's DeepSeek model asks for, in its shapes; verl's loader
     fills the model with it (one rank)."""
-    from verl_patches.tiny import assets
+    from verl_patches.rigs.tiny import assets
 
     paths = assets.build(tmp_path / "assets", "mindspeed_llm")
     out = result(run(str(REPO / "tests/npu_rehearsal/npu_ckpt_load_worker.py"), str(paths["MODEL_PATH"]),

@@ -1,4 +1,4 @@
-"""The NPU rehearsal platform's torch_npu.profiler stand-in (verl_patches/npu_rehearsal/site/torch_npu/profiler/):
+"""The NPU rehearsal platform's torch_npu.profiler stand-in (verl_patches/rigs/npu_rehearsal/site/torch_npu/profiler/):
 the accelerator facade's NPU branch (verl_patches/base/accelerator.py, ``profiler``) runs on it as on an NPU,
 torch_npu's calls answered by torch's profiler on the host, a readable chrome trace written; a name the stand-in
 does not declare, or an argument torch_npu does not take, fails loudly. In its own process (activation renames
@@ -10,7 +10,7 @@ from tests.npu_rehearsal.test_platform import result, run
 
 PROFILE = """
 import json, os, tempfile, torch
-from verl_patches import npu_rehearsal
+from verl_patches.rigs import npu_rehearsal
 npu_rehearsal.activate()
 import torch_npu
 from torch_npu.contrib import transfer_to_npu

@@ -1,4 +1,4 @@
-"""Which patch records apply on the NPU rehearsal platform (verl_patches/npu_rehearsal/records.py), read from the
+"""Which patch records apply on the NPU rehearsal platform (verl_patches/rigs/npu_rehearsal/records.py), read from the
 real catalogue: every host-only record and every vLLM-Ascend record is decided, the NPU's model records apply, the
 host Transformer Engine spec never does."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_patches.npu_rehearsal import records
+from verl_patches.rigs.npu_rehearsal import records
 from verl_patches.patches import load_catalogue
 
 
@@ -34,7 +34,7 @@ def test_an_undecided_host_record_fails_naming_the_table():
 
     new = Patch(feature="cpu_platform", id="cpu.torch.new_thing", target="torch.cuda:is_available", kind="replace",
                 phases=("worker",), upstream="torch", versions=">=2", fingerprint=Fingerprint("def is_available()", "0"),
-                replacement="verl_patches.npu_rehearsal.records:applies", flag="", why="x", remove_when="x",
+                replacement="verl_patches.rigs.npu_rehearsal.records:applies", flag="", why="x", remove_when="x",
                 platforms=("cpu",))
-    with pytest.raises(KeyError, match="APPLY or SKIP in verl_patches/npu_rehearsal/records.py"):
+    with pytest.raises(KeyError, match="APPLY or SKIP in verl_patches/rigs/npu_rehearsal/records.py"):
         records.applies_on_rehearsal(new)

@@ -1,7 +1,7 @@
 """The NPU path in verl's trainer loop, on the NPU rehearsal platform: ``DEVICE=npu-rehearsal bash
 scripts/train_tiny.sh`` as a person runs it, six GRPO steps.
 
-What runs is the Ascend path with the declared stand-in underneath (verl_patches/npu_rehearsal: torch_npu's
+What runs is the Ascend path with the declared stand-in underneath (verl_patches/rigs/npu_rehearsal: torch_npu's
 device API and documented operators on the host, MindSpeed's kernels by builder name): MindSpeed 2.2.0's and
 MindSpeed-LLM 2.2.0's features applied as on an NPU, the training model built from MindSpeed-LLM's DeepSeek spec
 and loaded from a checkpoint written with its names, MindSpeed's swap optimizer stepping, the reshard from its

@@ -3,7 +3,7 @@ vLLM captures one per capture size) over a tiny DeepSeek-V3-shaped decode forwar
 W_UK_T / W_UV, dense and MoE MLPs, a KV cache write and read), all replayed after each of 100 switches
 through the real offload engine, switch schedule and weight sync (one rank), with new weights
 every cycle and training-phase allocations of varied sizes in between
-(verl_patches/testing/graph_switch.py). Skips without CUDA or torch_memory_saver.
+(verl_patches/rigs/testing/graph_switch.py). Skips without CUDA or torch_memory_saver.
 
 With the address-stable regions every replay equals the eager forward bit for bit, every address
 a graph reads stays the captured one, and releasing the regions frees their memory. The same
@@ -34,7 +34,7 @@ def _run(tmp_path, mode: str, cycles: int, graph_sizes: str = "4") -> dict:
     out = tmp_path / f"{mode}.json"
     path = os.pathsep.join([str(REPO), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
     env = dict(os.environ, PYTHONPATH=path, NCCL_NVLS_ENABLE="0", VERL_PATCHES_DEVICE="cuda")
-    proc = subprocess.run([sys.executable, "-m", "verl_patches.testing.graph_switch", "--mode", mode,
+    proc = subprocess.run([sys.executable, "-m", "verl_patches.rigs.testing.graph_switch", "--mode", mode,
                            "--cycles", str(cycles), "--graph-sizes", graph_sizes, "--json", str(out)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     if not out.exists():

@@ -2,11 +2,11 @@
 built through the recipe's patch verl.optim.cpu_offload) takes the same steps as the optimizer on the
 device, on a small DeepSeek-V3-shaped model (MLA, dense and MoE layers, shared experts, sigmoid router),
 with the recipe's switch loop offloading the training params and releasing the grads between steps
-(verl_patches/testing/optimizer_offload.py). Skips without CUDA (CI has none): docs/benchmarks.md records
+(verl_patches/rigs/testing/optimizer_offload.py). Skips without CUDA (CI has none): docs/benchmarks.md records
 the runs on an H100.
 
 The tolerance and why: ``rel_diff`` = ||d - d_device|| / ||d_device||, d the change of every fp32 master
-since the start (verl_patches/testing/optimizer_offload.py). The host steps with torch's AdamW on the CPU,
+since the start (verl_patches/rigs/testing/optimizer_offload.py). The host steps with torch's AdamW on the CPU,
 the device with AdamW on the GPU: the same formula, rounded differently in fp32. After the first step both
 started from the same params and data, so only that rounding differs: the bound is 1e-3, and the control
 run (the same hybrid optimizer with a learning rate 10 % off, about 0.1) must fail it. From the second
@@ -29,7 +29,7 @@ LR = 1e-3
 
 
 def _compare(rank: int, world: int) -> dict:
-    from verl_patches.testing import optimizer_offload as oo
+    from verl_patches.rigs.testing import optimizer_offload as oo
 
     oo.setup("cuda")
     cfg = oo.model_config()

@@ -90,7 +90,7 @@ def test_graph_check_is_cuda_only(monkeypatch):
     """--graph-check captures CUDA graphs: refused by name off nccl (its GPU run: docs/benchmarks.md)."""
     monkeypatch.setenv("VERL_PATCHES_DEVICE", "cpu")
     from verl_patches.preflight.cli import parse_args
-    from verl_patches.preflight.rehearse import Options, _regions
+    from verl_patches.preflight.switch_rehearsal import Options, _regions
 
     with pytest.raises(SystemExit):
         parse_args(["--graph-check"])

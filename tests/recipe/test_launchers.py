@@ -551,6 +551,6 @@ echo "RAY=${{RAY_CMD[*]}}"
     assert "RESOURCE=NPU TRAINER=npu DOCTOR=npu" in r.stdout
     assert "PLATFORM=npu-rehearsal DYNAMO=1" in r.stdout
     path = next(line for line in r.stdout.splitlines() if line.startswith("PYTHONPATH=")).split("=", 1)[1].split(":")
-    site = str(SCRIPTS.parent / "verl_patches/npu_rehearsal/site")
+    site = str(SCRIPTS.parent / "verl_patches/rigs/npu_rehearsal/site")
     assert path.count(site) == 1  # on the path at every process start, so torch_npu resolves before verl imports it
     assert '--resources {"NPU": 4}' in r.stdout and "--num-cpus 6" in r.stdout and "--num-gpus" not in r.stdout

@@ -49,7 +49,7 @@ def netns_tag():
     _need_root()
     tag = f"t{os.getpid() % 100000}{int(time.monotonic() * 10) % 1000}"
     yield tag
-    from verl_patches.launch.rehearse import Network
+    from verl_patches.launch.netns_cluster import Network
 
     names = [n for n in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
              if re.fullmatch(rf"{tag}(sw|n\d+)", n)]

@@ -12,7 +12,7 @@ rebalance's own exactness test over 4 DP ranks is tests/rollout/long_tail/test_m
 profiles its first step's update and switch phases on one rank (recipe.profile): the traces must be
 there, readable chrome traces of that work, and nothing else.
 
-On the CPU platform generation is the declared stand-in (verl_patches/cpu/engine.py: transformers'
+On the CPU platform generation is the declared stand-in (verl_patches/rigs/cpu/engine.py: transformers'
 DeepseekV3 over the tensors the reshard wrote into vLLM's parameters); everything else is upstream.
 """
 

@@ -10,7 +10,7 @@ import pytest
 
 from verl_patches.reshard.alltoallv import alltoallv_stats
 from verl_patches.reshard.baselines import upstream_stats
-from verl_patches.testing.selfcheck import check_plans, make_plan
+from verl_patches.rigs.testing.selfcheck import check_plans, make_plan
 from verl_patches.launch.local_ranks import run_distributed
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').

@@ -9,7 +9,7 @@ from verl_patches.reshard.coords import rollout_coords, train_coords, vllm_exper
 from verl_patches.reshard.layouts import RolloutLayout
 from verl_patches.launch.local_ranks import run_distributed
 
-from verl_patches.testing.groupcheck import upstream_groups
+from verl_patches.rigs.testing.groupcheck import upstream_groups
 
 # Multi-process or Ray: the slow tier (README: fast tier = -m 'not slow').
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.reshard import checksum
 from verl_patches.reshard.checksum import (CHUNK, MASK, FingerprintArithmeticError, FingerprintTable, key_table,
                                            tensor_checksum, view_checksum)
-from verl_patches.testing.fingerprint_check import check_fingerprints
-from verl_patches.testing.selfcheck import make_plan
+from verl_patches.rigs.testing.fingerprint_check import check_fingerprints
+from verl_patches.rigs.testing.selfcheck import make_plan
 
 MODEL = json.loads((Path(__file__).resolve().parents[2] / "configs/model/tiny_deepseek_v3.json").read_text())
 M32 = 1 << 32

@@ -15,7 +15,7 @@ import torch
 
 def build_model(cfg: dict):
     # The binding tests' builder: megatron-core's own modules, local spec, SequentialMLP experts.
-    from verl_patches.testing.live_models import build_megatron_deepseek
+    from verl_patches.rigs.testing.live_models import build_megatron_deepseek
 
     return build_megatron_deepseek(cfg, torch.bfloat16, grouped=False)
 

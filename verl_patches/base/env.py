@@ -93,7 +93,7 @@ VARIABLES: tuple[Var, ...] = (
         "npu-rehearsal: the NPU rehearsal platform, a declared stand-in: the torch_npu (and torchair) stand-in "
         "packages map the NPU device API onto the host and answer torch_npu's operators and MindSpeed's kernels "
         "with host implementations; refused where a real torch_npu imports. Default: no stand-in",
-        "verl_patches/npu_rehearsal/__init__.py", choices=("npu-rehearsal",)),
+        "verl_patches/rigs/npu_rehearsal/__init__.py", choices=("npu-rehearsal",)),
     Var("VERL_PATCHES_PHASE", "choice", "",
         "forces the process phase the prelude applies patches for (default: detected)",
         "verl_patches/core/phase.py", choices=("driver", "worker", "engine_core")),

@@ -13,7 +13,8 @@ neither silently wins.
 The property suite (tests/test_properties.py, ``test_every_entry_point_declares_its_options``)
 finds every entry point in the source tree, reads its parser's declarations and generates bad
 values from them (``Rule.bad_values``); an option without a declaration fails it.
-This module imports only the standard library.
+This module imports the standard library and, of the package, only its neighbour ``base.env`` (the typed
+reader of a rule's environment variable, ``env=``): the doctor and the CLI read it without torch.
 """
 
 from __future__ import annotations

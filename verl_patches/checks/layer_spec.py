@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from verl_patches import npu_rehearsal
+from verl_patches.rigs import npu_rehearsal
 from verl_patches.base import accelerator
 from verl_patches.base.schema import Integer, PathArg, Text
 from verl_patches.config import megatron_args, settings

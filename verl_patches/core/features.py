@@ -20,7 +20,7 @@ FEATURES: dict[str, str] = {
     "reward": "The recipe's reward functions.",
     "observability": "The recipe's per-step report.",
     "self_check": "Every step proves itself: the rollout's weights against the trainer's, captured addresses.",
-    # Last: not the recipe's (verl_patches/patches/cpu/).
+    # Last: not the recipe's (verl_patches/rigs/cpu/patches/).
     "cpu_platform": "Host stand-ins for what has no CPU implementation upstream (CPU platform only).",
 }
 

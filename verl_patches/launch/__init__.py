@@ -5,7 +5,7 @@ cluster launchers' checks.
 (``run_distributed``: a function on N local processes joined by torch.distributed), ``rank_boot`` (the first code
 such a rank runs: its heartbeat), ``rank_preload`` (what the ranks' forkserver imports once), ``procs`` (process
 lifetimes: children die with their parent; ``python -m verl_patches.launch.procs exec -- CMD``), ``node_watch``
-(the head launcher's watch on every node), ``rehearse`` (several nodes on one machine in network namespaces) and
+(the head launcher's watch on every node), ``netns_cluster`` (several nodes on one machine in network namespaces) and
 ``cluster_checks`` (the cluster launchers' checks of their inputs: ``python -m verl_patches.launch.cluster_checks``).
 Importing this package imports none of its modules.
 """

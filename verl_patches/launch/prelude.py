@@ -8,12 +8,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from verl_patches import npu_rehearsal
+from verl_patches.rigs import npu_rehearsal
 from verl_patches.base import env
 from verl_patches.core.apply import apply_all
 from verl_patches.core.phase import current_phase
 from verl_patches.core.record import Patch
-from verl_patches.npu_rehearsal.records import applies_on_rehearsal
 from verl_patches.patches import in_application_order, load_catalogue
 from verl_patches.base import accelerator
 from verl_patches.rollout.compile_context import save_real_compile
@@ -33,9 +32,9 @@ def patches_for(phase: str, registry: list[Patch] | None = None, device_type: st
     applies = lambda p: p.applies_on(dev)  # noqa: E731
     if dev == "npu" and device_type is None and npu_rehearsal.active():
         # The NPU rehearsal platform: the NPU's records, and the host records decided per record
-        # (verl_patches/npu_rehearsal/records.py: APPLY where the host lacks what the stand-in's device
+        # (verl_patches/rigs/npu_rehearsal/records.py: APPLY where the host lacks what the stand-in's device
         # mapping cannot give, never the host layer spec).
-        applies = applies_on_rehearsal
+        applies = npu_rehearsal.applies_on_rehearsal
     return [p for p in in_application_order(registry if registry is not None else load_catalogue())
             if phase in p.phases and p.id not in off and applies(p)]
 

@@ -1,6 +1,10 @@
 """Offload engine and the train/rollout switch schedule (docs/DESIGN.md section 3).
 
-Plain torch, every device call through verl_patches.base.accelerator; importing patches nothing.
+``schedule`` (the switch as an explicit state machine, and verl 0.4.1's order as a baseline), ``live`` (that
+order run on the live memory objects), ``groups`` (the offloadable groups behind one interface), ``ledger`` (the
+device bytes per group after each step), ``pool`` (the pinned host buffers and the chunked copy engine),
+``stable`` (address-stable device memory for graph mode) and ``megatron_memory`` (a Megatron actor's memory as
+groups by role). Plain torch, every device call through verl_patches.base.accelerator; importing patches nothing.
 Names are loaded on first use.
 """
 

@@ -2,11 +2,12 @@
 
 Each listed module defines ``PATCHES``, a list of records. The recipe's own patches come first
 (``RECIPE_MODULES``, one folder per upstream package: megatron/, verl/, vllm/, vllm_ascend/,
-mindspeed/), then the CPU platform's (``CPU_MODULES``, under cpu/: stand-ins so the loop runs on a
-host, applied only there). The registry reads them in that order (``PATCH_MODULES``) and checks each
-record's ``requires`` / ``after`` in it; the prelude applies the CPU platform's first, each group in
-its own order (:func:`in_application_order`). The catalogue hands its modules to the registry
-(verl_patches/core/registry.py), which names none itself: :func:`load_catalogue`.
+mindspeed/), then the CPU platform's (``CPU_MODULES``, in the rig wing, rigs/cpu/patches/: stand-ins so the
+loop runs on a host, applied only there; named here by string, so the catalogue imports no rig). The registry
+reads them in that order (``PATCH_MODULES``) and checks each record's ``requires`` / ``after`` in it; the
+prelude applies the CPU platform's first, each group in its own order (:func:`in_application_order`). The
+catalogue hands its modules to the registry (verl_patches/core/registry.py), which names none itself:
+:func:`load_catalogue`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ RECIPE_MODULES: tuple[str, ...] = (
 )
 
 # The CPU platform (platforms=("cpu",) only): what has no host implementation upstream.
-CPU_PACKAGE = "verl_patches.patches.cpu"
+CPU_PACKAGE = "verl_patches.rigs.cpu.patches"
 CPU_MODULES: tuple[str, ...] = (
     f"{CPU_PACKAGE}.torch.patch_cuda",
     f"{CPU_PACKAGE}.torch.patch_cuda_random",

@@ -1,6 +1,7 @@
 """TensorCache (docs/DESIGN.md section 5): stage outputs stay on the device between training stages
-and move between data-parallel layouts by one all-to-all. Plain torch; importing patches nothing.
-Names are loaded on first use.
+and move between data-parallel layouts by one all-to-all: ``cache`` (the per-process cache), ``layout`` (row
+layouts and the exchange plan), ``exchange`` (the one all_to_all_single) and ``protocol`` (what the driver and the
+workers agree on). Plain torch; importing patches nothing. Names are loaded on first use.
 """
 
 from __future__ import annotations

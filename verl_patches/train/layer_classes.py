@@ -10,7 +10,7 @@ used, and the build refuses a spec that resolves to:
 1. ``None``;
 2. ``torch.nn.Module`` itself (the shape of a dummy);
 3. a class of Transformer Engine (there is none on an NPU: anything under that name is a stand-in);
-4. a class of the CPU platform's host modules (``verl_patches.cpu``: a parallel path beside the NPU's).
+4. a class of the CPU platform's host modules (``verl_patches.rigs.cpu``: a parallel path beside the NPU's).
 
 Each entry names its package and that package's release in configs/upstream.lock.toml, so a run's log says which
 MindSpeed / MindSpeed-LLM / megatron-core code it trains with. Walking is duck-typed (a spec has ``module`` and
@@ -93,7 +93,7 @@ def problems(entries: list[Resolved]) -> list[str]:
             bad.append(f"{e.path}: resolves to torch.nn.Module itself (a dummy: nothing implements it)")
         elif e.package == "transformer_engine":
             bad.append(f"{e.path}: {e.name} is Transformer Engine's, which an NPU does not have (a stand-in)")
-        elif e.name.startswith("verl_patches.cpu."):
+        elif e.name.startswith("verl_patches.rigs.cpu."):
             bad.append(f"{e.path}: {e.name} is the CPU platform's host module, not the NPU path's")
     return bad
 

@@ -4,7 +4,7 @@ GPTModel (MLA + MoE, local spec) show what each pipeline stage builds.
 
 Stand-ins, declared: the worker object is made without verl's Ray-side __init__ (only the attributes the
 method reads: config, rank); the tokenizer is a namespace of token ids; megatron's CPU stand-ins are
-verl_patches.testing.live_models.megatron_cpu_stand_ins (torch.cuda.current_device, the grouped-GEMM
+verl_patches.rigs.testing.live_models.megatron_cpu_stand_ins (torch.cuda.current_device, the grouped-GEMM
 package check) plus its parameter-free core-attention stub.
 """
 
@@ -92,7 +92,7 @@ def convert_rank(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
     from megatron.core import parallel_state as ps
 
     from verl_patches.core.apply import apply_all, undo
-    from verl_patches.testing.live_models import megatron_cpu_stand_ins
+    from verl_patches.rigs.testing.live_models import megatron_cpu_stand_ins
 
     megatron_cpu_stand_ins()
     ps.initialize_model_parallel(1, 1)
@@ -162,7 +162,7 @@ def uneven_rank(rank: int, world: int, spec: dict[str, Any]) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from verl_patches.core.apply import apply_all, undo
-    from verl_patches.testing.live_models import megatron_cpu_stand_ins
+    from verl_patches.rigs.testing.live_models import megatron_cpu_stand_ins
 
     megatron_cpu_stand_ins()
     ps.initialize_model_parallel(1, world)

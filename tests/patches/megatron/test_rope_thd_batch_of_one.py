@@ -4,7 +4,7 @@ MindSpeed-LLM's latent attention hands packed sequences' rotary parts over as [t
 rotary kernel (behind _apply_rotary_pos_emb_bshd there) takes 4-D pieces. Checked here: every piece the wrapped
 helper hands on is 4-D, and the result is upstream's for the same RoPE, bit for bit; other shapes untouched. The
 kernel itself runs only on the NPU (its documented shape rule is the rehearsal's stand-in's:
-verl_patches/npu_rehearsal/ops.py, npu_rotary_position_embedding)."""
+verl_patches/rigs/npu_rehearsal/ops/rotary.py, npu_rotary_position_embedding)."""
 
 from __future__ import annotations
 

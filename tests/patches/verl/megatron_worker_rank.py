@@ -50,7 +50,7 @@ def _snap(tensors, what: str = "snapshot") -> bytes:
 
 
 def _setup() -> None:
-    from verl_patches.testing.upstream_env import prepare_cpu_upstream
+    from verl_patches.rigs.testing.upstream_env import prepare_cpu_upstream
 
     prepare_cpu_upstream()
     torch.cuda.current_device = lambda: "cpu"

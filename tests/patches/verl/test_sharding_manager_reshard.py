@@ -1,7 +1,7 @@
 """verl's real MegatronVLLMShardingManager entered with patch verl.sharding_manager.reshard: a real
 megatron-core 0.12.1 actor (MLA + MoE) resharded straight into a real vLLM 0.9.1 DeepseekV3 model
 on CPU equals vLLM's own load_weights of the same weights, MLA's derived tensors included, in the
-switch schedule's order. Stand-ins (declared in verl_patches/testing/live_models.py and
+switch schedule's order. Stand-ins (declared in verl_patches/rigs/testing/live_models.py and
 binding_check.py): the engine wrapper around the vLLM model, the worker's generate_sequences wrapper
 (the switch loop's begin and end of a rollout segment), and the few CUDA-only calls of the CPU build."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_patches.testing.binding_check import sharding_manager_rank
+from verl_patches.rigs.testing.binding_check import sharding_manager_rank
 from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.offload.schedule import our_steps
 
@@ -95,7 +95,7 @@ def test_four_ranks_megatron_tp2_pp2_uneven_to_vllm_tp4_ep4(tmp_path, method):
     """Real megatron-core parallel state on 4 gloo ranks (TP2, PP2 with layers 3,1, experts over
     the TP x EP group) into a real vLLM TP4 / EP4 model on every rank; the layout facts each rank
     reads from its own storage (stage 1 has no dense layer) are agreed by all ranks."""
-    from verl_patches.testing.binding_check import sharding_manager_multirank
+    from verl_patches.rigs.testing.binding_check import sharding_manager_multirank
 
     (tmp_path / "config.json").write_text(CONFIG.read_text())
     # recipe.reshard_bucket_mb 1: the plan's bucket is 1 MiB, and this layout's transfers (up to 0.6 MB

@@ -1,4 +1,4 @@
-"""The CPU generation stand-in (verl_patches/cpu/engine.py) returns the sampled tokens' log-probs in
+"""The CPU generation stand-in (verl_patches/rigs/cpu/engine.py) returns the sampled tokens' log-probs in
 vLLM's form and with vLLM 0.9.1's V1 definition: log-softmax in float32 of the raw logits, before
 temperature and top-k / top-p. Checked against an independent full-sequence forward of transformers'
 DeepseekV3 (no KV cache, no padding) over the same tokens.
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from verl_patches.cpu import engine
+from verl_patches.rigs.cpu import engine
 
 PROMPTS = [[5, 17, 42, 9], [3, 8], [11, 12, 13, 14, 15, 16]]  # different lengths
 

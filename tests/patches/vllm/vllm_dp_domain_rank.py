@@ -36,7 +36,7 @@ class _Recorder:
 
 def dp_domain_rank(rank: int, world: int, spec_fields: dict[str, int]) -> dict[str, Any]:
     os.environ["VLLM_HOST_IP"] = "127.0.0.1"
-    from verl_patches.testing.upstream_env import prepare_cpu_upstream
+    from verl_patches.rigs.testing.upstream_env import prepare_cpu_upstream
 
     prepare_cpu_upstream()
     import torch.distributed as dist

@@ -50,7 +50,7 @@ def workload(rank: int):
 def rebalance_rank(rank: int, world: int) -> dict:
     """The same workload three times: without rebalance, with it, and with it but a move that drops the
     sampling generator's state (the negative control). Tokens and log-probs per request, and the stats."""
-    from verl_patches.cpu import engine
+    from verl_patches.rigs.cpu import engine
     from verl_patches.rollout.long_tail import rebalance as rb
     from verl_patches.rollout.long_tail.migrate import Lockstep
 
@@ -92,7 +92,7 @@ def thread_check_rank(rank: int, world: int) -> str:
 
     from vllm.distributed import parallel_state as ps
 
-    from verl_patches.cpu import engine
+    from verl_patches.rigs.cpu import engine
     from verl_patches.rollout.long_tail import rebalance as rb
 
     group = dist.new_group(list(range(world)), backend="gloo")

@@ -1,5 +1,5 @@
 """The rebalance mechanism (verl_patches/rollout/long_tail/migrate.py) with the CPU generation stand-in
-(verl_patches/cpu/engine.py): moving unfinished requests between DP ranks mid-generation changes no
+(verl_patches/rigs/cpu/engine.py): moving unfinished requests between DP ranks mid-generation changes no
 token and no log-prob of any request.
 
 Stand-ins, declared: the model is transformers' DeepseekV3 (the CPU stand-in's generator) built
@@ -48,7 +48,7 @@ def test_a_rows_logits_do_not_depend_on_its_batch(threads):
     other lengths, at 1 and 2 threads. It holds by construction (one forward per request,
     ``engine._forward``); a batched, left-padded forward fails it on CPUs whose BLAS blocks by the
     batch's shape (an AVX-512 Intel Xeon does, at the first decode step)."""
-    from verl_patches.cpu import engine
+    from verl_patches.rigs.cpu import engine
 
     model = tiny_model()
     g = torch.Generator().manual_seed(3)
@@ -78,7 +78,7 @@ def test_a_rows_logits_do_not_depend_on_its_batch(threads):
 
 
 def test_a_forward_refuses_a_mix_of_prefill_and_decode():
-    from verl_patches.cpu import engine
+    from verl_patches.rigs.cpu import engine
 
     model = tiny_model()
     done, fresh = engine.RequestState([5, 6, 7], _params(), 0), engine.RequestState([8, 9], _params(), 0)
@@ -90,7 +90,7 @@ def test_a_forward_refuses_a_mix_of_prefill_and_decode():
 
 
 def test_per_request_sampling_does_not_depend_on_the_other_requests():
-    from verl_patches.cpu import engine
+    from verl_patches.rigs.cpu import engine
 
     model = tiny_model()
     prompts, params = workload(0)
@@ -102,7 +102,7 @@ def test_per_request_sampling_does_not_depend_on_the_other_requests():
 
 
 def test_seeds_follow_vllm_per_request_seed_or_the_ranks_stream_in_order():
-    from verl_patches.cpu import engine
+    from verl_patches.rigs.cpu import engine
 
     params = [_params(seed=5, n=3)] * 3 + [_params(), _params()]
     torch.manual_seed(1)
@@ -204,7 +204,7 @@ def test_the_setting_reaches_the_engine_on_the_cpu_platform_and_is_refused_on_a_
     from types import SimpleNamespace
 
     from verl_patches.core import stash
-    from verl_patches.cpu.engine import rebalance_setup
+    from verl_patches.rigs.cpu.engine import rebalance_setup
     from verl_patches.patches.verl.patch_workers_rollout_vllm_rollout_spmd import _check_rebalance
     from verl_patches.rollout.settings import STASH_KEY, RolloutSettings
 

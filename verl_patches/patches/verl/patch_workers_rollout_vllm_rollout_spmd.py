@@ -73,7 +73,7 @@ def _engine_kwargs(config: Any) -> dict:
 def _check_rebalance(recipe: Any) -> None:
     """recipe.rebalance* (``recipe``: the run's RecipeSettings), which the generation reads from the rollout
     settings (verl_patches/rollout/long_tail/migrate.py). Only the CPU generation stand-in
-    (verl_patches/cpu/engine.py) runs the mechanism: on a device the move inside vLLM's engine
+    (verl_patches/rigs/cpu/engine.py) runs the mechanism: on a device the move inside vLLM's engine
     (verl_patches/rollout/long_tail/vllm_move.run_engine, ready to replace LLM._run_engine's loop) has not
     run, so rebalance: True is refused there rather than silently ignored."""
     # Lazy: the doctor loads the catalogue, this module included, without torch or the upstream stack; imported when

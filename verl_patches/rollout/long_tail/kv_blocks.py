@@ -6,7 +6,7 @@ side of the move (taking the request out of the running list, the worker's Input
 request's generator) is not written.
 
 The cache tensors are those the worker binds per attention layer; in vLLM's MLA layout (the CPU
-platform's engine allocates the same, verl_patches/cpu/engine.py) one tensor per layer
+platform's engine allocates the same, verl_patches/rigs/cpu/engine.py) one tensor per layer
 ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]``: a request's token t sits in row
 ``t % block_size`` of its block ``t // block_size``. A move carries
 ``layers x tokens x (kv_lora_rank + qk_rope_head_dim) x dtype bytes``. Device tensors stay where they

@@ -57,7 +57,7 @@ def transfer(moves: Sequence[rb.Move], payloads: Mapping[Any, Any], group: Any,
 @dataclass(frozen=True)
 class RebalanceSetup:
     """What the generation runs the mechanism with (the CPU stand-in builds it from the rollout settings,
-    recipe.rebalance*: verl_patches/cpu/engine.py:rebalance_setup): the policy, and the CPU stand-in's
+    recipe.rebalance*: verl_patches/rigs/cpu/engine.py:rebalance_setup): the policy, and the CPU stand-in's
     test-only stagger (DP rank r admits its requests r x ``stagger`` decode steps late, forcing an
     uneven tail; 0: off)."""
 

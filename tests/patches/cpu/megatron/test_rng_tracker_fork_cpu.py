@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from verl_patches.core import apply as ap
-from verl_patches.patches.cpu.megatron import patch_core_tensor_parallel_random as P
-from verl_patches.patches.cpu.torch import patch_cuda_random as T
+from verl_patches.rigs.cpu.patches.megatron import patch_core_tensor_parallel_random as P
+from verl_patches.rigs.cpu.patches.torch import patch_cuda_random as T
 
 WARNING = "CPU RNG state changed within GPU RNG context"
 SEED = 1234

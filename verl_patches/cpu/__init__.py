@@ -1,8 +1,0 @@
-"""The CPU platform: stand-ins for what has no CPU implementation, so the recipe's loop runs without
-an accelerator (the tiny run in CI, a laptop). Applied only by patch records with platforms=("cpu",).
-
-Nothing here runs on NPU or CUDA. Each stand-in says what it replaces: CUDA runtime calls that
-megatron-core makes unconditionally (``cuda_runtime``), Transformer Engine's attention and norms
-(``megatron_layers``), and vLLM's kernels (``engine``: the real vLLM model receives the reshard,
-transformers' DeepseekV3 generates from those very tensors).
-"""
