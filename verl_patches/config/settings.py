@@ -47,8 +47,10 @@ class Key:
     kind: Any  # bool, int, float, str, a tuple of allowed values, a section's own rule by name, or "section"
     default: Any
     doc: str
-    minimum: Any = None  # numbers: the smallest value allowed (an int key without one: 0)
+    minimum: Any = None  # numbers: the smallest value allowed (an int key without one: 0; a float key: above 0)
     maximum: Any = None  # numbers: the largest value allowed
+    low_open: bool = False  # numbers: the value must lie above ``minimum``, not at it
+    high_open: bool = False  # numbers: the value must lie below ``maximum``, not at it
 
 
 def setting(default: Any, doc: str, *, choices: tuple[str, ...] | None = None, minimum: Any = None,
@@ -332,18 +334,30 @@ def _problem(spec: Key, value: Any, here: str) -> str | None:
     if kind is str:
         return None if isinstance(value, str) else f"{here} must be a string (a path), got {_describe(value)}"
     if kind is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or not math.isfinite(value):
+        # A float key without a minimum is a size or a factor: above 0.
+        low, low_open = (0, True) if spec.minimum is None else (spec.minimum, spec.low_open)
+        positive = low > 0 or (low == 0 and low_open)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            return f"{here} must be a {'positive' if positive else 'finite'} number, got {_describe(value)}"
+        if spec.minimum is None and not value > 0:
             return f"{here} must be a positive number, got {_describe(value)}"
-        if spec.minimum is not None and value < spec.minimum:
-            return f"{here} must be >= {spec.minimum}, got {value}"
-        return None
+        return _range_problem(spec, low, low_open, value, here)
     if not isinstance(value, int) or isinstance(value, bool):
         return f"{here} must be an integer, got {_describe(value)}"
-    low = 0 if spec.minimum is None else spec.minimum
-    if value < low or (spec.maximum is not None and value > spec.maximum):
-        return f"{here} must be >= {low}" + (f" and <= {spec.maximum}" if spec.maximum is not None else "") \
-            + f", got {value}"
-    return None
+    return _range_problem(spec, 0 if spec.minimum is None else spec.minimum, spec.low_open, value, here)
+
+
+def _range_problem(spec: Key, low: Any, low_open: bool, value: Any, here: str) -> str | None:
+    """``value`` (a finite number) outside [low, spec.maximum] (each end open where the key says so), named."""
+    high = spec.maximum
+    below = value <= low if low_open else value < low
+    above = high is not None and (value >= high if spec.high_open else value > high)
+    if not (below or above):
+        return None
+    bound = "" if low == float("-inf") else f"{'>' if low_open else '>='} {low}"
+    if high is not None:
+        bound += (" and " if bound else "") + f"{'<' if spec.high_open else '<='} {high}"
+    return f"{here} must be {bound}, got {value}"
 
 
 def check_type(kind: Any, value: Any, here: str) -> Any:
@@ -354,6 +368,12 @@ def check_type(kind: Any, value: Any, here: str) -> Any:
     if problem:
         raise SettingsError(problem)
     return value
+
+
+def key_problem(spec: Key, value: Any, here: str) -> str | None:
+    """What is wrong with ``value`` for a key declared as ``spec`` (named ``here``), or None: the rules above, for
+    the declarations of verl's own keys (verl_patches/config/verl_keys.py) as for the recipe's."""
+    return _problem(spec, value, here)
 
 
 def check_value(key: str, value: Any, where: str = SECTION) -> Any:
