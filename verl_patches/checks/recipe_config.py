@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
 
-from verl_patches.config import settings
+from verl_patches.config import settings, verl_keys
 from verl_patches.checks.compose import CONFIG_DIR, DEFAULT_MODEL_CONFIG, compose, find_model_config, load_model_config  # noqa: F401
 from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import PathArg, Text
@@ -41,6 +41,8 @@ class Report:
     layout: dict[str, Any] = field(default_factory=dict)
     # A value of the wrong type was found: checks written for well-typed configs (verl's) are skipped.
     bad_values: bool = False
+    # verl's keys whose value verl_key_rules named: the later rules that read one say nothing more of it.
+    named: set[str] = field(default_factory=set)
 
     def check(self, ok: bool, msg: str) -> bool:
         if not ok:
@@ -52,7 +54,7 @@ def _positive_int(rep: Report, name: str, value: Any) -> int | None:
     """``value`` if it is an integer >= 1, else None with the error recorded (so later
     arithmetic on it is skipped instead of dividing by a stand-in)."""
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    if not ok:
+    if not ok and name not in rep.named:
         kind = " (a string: write the number without quotes)" if isinstance(value, str) else \
             (" (a float: write a whole number)" if isinstance(value, float) else "")
         rep.errors.append(f"{name} must be a positive integer, got {value!r}{kind}")
@@ -177,6 +179,7 @@ def validate(cfg, model: dict, environ: Mapping[str, str] | None = None) -> Repo
     """
     rep = Report()
     check_unknown_keys(rep, cfg)
+    verl_key_rules(rep, cfg)
     recipe = recipe_section_rules(rep, cfg)
     if recipe is None:
         return rep
@@ -216,6 +219,16 @@ def _recipe_megatron(recipe: dict):
         return parse_megatron(recipe.get("megatron") if isinstance(recipe.get("megatron"), dict) else None)
     except RecipeMegatronError:
         return None
+
+
+def verl_key_rules(rep: Report, cfg) -> None:
+    """verl's own keys that the run reads (verl_patches/config/verl_keys.py: type, finite, range, and the relations
+    between them, GRPO's group of two among them), each bad value named with its key, value and rule."""
+    found, named = verl_keys.problems(lambda key: _select(cfg, key))
+    rep.errors += found
+    rep.named |= named
+    # verl's own _validate_config compares these values as numbers: it runs only on well-typed ones.
+    rep.bad_values |= bool(found)
 
 
 def recipe_section_rules(rep: Report, cfg) -> dict | None:
