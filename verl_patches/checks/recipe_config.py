@@ -22,7 +22,8 @@ from verl_patches.reporting.findings import finish
 from verl_patches.base.schema import PathArg, Text
 from verl_patches.config.megatron_args import RecipeMegatronError, parse as parse_megatron
 from verl_patches.config.optim_offload import OptimizerOffloadError, offload_settings
-from verl_patches.checks.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT, estimate
+from verl_patches.checks.recipe_memory import RESHARD_BUCKETS_IN_FLIGHT, checkpoint_size, estimate
+from verl_patches.checks.output_dirs import OutputDir, dir_problem
 from verl_patches.checks.data_check import check_files, recipe_scorer
 from verl_patches.rollout.graph_safe import alloc_conf_conflict
 from verl_patches.train.checkpoint_commit import ASYNC_SAVE_WHY, RESUME_MODES, resume_path_problem
@@ -614,6 +615,57 @@ def check_data(cfg, rep: Report) -> None:
         rep.notes.append(f"every data_source in {len(present)} data file(s) is scored by {what}")
 
 
+def _checkpoint_bytes(cfg, model: dict, layout: dict) -> float | None:
+    """One checkpoint of the actor on the run's layout (recipe_memory.checkpoint_size), or None where the run
+    does not save or the layout or the model's sizes are not known."""
+    save_freq = _select(cfg, "trainer.save_freq")
+    train = layout.get("train") or {}
+    if not (isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0) \
+            or any(k not in model for k in MEMORY_KEYS) or None in (layout.get("world"), train.get("expert_group")):
+        return None
+    return checkpoint_size(model, world=layout["world"], tp=train["tp"], pp=train["pp"],
+                           expert_group=train["expert_group"], layer_list=train["num_layer_list"] or None).total
+
+
+def output_dirs(cfg, model: dict, layout: dict, log_dir: str | None = None) -> list[OutputDir]:
+    """The directories the run writes, each with the free space it needs: the checkpoints (one checkpoint of the
+    actor where the size is known, else the floor), the launcher's logs, the profiler's traces when stages are
+    named, tensorboard's events when verl's tensorboard logger is on, and the metrics record's folder."""
+    out = []
+    ckpt = _select(cfg, "trainer.default_local_dir")
+    if isinstance(ckpt, str) and ckpt:
+        need = _checkpoint_bytes(cfg, model, layout)
+        out.append(OutputDir("trainer.default_local_dir", ckpt, *([need] if need else [])))
+    if log_dir:
+        out.append(OutputDir("LOG_DIR", log_dir))
+    recipe = settings.plain(_select(cfg, RECIPE_SECTION)) or {}
+    profile = recipe.get("profile") if isinstance(recipe.get("profile"), dict) else {}
+    if profile.get("stages") and isinstance(profile.get("dir"), str):
+        out.append(OutputDir(f"{RECIPE_SECTION}.profile.dir", profile["dir"]))
+    logger = _select(cfg, "trainer.logger")
+    loggers = [logger] if isinstance(logger, str) else list(logger or [])
+    if "tensorboard" in loggers:
+        tb = recipe.get("tensorboard_dir")
+        # verl's tensorboard logger's own default (TENSORBOARD_DIR unset), under the driver's directory.
+        tb = tb if isinstance(tb, str) else os.path.join("tensorboard_log", str(_select(cfg, "trainer.project_name")),
+                                                         str(_select(cfg, "trainer.experiment_name")))
+        out.append(OutputDir(f"{RECIPE_SECTION}.tensorboard_dir", tb))
+    metrics = recipe.get("metrics_file")
+    if isinstance(metrics, str) and metrics:
+        out.append(OutputDir(f"{RECIPE_SECTION}.metrics_file's folder", os.path.dirname(metrics) or "."))
+    return out
+
+
+def check_outputs(cfg, model: dict, rep: Report, log_dir: str | None = None) -> None:
+    """Errors for each directory the run writes that it could not: a path through a file, no write permission
+    (tried), too little free space; a note naming those that can be written."""
+    dirs = output_dirs(cfg, model, rep.layout, log_dir)
+    problems = [p for p in map(dir_problem, dirs) if p]
+    rep.errors += problems
+    if not problems and dirs:
+        rep.notes.append("writable with room: " + ", ".join(f"{d.what} {d.path}" for d in dirs))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m verl_patches.checks.recipe_config", description=__doc__)
     p.add_argument("--config-name", type=Text(), required=True, help=f"one of {RUN_CONFIGS}")
@@ -623,6 +675,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-data", action="store_true",
                    help="also check that the configured reward scores every data_source in data.train_files / "
                         "data.val_files (files that do not exist are a note)")
+    p.add_argument("--check-outputs", action="store_true",
+                   help="also check that every directory the run writes (checkpoints, logs, profiles, tensorboard, "
+                        "the metrics record) exists or can be created, can be written, and has room (on this node)")
+    p.add_argument("--log-dir", type=PathArg("log directory"), default=None,
+                   help="the launcher's LOG_DIR, checked with --check-outputs")
     p.add_argument("overrides", nargs="*", type=Text(), help="Hydra overrides, as given to verl.trainer.main_ppo")
     args = p.parse_args(argv)
     try:
@@ -652,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
             rep.errors.append(verl_error)
     if args.check_data:
         check_data(cfg, rep)
+    if args.check_outputs:
+        check_outputs(cfg, model, rep, None if args.log_dir is None else str(args.log_dir))
     return finish(rep.errors, f"{args.config_name}: composed and validated", warnings=rep.warnings,
                   lines=[f"model config: {model_path}", "layout: " + json.dumps(rep.layout),
                          *(f"note: {note}" for note in rep.notes)],
