@@ -365,8 +365,8 @@ def batch_rules(rep: Report, cfg, dp: int | None) -> None:
 def fixed_routing_rules(rep: Report, cfg, recipe: dict) -> None:
     """Fixed routing is a benchmark switch: with real weights it would train on routing the model never chose."""
     fixed = recipe.get("fixed_routing", settings.KEYS["fixed_routing"].default)
-    if rep.check(isinstance(fixed, bool), f"{RECIPE_SECTION}.fixed_routing must be true or false, got {fixed!r}") \
-            and fixed:
+    # A value that is not a boolean is named by settings.problems (recipe_section_rules).
+    if fixed is True:
         loaded = [w for w in ("actor", "ref") if _select(cfg, f"actor_rollout_ref.{w}.load_weight")]
         rep.check(not loaded, f"{RECIPE_SECTION}.fixed_routing=True with {'/'.join(loaded)}.load_weight=True: forced "
                               "routing is for random-init throughput runs only (turn one of them off)")
@@ -451,7 +451,9 @@ def model_rules(rep: Report, cfg, model: dict) -> None:
 def card_rules(rep: Report, recipe: dict, world: int | None, nnodes: int | None, per_node: int | None) -> None:
     """perf/tps_per_card divides by whole cards (verl_patches/reporting/report.py: Cards); checked here, before a run."""
     per_card = recipe.get("devices_per_card")
-    if world is not None and isinstance(per_card, int) and not isinstance(per_card, bool):
+    # One below the key's own range is named by settings.problems already.
+    if world is not None and isinstance(per_card, int) and not isinstance(per_card, bool) \
+            and settings.problem("devices_per_card", per_card, "") is None:
         rep.check(per_card >= 1 and world % per_card == 0,
                   f"{RECIPE_SECTION}.devices_per_card={per_card}: the world size {world} (trainer.nnodes {nnodes} x "
                   f"trainer.n_gpus_per_node {per_node}) is not whole cards of {per_card} device(s)")
