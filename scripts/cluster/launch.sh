@@ -117,10 +117,9 @@ PY
   echo "== prelude hook in verl's worker module"
   "$PYTHON" -m verl_patches hook check \
     || { echo "error: the overlay is not hooked into this verl: run '$PYTHON -m verl_patches hook install' on every node" >&2; rc=1; }
-  echo "== config composition, layout, data and output directories ($CONFIG_NAME)"
-  # --check-outputs on this node: the directories it writes (the checkpoints' shared one, its own logs) as it mounts them.
+  echo "== config composition, layout and data ($CONFIG_NAME)"
   "$PYTHON" -m verl_patches.checks.recipe_config --config-name "$CONFIG_NAME" --print-config --check-data \
-    --check-outputs --log-dir "$LOG_DIR" -- "${CONFIG_OVERRIDES[@]}" \
+    -- "${CONFIG_OVERRIDES[@]}" \
     || { echo "error: config composition, layout or data check failed (see above)" >&2; rc=1; }
   return "$rc"
 }
