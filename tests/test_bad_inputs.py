@@ -168,7 +168,7 @@ CASES = [
     ("config-layer-list", RECIPE, ["--config-name", RI, "actor_rollout_ref.rollout.recipe.megatron.num_layer_list=[7,7]"],
      "num_layer_list has 2 stages, PP is 8"),
     ("config-batch-zero", RECIPE, ["--config-name", RI, "data.train_batch_size=0"],
-     "data.train_batch_size must be a positive integer, got 0"),
+     "data.train_batch_size must be >= 1, got 0"),
     # data preparation and the data check
     ("prepare-input-missing", PREPARE, ["deepscaler", "--input", "{ws}/nope.json", "--out-dir", "{ws}/out"],
      "{ws}/nope.json"),
