@@ -262,7 +262,7 @@ def test_the_package_map_has_no_cycle():
 # The root: the package, ``python -m verl_patches`` and its CLI, the entry points that reach every process
 # (vLLM's general plugin, Ray's setup hook) and prelude_patch, the one line users add to verl's worker module.
 # Everything else lives in a folder: an engine or a wing.
-ROOT_MODULES = {"__init__", "__main__", "cli", "entry_points", "prelude_patch"}
+ROOT_MODULES = {"__init__", "__main__", "cli", "entry_points", "prelude", "prelude_patch"}
 
 
 def test_the_root_holds_only_its_entry_modules():
@@ -389,7 +389,7 @@ RIG_DOOR = f"{RIGS}.npu_rehearsal"
 # its docstring only (test_a_wing_is_a_folder_that_imports_nothing).
 DOOR_EDGES = {RIGS, RIG_DOOR}
 RIG_DOOR_USERS = {
-    f"{PACKAGE}.launch.prelude": "boot_rehearsal activates the stand-in when VERL_PATCHES_PLATFORM=npu-rehearsal "
+    f"{PACKAGE}.prelude": "boot_rehearsal activates the stand-in when VERL_PATCHES_PLATFORM=npu-rehearsal "
                                  "is selected, and patches_for asks which records apply on it",
     f"{PACKAGE}.prelude_patch": "the process's banner names the torch_npu in use when the rehearsal is selected",
     f"{PACKAGE}.cli": "the doctor names the torch_npu in use, and the stand-in's site joins the upstream lock's "
@@ -417,8 +417,7 @@ LAUNCH = f"{PACKAGE}.launch"
 # Who starts local processes: the preflight (its ranks, its process tree) and the test helpers; who runs the prelude:
 # the entry modules and the layer-spec check. No engine spawns ranks.
 LAUNCH_USERS = {f"{PACKAGE}.{m}" for m in ("preflight.cli", "rigs.testing.graph_switch",
-                                           "rigs.testing.optimizer_offload", "rigs.testing.stop_on_sigterm",
-                                           "checks.layer_spec", "entry_points", "prelude_patch")}
+                                           "rigs.testing.optimizer_offload", "rigs.testing.stop_on_sigterm")}
 
 
 def test_the_launch_wing_is_reached_by_its_named_users():

@@ -94,7 +94,7 @@ def test_bad_values_name_the_variable(name, raw):
 def test_readers_use_the_table(monkeypatch):
     from verl_patches.base import accelerator
     from verl_patches.train import fixed_routing
-    from verl_patches.launch import prelude
+    from verl_patches import prelude
     from verl_patches.core.phase import current_phase
 
     monkeypatch.setenv("VERL_PATCHES_DEVICE", "tpu")

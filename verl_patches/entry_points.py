@@ -1,5 +1,5 @@
 """The entry points that reach every process, and what they run: apply the patches of the current
-process phase (``apply_prelude``, verl_patches/launch/prelude.py). Importing this module applies nothing
+process phase (``apply_prelude``, verl_patches/prelude.py). Importing this module applies nothing
 (``prelude_patch`` is the one module whose import does).
 
 Three ways in, all idempotent: ``from verl_patches import prelude_patch`` (the line users add
@@ -9,7 +9,7 @@ to verl's worker module, which every Ray worker imports), vLLM's general-plugin 
 
 from __future__ import annotations
 
-from verl_patches.launch.prelude import apply_prelude
+from verl_patches.prelude import apply_prelude
 
 
 def vllm_plugin() -> None:

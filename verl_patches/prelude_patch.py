@@ -7,7 +7,7 @@ One line on stderr per process says what was applied (Ray forwards it to the dri
 
 import sys
 
-from verl_patches.launch.prelude import apply_prelude
+from verl_patches.prelude import apply_prelude
 
 APPLIED: list[str] = apply_prelude()
 

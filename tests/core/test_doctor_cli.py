@@ -137,7 +137,7 @@ def test_npu_only_patch_is_skipped_off_ascend_but_still_fingerprinted():
     """A patch whose target needs torch_npu (vLLM-Ascend's model runner) is not applied on CPU
     or CUDA, and the doctor checks its fingerprint by parsing without requiring it here."""
     from verl_patches.patches import load_catalogue
-    from verl_patches.launch.prelude import patches_for
+    from verl_patches.prelude import patches_for
 
     npu_only = [p for p in load_catalogue() if p.platforms == ("npu",)]
     assert npu_only, "expected at least one NPU-only patch in the registry"

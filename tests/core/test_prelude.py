@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from tests.helpers import REPO, cli, run_py
-from verl_patches.launch.prelude import patches_for
+from verl_patches.prelude import patches_for
 
 PATCH_ID = "verl.reward_score.deepscaler"
 

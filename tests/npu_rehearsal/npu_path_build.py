@@ -39,7 +39,7 @@ def main() -> None:
     from omegaconf import OmegaConf
 
     from verl_patches.core import apply
-    from verl_patches.launch.prelude import boot_rehearsal
+    from verl_patches.prelude import boot_rehearsal
     from verl_patches.patches.mindspeed import patch_features_manager_features_manager as no_text_generation
     from verl_patches.patches.verl import patch_single_controller_base_megatron_worker as binding
 
@@ -68,7 +68,7 @@ def main() -> None:
     mpu.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(42)
     # The worker-phase records the build goes through (the whole prelude: npu_path_worker.py).
-    from verl_patches.launch.prelude import patches_for
+    from verl_patches.prelude import patches_for
 
     wanted = {"verl.recipe_megatron.binding", "mindspeed.recipe_megatron_args",
               "verl.deepseek_v3_mindspeed_llm_layer_spec", "verl.mcore_config.deepseek_v3"}

@@ -3,7 +3,7 @@ npu_path_build.py for why a process of its own).
 
 The order of a Ray rank of the recipe: verl's worker module imported (verl decides its device: npu), the overlay's
 prelude at its end (the line `hook install` adds there: the worker phase's records for the rehearsal, then
-MindSpeed-LLM's adaptor, verl_patches.launch.prelude.apply_prelude), then verl's own
+MindSpeed-LLM's adaptor, verl_patches.prelude.apply_prelude), then verl's own
 ActorRolloutRefWorker.__init__ (torch.distributed on "hccl" -- gloo under the stand-in --, megatron's parallel
 groups, set_random_seed -> megatron-core's model_parallel_cuda_manual_seed), then the build's first step,
 _init_hf_config_and_tf_config (the binding: Megatron's global arguments from verl's config through MindSpeed-LLM's

@@ -214,11 +214,11 @@ def test_the_npu_model_loads_the_tiny_assets_mindspeed_llm_checkpoint(tmp_path):
 
 
 VERL_AFTER_TRANSFER_TO_NPU = """
-from verl_patches.launch.prelude import boot_rehearsal
+from verl_patches.prelude import boot_rehearsal
 boot_rehearsal()
 from torch_npu.contrib import transfer_to_npu  # torch.cuda.is_available() answers the NPU's from here on
 import verl.utils.device  # verl decides "cuda" (its actor modules would then import flash_attn.bert_padding)
-from verl_patches.launch.prelude import apply_prelude
+from verl_patches.prelude import apply_prelude
 apply_prelude("worker")
 """
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from verl_patches.preflight import hf_check
+from verl_patches.reshard import hf_check
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import ModelConfig
 from verl_patches.reshard.placements import build_placements

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import REPO, cli
-from verl_patches.preflight.hf_check import to_hf
+from verl_patches.reshard.hf_check import to_hf
 from verl_patches.reshard.deepseek_v3_names import hf_expert_names, is_expert_stack
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import ModelConfig

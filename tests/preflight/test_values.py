@@ -2,7 +2,7 @@
 
 import torch
 
-from verl_patches.preflight.values import box_values
+from verl_patches.reshard.values import box_values
 
 
 def test_box_equals_slice_of_full_and_is_deterministic():

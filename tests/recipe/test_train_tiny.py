@@ -151,7 +151,7 @@ def test_the_run_logs_every_step_without_nan_and_ends_with_a_summary(runs):
     # Every patch of each phase applied through the prelude line in verl's worker module, in the
     # driver (verl's TaskRunner actor) and in each of the 4 worker-group actors, as on the cluster
     # (the applier is strict: a patch that cannot bind stops the process).
-    from verl_patches.launch.prelude import patches_for
+    from verl_patches.prelude import patches_for
 
     for phase, processes in (("driver", 1), ("worker", 4)):
         line = (f"verl_patches: applied {len(patches_for(phase, device_type='cpu'))} patch(es) for the {phase} "

@@ -8,7 +8,7 @@ when they register). This command takes the same steps as the rank, in one proce
 process group, and without building the model:
 
 1. the config composed as verl's main_ppo composes it (verl_patches/checks/compose.py), with the user's overrides;
-2. the worker phase's prelude (verl_patches/launch/prelude.py ``apply_prelude``: on the NPU rehearsal platform the
+2. the worker phase's prelude (verl_patches/prelude.py ``apply_prelude``: on the NPU rehearsal platform the
    stand-in first, then MindSpeed's records, MindSpeed-LLM's adaptor, every other record);
 3. Megatron's global arguments from the model's config.json, the actor's layout and ``recipe.megatron``
    (verl_patches/train/mindspeed_adaptor.py ``build_global_args``, which the binding calls), for the run's world size
@@ -40,7 +40,7 @@ from verl_patches.base import accelerator
 from verl_patches.base.schema import Integer, PathArg, Text
 from verl_patches.config import megatron_args, settings
 from verl_patches.core import apply
-from verl_patches.launch import prelude
+from verl_patches import prelude
 from verl_patches.checks.compose import CONFIG_DIR, compose, find_model_config, load_model_config
 from verl_patches.train import layer_classes
 from verl_patches.train.mindspeed_adaptor import build_global_args

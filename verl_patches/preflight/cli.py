@@ -23,7 +23,7 @@ from verl_patches.base.schema import Integer, Number, PathArg, Text, parse_args 
 from verl_patches.base import env as overlay_env
 from verl_patches.launch.local_ranks import run_distributed
 from verl_patches.launch.procs import Terminated
-from verl_patches.preflight.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
+from verl_patches.reshard.hf_check import LogitCheckError, assemble, check_logits, reference, to_hf
 from verl_patches.preflight.switch_rehearsal import Options, rehearse
 from verl_patches.reshard.weight_sync import plan_summaries
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout

@@ -17,7 +17,7 @@ from verl_patches.config.settings import BUCKET_MB
 from verl_patches.offload import (OffloadEngine, TensorGroup, kv_cache_group, ours, reference_group,
     rollout_weights_group, train_params_group, Region)
 from verl_patches.offload.stable import stable_memory, install_hint
-from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
+from verl_patches.reshard.values import expected_rollout_by_param, train_shards, update_in_place
 from verl_patches.reshard.direct import prepare
 from verl_patches.reshard.weight_sync import execute
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout

@@ -92,7 +92,7 @@ def test_save_never_keeps_a_replacement_and_keeps_the_first_real_one(saved, monk
 
 
 def test_prelude_saves_the_real_compile_before_patching(saved, monkeypatch):
-    from verl_patches.launch import prelude
+    from verl_patches import prelude
 
     order = []
     monkeypatch.setattr(prelude, "patches_for", lambda phase: [])

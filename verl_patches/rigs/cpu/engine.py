@@ -38,7 +38,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from verl_patches.core import stash
-from verl_patches.preflight.hf_check import assemble, to_hf
+from verl_patches.reshard.hf_check import assemble, to_hf
 from verl_patches.reshard.binding import derive_rollout_layout, vllm_params
 from verl_patches.reshard.layouts import RolloutLayout, TrainLayout
 from verl_patches.reshard.model import ModelConfig

@@ -40,7 +40,7 @@ from verl_patches.offload import (OffloadEngine, Region, TensorGroup, kv_cache_g
     rollout_weights_group, train_params_group)
 from verl_patches.offload.stable import stable_memory
 from verl_patches.preflight.graph_check import GraphCheck
-from verl_patches.preflight.values import expected_rollout_by_param, train_shards, update_in_place
+from verl_patches.reshard.values import expected_rollout_by_param, train_shards, update_in_place
 from verl_patches.reshard.checksum import verify
 from verl_patches.reshard.direct import prepare
 from verl_patches.reshard.weight_sync import execute

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from verl_patches.core.lock import load_lock
-from verl_patches.preflight.values import box_values
+from verl_patches.reshard.values import box_values
 from verl_patches.reshard.box import full_box
 from verl_patches.reshard.deepseek_v3_names import hf_expert_names, is_expert_stack
 from verl_patches.reshard.placements import Placements
